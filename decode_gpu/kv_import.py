@@ -1,0 +1,82 @@
+"""Turn a KV handoff into the decode model's K/V: check it fits, dequantize, un-rotate, un-permute, write.
+
+llama.cpp stores K = H · P(RoPE(k)) and V = H · v, where P is the LLaMA converter's row permutation
+(interleaved RoPE) and H the orthonormal Walsh-Hadamard rotation applied to quantized caches. H is
+symmetric with H·H = I, so applying H again undoes it; P is undone by de-interleaving.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from decode_gpu.kv_cache import KVWriter
+from decode_gpu.kv_dequant import dequantize
+from prefill_cpu.gguf_identity import GGUFIdentity
+from prefill_cpu.handoff import KVHandoff
+
+
+class HandoffMismatchError(ValueError):
+    """The handoff was made by a different model, or for a different attention shape."""
+
+
+def check_handoff_matches(handoff: KVHandoff, model: GGUFIdentity) -> None:
+    lay = handoff.layout
+    expected = {
+        "model fingerprint": (handoff.model_fingerprint, model.fingerprint),
+        "layers": (lay.n_layer, model.n_layer),
+        "KV heads": (lay.n_kv_heads, model.n_kv_head),
+        "K head size": (lay.head_dim_k, model.head_dim_k),
+        "V head size": (lay.head_dim_v, model.head_dim_v),
+        "RoPE layout": (lay.rope_layout, model.rope_layout),
+    }
+    diffs = [f"{name}: handoff {got!r}, decode model {want!r}" for name, (got, want) in expected.items() if got != want]
+    if diffs:
+        raise HandoffMismatchError(f"handoff {handoff.request_id} does not fit the loaded model "
+                                   f"{model.path}: " + "; ".join(diffs))
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """Orthonormal Sylvester Walsh-Hadamard matrix, as ggml_gen_hadamard builds it. # [n, n]"""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n ** 0.5).to(device)
+
+
+def unrotate(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x: [n_tokens, n_heads, head_dim]; multiply each run of `block` head elements by H again."""
+    if block == 0:
+        return x
+    t, nh, d = x.shape
+    return (x.reshape(t, nh, d // block, block) @ hadamard(block, x.device)).reshape(t, nh, d)
+
+
+def unpermute_interleaved(k: torch.Tensor) -> torch.Tensor:
+    """llama.cpp index 2i is HF index i and 2i+1 is HF index i + d/2. # [n_tokens, n_heads, head_dim]"""
+    return torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1)
+
+
+def import_handoff(handoff: KVHandoff, model: GGUFIdentity, writer: KVWriter, device: torch.device) -> None:
+    check_handoff_matches(handoff, model)
+    lay = handoff.layout
+    n_tokens = handoff.n_tokens
+    for layer in range(lay.n_layer):
+        keys = dequantize(handoff.k_layers[layer], lay.k_dtype, lay.n_kv_heads * lay.head_dim_k, device)
+        keys = unrotate(keys.view(n_tokens, lay.n_kv_heads, lay.head_dim_k), lay.k_rotation)
+        if lay.rope_layout == "interleaved":
+            keys = unpermute_interleaved(keys)
+        values = _values(handoff.v_layers[layer], lay, n_tokens, device)
+        writer.write_layer(layer, keys, unrotate(values, lay.v_rotation))
+
+
+def _values(raw: bytes, lay, n_tokens: int, device: torch.device) -> torch.Tensor:
+    """V as [n_tokens, n_kv_heads, head_dim_v]; llama.cpp without flash attention stores it transposed."""
+    n_embd_v = lay.n_kv_heads * lay.head_dim_v
+    if lay.v_transposed:
+        values = dequantize(raw, lay.v_dtype, n_tokens, device).t()  # [n_embd_v, n_tokens] -> [n_tokens, n_embd_v]
+    else:
+        values = dequantize(raw, lay.v_dtype, n_embd_v, device)  # [n_tokens, n_embd_v]
+    return values.reshape(n_tokens, lay.n_kv_heads, lay.head_dim_v)

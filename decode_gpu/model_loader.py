@@ -1,0 +1,56 @@
+"""Load a GGUF's weights into a transformers model, converting once and caching the result.
+
+transformers dequantizes a GGUF in tens of seconds; the converted float weights are saved as
+safetensors under a cache folder named by the GGUF's fingerprint, so later starts take seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from prefill_cpu.gguf_identity import GGUFIdentity
+
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("EDGE_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "edge-llm")
+    return Path(root) / "converted"
+
+
+def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch.dtype,
+                      cache_dir: Path | None = None) -> PreTrainedModel:
+    converted = (cache_dir or default_cache_dir()) / identity.fingerprint.replace(":", "-")
+    if not (converted / "config.json").exists():
+        _convert(identity, converted)
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device).eval()
+    log.info("decode model %s loaded on %s as %s in %.1f s", os.path.basename(identity.path), device,
+             dtype, time.perf_counter() - started)
+    return model
+
+
+def _convert(identity: GGUFIdentity, target: Path) -> None:
+    log.info("converting %s to torch weights once (tens of seconds); cached in %s", identity.path, target)
+    started = time.perf_counter()
+    gguf_path = Path(identity.path)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model.config.quantization_config = None  # the saved weights are plain floats, not GGUF blocks
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    model.save_pretrained(partial)
+    try:
+        os.replace(partial, target)  # atomic: a crash mid-save leaves no half-written cache
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # another process converted it first
+    log.info("converted in %.1f s", time.perf_counter() - started)

@@ -1,0 +1,90 @@
+"""What both sides must agree on about a GGUF: its fingerprint and its attention shape.
+
+Read from GGUF metadata with the `gguf` package (no llama.cpp, no torch), so the prefill worker and
+the decode engine compute the same identity for the same file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+
+import gguf
+
+# How llama.cpp stores K heads relative to the Hugging Face layout, per architecture.
+# LLaMA GGUFs have q/k rows permuted by the converter (interleaved RoPE); NEOX families are not.
+ROPE_LAYOUTS = {"llama": "interleaved", "qwen2": "neox"}
+
+
+class UnsupportedModelError(ValueError):
+    """The GGUF is of a family whose KV layout the handoff does not know."""
+
+
+@dataclass(frozen=True)
+class GGUFIdentity:
+    path: str
+    fingerprint: str  # "sha256:<hex>" of the whole file
+    arch: str  # general.architecture
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim_k: int
+    head_dim_v: int
+    rope_layout: str  # "interleaved" or "neox"
+
+    @property
+    def n_embd_k(self) -> int:
+        return self.n_kv_head * self.head_dim_k
+
+    @property
+    def n_embd_v(self) -> int:
+        return self.n_kv_head * self.head_dim_v
+
+
+def read_gguf_identity(path: str) -> GGUFIdentity:
+    stat = os.stat(path)
+    return _read_identity(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_identity(path: str, size: int, mtime_ns: int) -> GGUFIdentity:
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture", path)
+    if arch not in ROPE_LAYOUTS:
+        raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported; supported: {sorted(ROPE_LAYOUTS)}")
+    n_head = int(_field(reader, f"{arch}.attention.head_count", path))
+    n_embd = int(_field(reader, f"{arch}.embedding_length", path))
+    head_dim_k = int(_field(reader, f"{arch}.attention.key_length", path, default=n_embd // n_head))
+    return GGUFIdentity(
+        path=path,
+        fingerprint=file_fingerprint(path),
+        arch=arch,
+        n_layer=int(_field(reader, f"{arch}.block_count", path)),
+        n_head=n_head,
+        n_kv_head=int(_field(reader, f"{arch}.attention.head_count_kv", path, default=n_head)),
+        head_dim_k=head_dim_k,
+        head_dim_v=int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim_k)),
+        rope_layout=ROPE_LAYOUTS[arch],
+    )
+
+
+_MISSING = object()
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: str, default=_MISSING):
+    field = reader.get_field(key)
+    if field is None:
+        if default is _MISSING:
+            raise UnsupportedModelError(f"{path}: GGUF metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def file_fingerprint(path: str, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            digest.update(chunk)
+    return "sha256:" + digest.hexdigest()

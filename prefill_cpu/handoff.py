@@ -1,0 +1,112 @@
+"""The KV handoff message: the one wire format between a prefill worker and the decode engine.
+
+Versioned msgpack. The K and V payloads are the bytes llama.cpp stored (f16 or q8_0/q4_0 blocks),
+never floats; the metadata says how to read them (dtype, rotation, RoPE layout, V transposition).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import msgpack
+
+from prefill_cpu.kv_dtypes import kv_dtype
+
+HANDOFF_VERSION = 1
+
+
+class HandoffFormatError(ValueError):
+    """Bytes that do not decode to a well-formed handoff of this version."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # number of top alternatives to report, None for none
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    n_layer: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    k_dtype: str  # "f16", "q8_0", "q4_0"
+    v_dtype: str
+    v_transposed: bool  # V stored [n_embd_v, n_tokens] (llama.cpp without flash attention)
+    k_rotation: int  # 0: none; n: each run of n head elements multiplied by the n x n Walsh-Hadamard matrix
+    v_rotation: int
+    rope_layout: str  # "interleaved": llama.cpp index 2i is HF index i, 2i+1 is i + d/2; "neox": same as HF
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    request_id: str
+    model_fingerprint: str
+    layout: KVLayout
+    positions: tuple[int, ...]  # position of each cached token
+    prompt_tokens: tuple[int, ...]
+    first_token: int  # sampled by the prefill worker from the prompt's last logits
+    k_layers: tuple[bytes, ...]  # per layer, n_tokens rows as llama.cpp stored them
+    v_layers: tuple[bytes, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs earlier
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.positions)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(map(len, self.k_layers)) + sum(map(len, self.v_layers))
+
+
+def encode_handoff(handoff: KVHandoff) -> bytes:
+    body = asdict(handoff)
+    body["version"] = HANDOFF_VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_handoff(data: bytes) -> KVHandoff:
+    try:
+        body = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError) as err:
+        raise HandoffFormatError(f"handoff is not valid msgpack: {err}") from None
+    if not isinstance(body, dict):
+        raise HandoffFormatError("handoff is not a msgpack map")
+    version = body.pop("version", None)
+    if version != HANDOFF_VERSION:
+        raise HandoffFormatError(f"handoff version {version!r}, this build reads version {HANDOFF_VERSION}")
+    try:
+        handoff = KVHandoff(**{**body,
+                               "layout": KVLayout(**body["layout"]),
+                               "sampling": SamplingParams(**body["sampling"])})
+    except (KeyError, TypeError) as err:
+        raise HandoffFormatError(f"handoff fields do not match version {HANDOFF_VERSION}: {err}") from None
+    check_payload_sizes(handoff)
+    return handoff
+
+
+def check_payload_sizes(handoff: KVHandoff) -> None:
+    """Each layer's bytes must be exactly n_tokens rows of the declared dtype."""
+    lay = handoff.layout
+    if not (len(handoff.k_layers) == len(handoff.v_layers) == lay.n_layer):
+        raise HandoffFormatError(f"handoff has {len(handoff.k_layers)} K and {len(handoff.v_layers)} V layers, "
+                                 f"layout says {lay.n_layer}")
+    try:
+        k_bytes = kv_dtype(lay.k_dtype).row_bytes(lay.n_kv_heads * lay.head_dim_k) * handoff.n_tokens
+        v_bytes = kv_dtype(lay.v_dtype).row_bytes(lay.n_kv_heads * lay.head_dim_v) * handoff.n_tokens
+    except ValueError as err:
+        raise HandoffFormatError(str(err)) from None
+    for il, (k, v) in enumerate(zip(handoff.k_layers, handoff.v_layers)):
+        if len(k) != k_bytes or len(v) != v_bytes:
+            raise HandoffFormatError(f"layer {il}: K {len(k)} / V {len(v)} bytes, expected {k_bytes} / {v_bytes} "
+                                     f"for {handoff.n_tokens} tokens")
+    if len(handoff.prompt_tokens) != handoff.n_tokens:
+        raise HandoffFormatError(f"{len(handoff.prompt_tokens)} prompt tokens but {handoff.n_tokens} cached positions")

@@ -1,0 +1,149 @@
+"""Parser for the bytes of llama.cpp's `llama_state_seq_get_data` (llama-cpp-python 0.3.36).
+
+Layout (vendor/llama.cpp/src/llama-context.cpp and llama-kv-cache.cpp, `state_write*`):
+    u32 magic 0xaf143cd8, i32 seq_id, u32 n_stream, then per stream:
+      u32 cell_count; if cell_count: cell_count x (i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id),
+      u32 v_trans, u32 n_layer,
+      n_layer x (i32 k_type, u64 k_row_bytes, cell_count rows of K),
+      if v_trans == 0: n_layer x (i32 v_type, u64 v_row_bytes, cell_count rows of V)
+      else:            n_layer x (i32 v_type, u32 elem_bytes, u32 n_embd_v, n_embd_v x cell_count elements)
+Any deviation raises KVStateFormatError: we never hand garbage to the decoder.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from prefill_cpu.kv_dtypes import KVDType, kv_dtype_for_ggml_type
+
+STATE_SEQ_MAGIC = 0xAF143CD8
+
+
+class KVStateFormatError(ValueError):
+    """llama.cpp's sequence state is not laid out as this parser (and llama-cpp-python 0.3.36) expects."""
+
+
+@dataclass(frozen=True)
+class SeqKVState:
+    seq_id: int
+    positions: tuple[int, ...]  # position of each exported cell, in cell order
+    v_transposed: bool  # True: V stored [n_embd_v, n_cells] (flash attention off)
+    k_dtype: KVDType
+    v_dtype: KVDType
+    k_layers: tuple[bytes, ...]  # per layer: n_cells rows of n_embd_k elements, as llama.cpp stores them
+    v_layers: tuple[bytes, ...]  # per layer: rows (v_transposed False) or n_embd_v columns of n_cells elements
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.positions)
+
+
+class _Reader:
+    def __init__(self, buf: bytes) -> None:
+        self.buf = memoryview(buf)
+        self.pos = 0
+
+    def unpack(self, fmt: str, what: str) -> tuple:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise KVStateFormatError(f"state ends at byte {len(self.buf)} while reading {what} at byte {self.pos}")
+        out = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return out
+
+    def take(self, size: int, what: str) -> bytes:
+        if self.pos + size > len(self.buf):
+            raise KVStateFormatError(
+                f"state ends at byte {len(self.buf)}, {what} needs {size} bytes from byte {self.pos}")
+        out = bytes(self.buf[self.pos:self.pos + size])
+        self.pos += size
+        return out
+
+
+def parse_seq_state(buf: bytes, n_layer: int, n_embd_k: int, n_embd_v: int) -> SeqKVState:
+    """Parse one sequence's exported state; n_layer/n_embd_* come from the GGUF and are checked, not trusted."""
+    r = _Reader(buf)
+    magic, seq_id, n_stream = r.unpack("<IiI", "header")
+    if magic != STATE_SEQ_MAGIC:
+        raise KVStateFormatError(f"bad magic 0x{magic:08x}, expected 0x{STATE_SEQ_MAGIC:08x} "
+                                 "(is llama-cpp-python pinned to 0.3.36?)")
+    if not 1 <= n_stream <= 4096:
+        raise KVStateFormatError(f"implausible stream count {n_stream}")
+    found = None
+    for _ in range(n_stream):
+        (cell_count,) = r.unpack("<I", "cell count")
+        if cell_count == 0:
+            continue
+        if found is not None:
+            raise KVStateFormatError("more than one stream holds cells for one sequence")
+        found = _parse_stream(r, seq_id, cell_count, n_layer, n_embd_k, n_embd_v)
+    if r.pos != len(r.buf):
+        raise KVStateFormatError(f"{len(r.buf) - r.pos} trailing bytes after the last stream")
+    if found is None:
+        raise KVStateFormatError(f"sequence {seq_id} has no cells in the KV cache")
+    return found
+
+
+def _parse_stream(r: _Reader, seq_id: int, cell_count: int, n_layer: int, n_embd_k: int, n_embd_v: int) -> SeqKVState:
+    positions = _parse_cells(r, seq_id, cell_count)
+    v_trans, layers_in_state = r.unpack("<II", "v_trans and n_layer")
+    if v_trans not in (0, 1):
+        raise KVStateFormatError(f"v_trans is {v_trans}, expected 0 or 1")
+    if layers_in_state != n_layer:
+        raise KVStateFormatError(f"state has {layers_in_state} layers, the model has {n_layer}")
+    k_dtype, k_layers = _parse_row_layers(r, "K", cell_count, n_layer, n_embd_k)
+    if v_trans:
+        v_dtype, v_layers = _parse_transposed_layers(r, cell_count, n_layer, n_embd_v)
+    else:
+        v_dtype, v_layers = _parse_row_layers(r, "V", cell_count, n_layer, n_embd_v)
+    return SeqKVState(seq_id, positions, bool(v_trans), k_dtype, v_dtype, k_layers, v_layers)
+
+
+def _parse_cells(r: _Reader, seq_id: int, cell_count: int) -> tuple[int, ...]:
+    positions = []
+    for i in range(cell_count):
+        pos, n_seq = r.unpack("<iI", f"cell {i}")
+        if n_seq != 1:
+            raise KVStateFormatError(f"cell {i} belongs to {n_seq} sequences, expected exactly 1")
+        (owner,) = r.unpack("<i", f"cell {i} seq id")
+        if owner != seq_id:
+            raise KVStateFormatError(f"cell {i} belongs to sequence {owner}, expected {seq_id}")
+        positions.append(pos)
+    if positions != list(range(cell_count)):
+        raise KVStateFormatError("cell positions are not 0..n-1 in order; the sequence was not a fresh prompt")
+    return tuple(positions)
+
+
+def _parse_row_layers(r: _Reader, name: str, cell_count: int, n_layer: int, n_embd: int):
+    dtype, layers = None, []
+    for il in range(n_layer):
+        type_id, row_bytes = r.unpack("<iQ", f"{name} header of layer {il}")
+        dtype = _same_dtype(dtype, type_id, name, il)
+        if row_bytes != dtype.row_bytes(n_embd):
+            raise KVStateFormatError(f"{name} row of layer {il} is {row_bytes} bytes, "
+                                     f"expected {dtype.row_bytes(n_embd)} for {n_embd} {dtype.name} elements")
+        layers.append(r.take(row_bytes * cell_count, f"{name} of layer {il}"))
+    return dtype, tuple(layers)
+
+
+def _parse_transposed_layers(r: _Reader, cell_count: int, n_layer: int, n_embd: int):
+    dtype, layers = None, []
+    for il in range(n_layer):
+        type_id, elem_bytes, n_embd_state = r.unpack("<iII", f"V header of layer {il}")
+        dtype = _same_dtype(dtype, type_id, "V", il)
+        if dtype.quantized or elem_bytes != dtype.block_bytes or n_embd_state != n_embd:
+            raise KVStateFormatError(f"transposed V of layer {il}: type {dtype.name}, {elem_bytes}-byte elements, "
+                                     f"{n_embd_state} rows; expected unquantized, {n_embd} rows")
+        layers.append(r.take(elem_bytes * n_embd * cell_count, f"V of layer {il}"))
+    return dtype, tuple(layers)
+
+
+def _same_dtype(previous: KVDType | None, type_id: int, name: str, il: int) -> KVDType:
+    try:
+        dtype = kv_dtype_for_ggml_type(type_id)
+    except ValueError as err:
+        raise KVStateFormatError(f"{name} of layer {il}: {err}") from None
+    if previous is not None and dtype != previous:
+        raise KVStateFormatError(f"{name} of layer {il} is {dtype.name}, earlier layers are {previous.name}")
+    return dtype

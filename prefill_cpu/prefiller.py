@@ -1,0 +1,188 @@
+"""The prefill worker's core: llama.cpp prefills a prompt, samples its first token and exports its KV.
+
+One llama.cpp context serves prompts one after another: each prompt is decoded in n_batch chunks as
+sequence 0, its KV exported with llama_state_seq_get_data and parsed, then the sequence is freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import llama_cpp
+
+from prefill_cpu.gguf_identity import GGUFIdentity, read_gguf_identity
+from prefill_cpu.handoff import KVHandoff, KVLayout, SamplingParams
+from prefill_cpu.kv_dtypes import kv_dtype
+from prefill_cpu.kv_state import SeqKVState, parse_seq_state
+from prefill_cpu.llama_log import captured_llama_log
+
+log = logging.getLogger(__name__)
+SEQ = 0  # the one llama.cpp sequence a prompt occupies while it is prefilled
+
+
+class PrefillError(RuntimeError):
+    """llama.cpp could not prefill or export a prompt."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the prefill context."""
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    model_path: str
+    n_ctx: int = 4096  # the longest prompt this worker can prefill
+    n_batch: int = 512  # prompt tokens per llama_decode call
+    n_threads: int = 0  # 0: all cores
+    kv_type: str = "q8_0"  # KV cache storage in llama.cpp and on the wire: f16, q8_0, q4_0
+    flash_attn: bool | None = None  # None: on when the KV is quantized (llama.cpp requires it for V)
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    handoff: KVHandoff
+    prefill_s: float  # llama_decode over the prompt, and sampling the first token
+    export_s: float  # llama_state_seq_get_data, parsing, building the handoff
+
+
+class Prefiller:
+    def __init__(self, config: PrefillConfig) -> None:
+        kv = kv_dtype(config.kv_type)
+        flash_attn = kv.quantized if config.flash_attn is None else config.flash_attn
+        if kv.quantized and not flash_attn:
+            raise ValueError(f"KV type {kv.name} needs flash attention (llama.cpp quantizes V only with it)")
+        self.config = config
+        self.identity: GGUFIdentity = read_gguf_identity(config.model_path)
+        threads = config.n_threads or os.cpu_count() or 1
+        lines: list[str] = []
+        with captured_llama_log(lines):
+            self.llm = llama_cpp.Llama(
+                model_path=config.model_path, n_ctx=config.n_ctx, n_batch=config.n_batch,
+                n_ubatch=config.n_batch, n_threads=threads, n_threads_batch=threads,
+                type_k=kv.ggml_type, type_v=kv.ggml_type, flash_attn=flash_attn, verbose=False)
+        self.k_rotation, self.v_rotation = _rotations_from_log("".join(lines), self.identity)
+        self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
+        log.info("prefill worker: %s, ctx %d, batch %d, %d threads, KV %s, flash attention %s, rotation K %d V %d",
+                 os.path.basename(config.model_path), config.n_ctx, config.n_batch, threads, kv.name,
+                 flash_attn, self.k_rotation, self.v_rotation)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        self.llm.close()
+
+    @property
+    def ctx(self):
+        return self.llm.ctx
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.llm.detokenize(tokens).decode("utf-8", errors="replace")
+
+    def prefill(self, request: PrefillRequest) -> PrefillOutcome:
+        tokens = list(request.prompt_tokens)
+        if not tokens:
+            raise PromptTooLongError("the prompt is empty")
+        if len(tokens) >= self.config.n_ctx:
+            raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds {self.config.n_ctx - 1}")
+        memory = llama_cpp.llama_get_memory(self.ctx)
+        llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
+        try:
+            started = time.perf_counter()
+            self._decode_prompt(tokens)
+            first_token = self._sample_first(request.sampling)
+            exported = time.perf_counter()
+            state = self._export_state()
+        finally:
+            llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty cache
+        handoff = self._handoff(request, state, first_token)
+        done = time.perf_counter()
+        return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported)
+
+    def _decode_prompt(self, tokens: list[int]) -> None:
+        batch, n_batch = self._batch, self.config.n_batch
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start:start + n_batch]
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = SEQ
+                batch.logits[i] = start + i == len(tokens) - 1  # only the last prompt token's logits
+            rc = llama_cpp.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise PrefillError(f"llama_decode returned {rc} at prompt token {start}")
+
+    def _sample_first(self, params: SamplingParams) -> int:
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        try:
+            if params.temperature <= 0:
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+            else:
+                if params.top_k > 0:
+                    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
+                seed = params.seed if params.seed is not None else llama_cpp.LLAMA_DEFAULT_SEED
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
+            return int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
+        finally:
+            llama_cpp.llama_sampler_free(chain)
+
+    def _export_state(self) -> SeqKVState:
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, SEQ)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, SEQ)
+        if written != size:
+            raise PrefillError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        ident = self.identity
+        return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v)
+
+    def _handoff(self, request: PrefillRequest, state: SeqKVState, first_token: int) -> KVHandoff:
+        ident = self.identity
+        layout = KVLayout(
+            n_layer=ident.n_layer, n_kv_heads=ident.n_kv_head, head_dim_k=ident.head_dim_k,
+            head_dim_v=ident.head_dim_v, k_dtype=state.k_dtype.name, v_dtype=state.v_dtype.name,
+            v_transposed=state.v_transposed, k_rotation=self.k_rotation, v_rotation=self.v_rotation,
+            rope_layout=ident.rope_layout)
+        return KVHandoff(
+            request_id=request.request_id, model_fingerprint=ident.fingerprint, layout=layout,
+            positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first_token,
+            k_layers=state.k_layers, v_layers=state.v_layers, sampling=request.sampling, priority=request.priority)
+
+
+def _rotations_from_log(text: str, ident: GGUFIdentity) -> tuple[int, int]:
+    """Which Hadamard rotation llama.cpp applied, as it logged it, with the block sizes it uses."""
+    k_flag = re.search(r"attn_rot_k = (\d)", text)
+    v_flag = re.search(r"attn_rot_v = (\d)", text)
+    if not k_flag or not v_flag:
+        raise PrefillError("llama.cpp did not log whether it rotates the KV (attn_rot_k/attn_rot_v); "
+                           "this llama-cpp-python is not the pinned 0.3.36")
+    k_block = _largest_pow2_block(ident.head_dim_k) if k_flag.group(1) == "1" else 0
+    v_block = 64 if v_flag.group(1) == "1" else 0  # llama.cpp rotates V in blocks of 64
+    return k_block, v_block
+
+
+def _largest_pow2_block(head_dim: int) -> int:
+    """llama.cpp rotates K in the largest power-of-two block (at least 64) that divides the head size."""
+    block = 64
+    while head_dim % (block * 2) == 0:
+        block *= 2
+    return block

@@ -77,8 +77,8 @@ def _tensors(arch: str, rng: np.random.Generator):
 
     yield "token_embd.weight", rng.standard_normal((N_VOCAB, N_EMBD)).astype(np.float32)
     for il in range(N_LAYER):
-        q = mat(N_HEAD * HEAD_DIM, N_EMBD, 2.0)
-        k = mat(N_KV_HEAD * HEAD_DIM, N_EMBD, 2.0)
+        q = mat(N_HEAD * HEAD_DIM, N_EMBD)
+        k = mat(N_KV_HEAD * HEAD_DIM, N_EMBD)
         if arch == "llama":
             q, k = _permute(q, N_HEAD), _permute(k, N_KV_HEAD)
         yield f"blk.{il}.attn_norm.weight", norm(N_EMBD)

@@ -1,0 +1,44 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers such as tiny_gguf
+
+from tiny_gguf import write_tiny_gguf  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_path() -> str:
+    from prefill_cpu.embedded_model import embedded_model_path as locate
+    return locate()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """Factory: tiny_gguf("llama" | "qwen2", "f32" | "f16") -> path of a tiny random-weight GGUF."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(arch: str, weight_dtype: str = "f32") -> Path:
+        key = (arch, weight_dtype)
+        if key not in made:
+            made[key] = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{arch}-{weight_dtype}.gguf",
+                                        arch, weight_dtype)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def conversion_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("converted")

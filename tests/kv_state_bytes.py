@@ -1,0 +1,25 @@
+"""Build llama_state_seq_get_data bytes by hand, to test the parser on layouts and corruptions."""
+
+from __future__ import annotations
+
+import struct
+
+
+def state_bytes(n_tokens=3, n_layer=2, n_embd=64, ggml_type=1, type_size=2, v_trans=False, seq_id=0,
+                magic=0xAF143CD8, positions=None, n_seq=1, layers_in_state=None, row_bytes=None) -> bytes:
+    out = struct.pack("<IiI", magic, seq_id, 1)
+    out += struct.pack("<I", n_tokens)
+    if n_tokens == 0:  # llama.cpp writes nothing more for an empty stream
+        return out
+    for i, pos in enumerate(positions if positions is not None else range(n_tokens)):
+        out += struct.pack("<iI", pos, n_seq) + struct.pack("<i", seq_id) * n_seq
+    out += struct.pack("<II", int(v_trans), layers_in_state if layers_in_state is not None else n_layer)
+    row = row_bytes if row_bytes is not None else n_embd * type_size
+    for il in range(n_layer):
+        out += struct.pack("<iQ", ggml_type, row) + bytes([il + 1]) * (row * n_tokens)
+    for il in range(n_layer):
+        if v_trans:
+            out += struct.pack("<iII", ggml_type, type_size, n_embd) + bytes([il + 100]) * (type_size * n_embd * n_tokens)
+        else:
+            out += struct.pack("<iQ", ggml_type, row) + bytes([il + 100]) * (row * n_tokens)
+    return out

@@ -1,0 +1,106 @@
+"""Exactness of the handoff on tiny F32/F16-weight models, for both RoPE families and both V layouts.
+
+llama.cpp prefills, its KV crosses the wire, torch imports it; the result must match torch's own prompt
+KV layer by layer, and greedy continuations from the two must be identical.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from decode_gpu.dense_decoder import decode, prompt_cache
+from decode_gpu.kv_cache import DenseKVCache
+from decode_gpu.kv_import import import_handoff
+from decode_gpu.model_loader import load_decode_model
+from prefill_cpu.handoff import SamplingParams, decode_handoff, encode_handoff
+from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
+from tiny_gguf import N_VOCAB
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0.0)
+# (kv type, flash attention, per-layer relative error bound); f16 without flash attention stores V transposed
+KV_CASES = [("f16", False, 0.01), ("f16", True, 0.01), ("q8_0", True, 0.03), ("q4_0", True, 0.15)]
+MODELS = [("llama", "f32"), ("qwen2", "f32"), ("llama", "f16"), ("qwen2", "f16")]
+
+
+def prompts(n_prompts=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(3, N_VOCAB, size=n)) for n in (7, 40, 75)[:n_prompts]]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-{m[1]}")
+def tiny_model(request, tiny_gguf, conversion_cache):
+    arch, weights = request.param
+    path = tiny_gguf(arch, weights)
+    from prefill_cpu.gguf_identity import read_gguf_identity
+    identity = read_gguf_identity(str(path))
+    return path, identity, load_decode_model(identity, CPU, torch.float32, conversion_cache)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kv_type,flash_attn,bound", KV_CASES, ids=[f"{c[0]}-fa{int(c[1])}" for c in KV_CASES])
+def test_import_matches_torch_prompt_kv(tiny_model, kv_type, flash_attn, bound):
+    path, identity, model = tiny_model
+    # n_batch 32 so the longer prompts are prefilled in several chunks
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_batch=32, n_threads=2, kv_type=kv_type,
+                                        flash_attn=flash_attn))
+    try:
+        for i, tokens in enumerate(prompts()):
+            handoff = decode_handoff(encode_handoff(
+                prefiller.prefill(PrefillRequest(f"r{i}", tokens, GREEDY)).handoff))
+            assert handoff.layout.v_transposed == (not flash_attn)
+            assert (handoff.layout.k_rotation > 0) == (kv_type != "f16")
+            imported = DenseKVCache(model.config, torch.float32)
+            import_handoff(handoff, identity, imported, CPU)
+            reference, last_logits = prompt_cache(model, list(tokens))
+            for layer in range(identity.n_layer):
+                ref, got = reference.layers[layer], imported.cache.layers[layer]
+                assert relative_error(got.keys, ref.keys) < bound, f"K of layer {layer}"
+                assert relative_error(got.values, ref.values) < bound, f"V of layer {layer}"
+            if kv_type == "q4_0":
+                continue  # 4-bit KV is allowed to drift; its bound above is the check
+            assert handoff.first_token == int(last_logits.argmax())
+            want = decode(model, reference, handoff.first_token, 32)
+            got = decode(model, imported.cache, handoff.first_token, 32)
+            assert got == want
+    finally:
+        prefiller.close()
+
+
+def test_second_prompt_in_the_same_context_is_independent(tiny_model):
+    """The sequence is freed after export: prefilling B after A exports exactly what B alone exports."""
+    path, _, _ = tiny_model
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_batch=32, n_threads=2, kv_type="q8_0"))
+    try:
+        first, second, _ = prompts()
+        alone = prefiller.prefill(PrefillRequest("b", second, GREEDY)).handoff
+        prefiller.prefill(PrefillRequest("a", first, GREEDY))
+        after = prefiller.prefill(PrefillRequest("b", second, GREEDY)).handoff
+        assert after.k_layers == alone.k_layers and after.v_layers == alone.v_layers
+    finally:
+        prefiller.close()
+
+
+@pytest.mark.parametrize("wrong", [dict(k_rotation=0, v_rotation=0), dict(rope_layout="neox")],
+                         ids=["no-unrotation", "no-unpermutation"])
+def test_a_missing_inverse_transform_is_caught(tiny_model, wrong):
+    """Negative control: the error bounds above do fail when one inverse transform is skipped."""
+    path, identity, model = tiny_model
+    if "rope_layout" in wrong and identity.rope_layout == "neox":
+        pytest.skip("NEOX models are not permuted")
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_threads=2, kv_type="q8_0"))
+    try:
+        tokens = prompts()[1]
+        handoff = prefiller.prefill(PrefillRequest("r", tokens, GREEDY)).handoff
+    finally:
+        prefiller.close()
+    broken = dataclasses.replace(handoff, layout=dataclasses.replace(handoff.layout, **wrong))
+    imported = DenseKVCache(model.config, torch.float32)
+    import_handoff(broken, dataclasses.replace(identity, rope_layout=broken.layout.rope_layout), imported, CPU)
+    reference, _ = prompt_cache(model, list(tokens))
+    assert relative_error(imported.cache.layers[0].keys, reference.layers[0].keys) > 0.3

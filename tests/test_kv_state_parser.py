@@ -1,0 +1,62 @@
+"""The llama.cpp state parser accepts both V layouts and refuses every malformed layout clearly."""
+
+import pytest
+
+from kv_state_bytes import state_bytes
+from prefill_cpu.kv_state import KVStateFormatError, parse_seq_state
+
+
+def test_parses_row_layout():
+    state = parse_seq_state(state_bytes(n_tokens=3), n_layer=2, n_embd_k=64, n_embd_v=64)
+    assert state.positions == (0, 1, 2)
+    assert not state.v_transposed
+    assert state.k_dtype.name == "f16" and state.v_dtype.name == "f16"
+    assert state.k_layers[1] == bytes([2]) * (3 * 128)
+    assert state.v_layers[0] == bytes([100]) * (3 * 128)
+
+
+def test_parses_transposed_v_layout():
+    state = parse_seq_state(state_bytes(n_tokens=5, v_trans=True), n_layer=2, n_embd_k=64, n_embd_v=64)
+    assert state.v_transposed
+    assert len(state.v_layers[1]) == 5 * 64 * 2
+
+
+def test_parses_q8_0_rows():
+    state = parse_seq_state(state_bytes(n_tokens=2, ggml_type=8, row_bytes=68), n_layer=2, n_embd_k=64, n_embd_v=64)
+    assert state.k_dtype.name == "q8_0"
+    assert len(state.k_layers[0]) == 2 * 68
+
+
+BAD_STATES = [
+    (dict(magic=0xDEADBEEF), "bad magic"),
+    (dict(layers_in_state=3), "state has 3 layers, the model has 2"),
+    (dict(row_bytes=100), "row of layer 0 is 100 bytes, expected 128"),
+    (dict(ggml_type=23), "ggml type 23"),
+    (dict(n_seq=2), "belongs to 2 sequences"),
+    (dict(positions=[0, 2, 3]), "positions are not 0..n-1"),
+    (dict(n_tokens=0), "has no cells"),
+    (dict(ggml_type=8, type_size=34, row_bytes=68, v_trans=True), "transposed V of layer 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_STATES, ids=[m for _, m in BAD_STATES])
+def test_refuses_malformed_state(kwargs, message):
+    with pytest.raises(KVStateFormatError, match=message):
+        parse_seq_state(state_bytes(**kwargs), n_layer=2, n_embd_k=64, n_embd_v=64)
+
+
+def test_refuses_truncated_state():
+    data = state_bytes(n_tokens=4)
+    for cut in (3, 20, len(data) // 2, len(data) - 1):
+        with pytest.raises(KVStateFormatError, match="state ends at byte"):
+            parse_seq_state(data[:cut], n_layer=2, n_embd_k=64, n_embd_v=64)
+
+
+def test_refuses_trailing_bytes():
+    with pytest.raises(KVStateFormatError, match="trailing bytes"):
+        parse_seq_state(state_bytes() + b"\0\0\0\0", n_layer=2, n_embd_k=64, n_embd_v=64)
+
+
+def test_refuses_shape_other_than_the_model():
+    with pytest.raises(KVStateFormatError, match="expected 256 for 128 f16"):
+        parse_seq_state(state_bytes(), n_layer=2, n_embd_k=128, n_embd_v=64)

@@ -1,0 +1,143 @@
+"""Decode scheduler (pure Python, no torch): priority waiting queue, running set, preemption by swap.
+
+The model runner receives one `ScheduledStep` per step and carries it out in field order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from decode_gpu.block_manager import BlockCopy, BlockManager
+from decode_gpu.sequence import SeqState, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running sequences decoded together each step
+    max_import_tokens: int = 8192  # prompt tokens imported from handoffs per step (bounds a step's latency)
+
+
+@dataclass
+class ScheduledStep:
+    """The one contract between scheduler and model runner; the scheduler fills every field."""
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (seq, blocks) to copy to host, then reuse
+    imports: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # handoff KV to write into blocks
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # host copy to restore into new blocks
+    copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write before a shared block is written
+    decode: list[Sequence] = field(default_factory=list)  # feed each its newest token, sample the next
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # sequences that can never fit, and why
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
+        self.running: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self._swapped_this_step: set[str] = set()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        heapq.heappush(self.waiting, (seq.rank, seq))
+
+    def schedule(self) -> ScheduledStep:
+        # The one idea: the running set is the best-ranked (priority, arrival) sequences that fit in the
+        # KV pool; each step every running sequence decodes one token. When blocks run out, the worst-ranked
+        # running sequence is swapped out; a strictly higher-priority waiter may swap out lower ones.
+        step = ScheduledStep()
+        self._swapped_this_step: set[str] = set()
+        self._grow_running(step)
+        self._admit_waiting(step)
+        step.decode = sorted(self.running.values(), key=lambda s: s.rank)
+        return step
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self._remove(seq)
+        seq.state, seq.finish_reason = SeqState.FINISHED, reason
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Remove a sequence at any stage and free its blocks at once; returns it, or None if unknown."""
+        seq = self.running.get(seq_id) or next((s for _, s in self.waiting if s.seq_id == seq_id), None)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def _remove(self, seq: Sequence) -> None:
+        if self.running.pop(seq.seq_id, None) is None:
+            self.waiting = [(rank, s) for rank, s in self.waiting if s is not seq]
+            heapq.heapify(self.waiting)
+        self.blocks.free(seq.seq_id)
+
+    def _grow_running(self, step: ScheduledStep) -> None:
+        for seq in sorted(self.running.values(), key=lambda s: s.rank):
+            if seq.seq_id not in self.running:
+                continue  # swapped out earlier in this loop
+            while not self.blocks.can_append(seq.seq_id, seq.num_cached + 1):
+                victim = max(self.running.values(), key=lambda s: s.rank)
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+            else:
+                if copy := self.blocks.append(seq.seq_id, seq.num_cached + 1):
+                    step.copies.append(copy)
+
+    def _admit_waiting(self, step: ScheduledStep) -> None:
+        import_budget = self.config.max_import_tokens
+        while self.waiting:
+            seq = self.waiting[0][1]
+            if seq.seq_id in self._swapped_this_step:
+                return  # it just lost its blocks; resuming it in the same step would only thrash
+            need = seq.num_cached + 1 if seq.state is SeqState.SWAPPED else seq.prompt_len + 1
+            if self.blocks.blocks_for(need) > self.blocks.num_blocks:
+                heapq.heappop(self.waiting)
+                self.finish(seq, "error")
+                step.failed.append((seq, f"needs {need} KV positions, the whole pool holds "
+                                         f"{self.blocks.num_blocks * self.blocks.block_size}"))
+                continue
+            fits = self.blocks.can_allocate(need) and len(self.running) < self.config.max_num_seqs
+            if not fits:
+                if not self._make_room_for(seq, step):
+                    return
+                continue
+            if seq.state is SeqState.WAITING:
+                if step.imports and seq.prompt_len > import_budget:
+                    return
+                import_budget -= seq.prompt_len
+            heapq.heappop(self.waiting)
+            blocks = self.blocks.allocate(seq.seq_id, need)
+            if seq.state is SeqState.SWAPPED:
+                step.swap_in.append((seq.seq_id, list(blocks)))
+            else:
+                step.imports.append((seq, list(blocks)))
+                seq.num_cached = seq.prompt_len
+            seq.state = SeqState.RUNNING
+            self.running[seq.seq_id] = seq
+
+    def _make_room_for(self, seq: Sequence, step: ScheduledStep) -> bool:
+        """Swap out the worst running sequence if it has strictly lower priority than the waiter."""
+        if not self.running:
+            return False
+        victim = max(self.running.values(), key=lambda s: s.rank)
+        if victim.priority <= seq.priority:
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _preempt(self, victim: Sequence, step: ScheduledStep) -> None:
+        step.swap_out.append((victim.seq_id, list(self.blocks.block_tables[victim.seq_id])))
+        self.blocks.free(victim.seq_id)
+        del self.running[victim.seq_id]
+        victim.state = SeqState.SWAPPED
+        self._swapped_this_step.add(victim.seq_id)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        heapq.heappush(self.waiting, (victim.rank, victim))

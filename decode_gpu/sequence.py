@@ -1,0 +1,45 @@
+"""One request as the decode engine tracks it (engine-internal; no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from prefill_cpu.handoff import KVHandoff, SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"  # handed off, KV not yet in the pool
+    RUNNING = "running"  # KV in the pool, decoding each step
+    SWAPPED = "swapped"  # preempted: KV copied to host memory, waiting to resume
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    priority: int  # lower runs earlier
+    arrival: int  # engine-wide arrival counter: ties in priority go to the earlier arrival
+    prompt_len: int
+    tokens: list[int]  # prompt tokens, then generated tokens (the first came from the prefill worker)
+    sampling: SamplingParams
+    handoff: KVHandoff | None = None  # dropped once imported
+    num_cached: int = 0  # tokens whose K/V are in the pool (or in host swap space while SWAPPED)
+    state: SeqState = SeqState.WAITING
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    text_offset: int = 0  # characters of detokenized output already reported
+    meta: dict = field(default_factory=dict)  # timing and logprob bookkeeping filled by the engine
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def next_position(self) -> int:
+        """Position of the token fed next: the newest token, not yet cached."""
+        return self.num_cached

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from prefill_cpu.gguf_identity import GGUFIdentity
 
@@ -25,9 +25,13 @@ def default_cache_dir() -> Path:
     return Path(root) / "converted"
 
 
+def converted_dir(identity: GGUFIdentity, cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / identity.fingerprint.replace(":", "-")
+
+
 def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch.dtype,
                       cache_dir: Path | None = None) -> PreTrainedModel:
-    converted = (cache_dir or default_cache_dir()) / identity.fingerprint.replace(":", "-")
+    converted = converted_dir(identity, cache_dir)
     if not (converted / "config.json").exists():
         _convert(identity, converted)
     started = time.perf_counter()
@@ -35,6 +39,19 @@ def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch
     log.info("decode model %s loaded on %s as %s in %.1f s", os.path.basename(identity.path), device,
              dtype, time.perf_counter() - started)
     return model
+
+
+def load_tokenizer(identity: GGUFIdentity, cache_dir: Path | None = None):
+    """The GGUF's tokenizer as a transformers tokenizer (for detokenizing output), converted once and cached."""
+    target = converted_dir(identity, cache_dir) / "tokenizer"
+    if not (target / "tokenizer_config.json").exists():
+        gguf_path = Path(identity.path)
+        log.info("converting the tokenizer of %s once", gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        partial = target.with_name(target.name + f".partial-{os.getpid()}")
+        tokenizer.save_pretrained(partial)
+        _publish(partial, target, "tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(target)
 
 
 def _convert(identity: GGUFIdentity, target: Path) -> None:
@@ -47,10 +64,14 @@ def _convert(identity: GGUFIdentity, target: Path) -> None:
         model.hf_quantizer = None
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     model.save_pretrained(partial)
+    _publish(partial, target, "config.json")
+    log.info("converted in %.1f s", time.perf_counter() - started)
+
+
+def _publish(partial: Path, target: Path, marker: str) -> None:
     try:
         os.replace(partial, target)  # atomic: a crash mid-save leaves no half-written cache
     except OSError:
-        if not (target / "config.json").exists():
+        if not (target / marker).exists():
             raise
         shutil.rmtree(partial, ignore_errors=True)  # another process converted it first
-    log.info("converted in %.1f s", time.perf_counter() - started)

@@ -57,6 +57,8 @@ class KVHandoff:
     v_layers: tuple[bytes, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs earlier
+    first_logprob: float | None = None  # log-probability of first_token, when sampling.logprobs is set
+    first_top_logprobs: tuple[tuple[int, float], ...] = ()  # (token, logprob) alternatives, best first
 
     @property
     def n_tokens(self) -> int:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import llama_cpp
+import numpy as np
 
 from prefill_cpu.gguf_identity import GGUFIdentity, read_gguf_identity
 from prefill_cpu.handoff import KVHandoff, KVLayout, SamplingParams
@@ -111,7 +112,7 @@ class Prefiller:
             state = self._export_state()
         finally:
             llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty cache
-        handoff = self._handoff(request, state, first_token)
+        handoff = self._handoff(request, state, first_token, self._logprobs(first_token, request.sampling))
         done = time.perf_counter()
         return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported)
 
@@ -155,7 +156,16 @@ class Prefiller:
         ident = self.identity
         return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v)
 
-    def _handoff(self, request: PrefillRequest, state: SeqKVState, first_token: int) -> KVHandoff:
+    def _logprobs(self, token: int, params: SamplingParams) -> tuple[float | None, tuple]:
+        if params.logprobs is None:
+            return None, ()
+        n_vocab = llama_cpp.llama_vocab_n_tokens(self.llm._model.vocab)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(n_vocab,))
+        logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+        top = np.argsort(-logprobs)[: params.logprobs]
+        return float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in top)
+
+    def _handoff(self, request: PrefillRequest, state: SeqKVState, first_token: int, logprobs) -> KVHandoff:
         ident = self.identity
         layout = KVLayout(
             n_layer=ident.n_layer, n_kv_heads=ident.n_kv_head, head_dim_k=ident.head_dim_k,
@@ -165,7 +175,8 @@ class Prefiller:
         return KVHandoff(
             request_id=request.request_id, model_fingerprint=ident.fingerprint, layout=layout,
             positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first_token,
-            k_layers=state.k_layers, v_layers=state.v_layers, sampling=request.sampling, priority=request.priority)
+            k_layers=state.k_layers, v_layers=state.v_layers, sampling=request.sampling, priority=request.priority,
+            first_logprob=logprobs[0], first_top_logprobs=logprobs[1])
 
 
 def _rotations_from_log(text: str, ident: GGUFIdentity) -> tuple[int, int]:

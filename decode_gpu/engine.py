@@ -1,0 +1,188 @@
+"""The decode engine: ingests handoffs, steps the scheduler and model runner, emits token events and stats."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decode_gpu.block_manager import BlockManager
+from decode_gpu.detokenizer import IncrementalText
+from decode_gpu.kv_import import check_handoff_matches
+from decode_gpu.model_runner import ModelRunner, RunnerConfig
+from decode_gpu.sampler import make_generator, sample_token
+from decode_gpu.scheduler import Scheduler, SchedulerConfig
+from decode_gpu.sequence import SeqState, Sequence
+from prefill_cpu.handoff import KVHandoff
+
+log = logging.getLogger(__name__)
+
+
+class HandoffRejectedError(ValueError):
+    """A handoff the engine will not run (wrong model, too long for the pool or model, duplicate id)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    runner: RunnerConfig = RunnerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_model_len: int = 4096  # prompt + output tokens of one request
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens generated since the last event of this request
+    text: str  # final text since the last event (held back while it may become a stop string)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error", or None while running
+    error: str | None = None
+    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()  # (token, logprob, top alternatives)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_preemptions: int
+    last_step_ms: float
+    tokens_per_s: float  # generated tokens per second, smoothed over recent steps
+    generated_tokens: int
+
+
+@dataclass
+class _Throughput:
+    tokens_per_s: float = 0.0
+    last_step_ms: float = 0.0
+    generated: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def record(self, n_tokens: int, seconds: float) -> None:
+        self.generated += n_tokens
+        self.last_step_ms = seconds * 1e3
+        rate = n_tokens / seconds if seconds > 0 else 0.0
+        self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.8 * self.tokens_per_s + 0.2 * rate
+
+
+class DecodeEngine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(), tokenizer=None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.runner = runner
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.blocks = BlockManager(runner.num_blocks, runner.pool.shape.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._throughput = _Throughput()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.sequences)
+
+    def add(self, handoff: KVHandoff) -> list[TokenEvent]:
+        """Accept a handoff; its first token (sampled by the prefill worker) is reported at once."""
+        self._check_admissible(handoff)
+        seq = Sequence(seq_id=handoff.request_id, priority=handoff.priority, arrival=next(self._arrivals),
+                       prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, handoff.first_token],
+                       sampling=handoff.sampling, handoff=handoff)
+        seq.meta["text"] = IncrementalText(self.tokenizer, handoff.sampling.stop)
+        seq.meta["generator"] = make_generator(handoff.sampling, self.runner.device)
+        first_logprobs = ()
+        if handoff.first_logprob is not None:
+            first_logprobs = ((handoff.first_token, handoff.first_logprob, handoff.first_top_logprobs),)
+        self.sequences[seq.seq_id] = seq
+        event = self._after_token(seq, first_logprobs)
+        if event.finish_reason is None:
+            self.scheduler.add(seq)
+        return [event]
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.abort(request_id)
+        self.runner.forget(request_id)
+        return self._event(seq, (), "", "abort")
+
+    def step(self) -> list[TokenEvent]:
+        started = time.perf_counter()
+        step = self.scheduler.schedule()
+        events = [self._fail(seq, why) for seq, why in step.failed]
+        logits = self.runner.execute(step, self.blocks.block_tables)  # [len(step.decode), vocab]
+        for seq, row in zip(step.decode, logits):
+            seq.num_cached += 1
+            token = sample_token(row, seq.sampling, seq.meta["generator"])
+            seq.tokens.append(token)
+            events.append(self._after_token(seq, self._logprobs(row, token, seq)))
+        self._throughput.record(len(step.decode), time.perf_counter() - started)
+        return events
+
+    def stats(self) -> EngineStats:
+        swapped = sum(1 for s in self.sequences.values() if s.state is SeqState.SWAPPED)
+        return EngineStats(
+            kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running, num_swapped=swapped,
+            num_preemptions=self.scheduler.num_preemptions, last_step_ms=self._throughput.last_step_ms,
+            tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated)
+
+    def _check_admissible(self, handoff: KVHandoff) -> None:
+        try:
+            check_handoff_matches(handoff, self.runner.identity)
+        except ValueError as err:
+            raise HandoffRejectedError(str(err)) from None
+        if handoff.request_id in self.sequences:
+            raise HandoffRejectedError(f"request id {handoff.request_id} is already decoding")
+        total = handoff.n_tokens + handoff.sampling.max_tokens
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if total > min(capacity, self.config.max_model_len):
+            raise HandoffRejectedError(
+                f"prompt ({handoff.n_tokens}) + max_tokens ({handoff.sampling.max_tokens}) = {total} tokens exceeds "
+                f"the limit of {min(capacity, self.config.max_model_len)} (max_model_len "
+                f"{self.config.max_model_len}, KV pool {capacity})")
+
+    def _after_token(self, seq: Sequence, logprobs: tuple) -> TokenEvent:
+        token = seq.tokens[-1]
+        params = seq.sampling
+        text_state: IncrementalText = seq.meta["text"]
+        reason = None
+        if token in params.stop_token_ids or token in self.eos_token_ids:
+            reason = "stop"
+        elif len(seq.output_tokens) >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
+            reason = "length"
+        eos = reason == "stop"
+        text = text_state.update(seq.output_tokens[:-1] if eos else seq.output_tokens, final=reason is not None)
+        if text_state.stopped:
+            reason = "stop"
+        if reason is not None:
+            self.sequences.pop(seq.seq_id, None)
+            self.scheduler.finish(seq, reason)
+        return self._event(seq, (token,), text, reason, logprobs)
+
+    def _fail(self, seq: Sequence, why: str) -> TokenEvent:
+        self.sequences.pop(seq.seq_id, None)
+        self.runner.forget(seq.seq_id)
+        log.error("request %s failed in decode: %s", seq.seq_id, why)
+        return self._event(seq, (), "", "error", error=why)
+
+    def _event(self, seq: Sequence, tokens: tuple, text: str, reason: str | None, logprobs: tuple = (),
+               error: str | None = None) -> TokenEvent:
+        return TokenEvent(seq.seq_id, tokens, text, reason, error, logprobs, seq.prompt_len, len(seq.output_tokens))
+
+    @staticmethod
+    def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> tuple:
+        n_top = seq.sampling.logprobs
+        if n_top is None:
+            return ()
+        logprobs = torch.log_softmax(row, dim=-1)  # [vocab]
+        top = torch.topk(logprobs, n_top) if n_top > 0 else None
+        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        return ((token, float(logprobs[token]), alternatives),)

@@ -1,0 +1,85 @@
+"""A model runner that fabricates outputs (vLLM's pattern for scheduler tests), with a token-level fake pool.
+
+The pool stores token ids per slot, so every decode step checks that the sequence's context, read
+through its block table, is exactly its tokens: swaps, copies and imports must all be right.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode_gpu.scheduler import ScheduledStep
+from prefill_cpu.gguf_identity import GGUFIdentity
+from prefill_cpu.handoff import KVHandoff, KVLayout, SamplingParams
+
+VOCAB = 1000
+IDENTITY = GGUFIdentity(path="fake.gguf", fingerprint="sha256:fake", arch="llama", n_layer=1, n_head=1,
+                        n_kv_head=1, head_dim_k=32, head_dim_v=32, rope_layout="interleaved")
+LAYOUT = KVLayout(n_layer=1, n_kv_heads=1, head_dim_k=32, head_dim_v=32, k_dtype="f16", v_dtype="f16",
+                  v_transposed=False, k_rotation=0, v_rotation=0, rope_layout="interleaved")
+
+
+def next_token(context: list[int]) -> int:
+    """The fabricated model: a deterministic function of the whole context."""
+    return (7 * sum(context) + 13 * len(context)) % (VOCAB - 3) + 3
+
+
+def fake_handoff(request_id: str, prompt: list[int], max_tokens: int, priority: int = 0) -> KVHandoff:
+    row = b"\0" * 64
+    return KVHandoff(request_id=request_id, model_fingerprint=IDENTITY.fingerprint, layout=LAYOUT,
+                     positions=tuple(range(len(prompt))), prompt_tokens=tuple(prompt), first_token=next_token(prompt),
+                     k_layers=(row * len(prompt),), v_layers=(row * len(prompt),),
+                     sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens), priority=priority)
+
+
+class _Shape:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+
+class _Pool:
+    def __init__(self, block_size: int) -> None:
+        self.shape = _Shape(block_size)
+
+
+class FakeRunner:
+    device = torch.device("cpu")
+    identity = IDENTITY
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.pool = _Pool(block_size)
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.swap_space: dict[str, list[list[int | None]]] = {}
+        self.decoded_order: list[str] = []  # seq ids in the order of their first decode step
+
+    def execute(self, step: ScheduledStep, block_tables: dict[str, list[int]]) -> torch.Tensor:
+        bs = self.pool.shape.block_size
+        for seq_id, blocks in step.swap_out:
+            self.swap_space[seq_id] = [self.slots[b * bs:(b + 1) * bs] for b in blocks]
+        for seq, blocks in step.imports:
+            for pos, token in enumerate(seq.handoff.prompt_tokens):
+                self.slots[self._slot(blocks, pos)] = token
+            seq.handoff = None
+        for seq_id, blocks in step.swap_in:
+            for block, saved in zip(blocks, self.swap_space.pop(seq_id)):
+                self.slots[block * bs:(block + 1) * bs] = saved
+        for copy in step.copies:
+            self.slots[copy.dst * bs:(copy.dst + 1) * bs] = self.slots[copy.src * bs:(copy.src + 1) * bs]
+        logits = torch.full((len(step.decode), VOCAB), -10.0)
+        for row, seq in enumerate(step.decode):
+            table = block_tables[seq.seq_id]
+            context = [self.slots[self._slot(table, p)] for p in range(seq.num_cached)]
+            assert context == seq.tokens[:seq.num_cached], f"{seq.seq_id}: pool context differs from its tokens"
+            self.slots[self._slot(table, seq.num_cached)] = seq.tokens[seq.num_cached]
+            logits[row, next_token(seq.tokens[:seq.num_cached + 1])] = 10.0
+            if seq.seq_id not in self.decoded_order:
+                self.decoded_order.append(seq.seq_id)
+        return logits
+
+    def forget(self, seq_id: str) -> None:
+        self.swap_space.pop(seq_id, None)
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        bs = self.pool.shape.block_size
+        return table[pos // bs] * bs + pos % bs

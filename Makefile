@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
-.PHONY: install serve test bench-handoff clean
+.PHONY: install serve test bench-handoff bench-decode clean
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ test: $(STAMP)
 
 bench-handoff: $(STAMP)
 	$(PY) -m bench.handoff_bench $(ARGS)
+
+bench-decode: $(STAMP)
+	$(PY) -m bench.decode_bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,190 @@
+"""Benchmark the decode engine against static batching and transformers' continuous batching.
+
+    make bench-decode          # or: .venv/bin/python -m bench.decode_bench [--device auto] [--outputs 16,32,64,128]
+
+Workload: 16 requests, all submitted at t=0, prompts of 64/256/1024 tokens in a 6:3:1 mix, greedy, output
+lengths cycling through --outputs. Three systems in one run, each doing prefill and decode:
+  ours     llama.cpp prefill (q8_0 KV) -> handoff -> paged engine (prefill of request i+1 interleaved with
+           one decode step, as one process: on the appliance they run in parallel on CPU and GPU)
+  static   transformers generate() on one left-padded batch, max_new_tokens = the longest output
+  cb       transformers generate_batch-style continuous batching (init_continuous_batching, per-request
+           max_new_tokens)
+Useful tokens are the tokens each request asked for; latency is from t=0 to the request's last token.
+Then the decode step time at batch 1/8/32 and context 256: our paged step vs a plain transformers
+forward with its own DynamicCache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from decode_gpu.device import resolve_device, resolve_dtype
+from decode_gpu.engine import DecodeEngine, EngineConfig
+from decode_gpu.kv_pool import bytes_per_token
+from decode_gpu.model_loader import load_decode_model
+from decode_gpu.model_runner import ModelRunner, RunnerConfig
+from prefill_cpu.embedded_model import embedded_model_path
+from prefill_cpu.handoff import SamplingParams
+from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
+
+TEXT = ("Operators of on-prem appliances care about predictable latency, honest errors and simple configuration. "
+        "This paragraph is filler text used to build prompts of a chosen length for the benchmark. ")
+
+
+def workload(prefiller: Prefiller, outputs: list[int]) -> list[tuple[list[int], int]]:
+    base = prefiller.tokenize(TEXT * 60)
+    lengths = [64] * 10 + [256] * 5 + [1024]
+    return [(base[i * 7:i * 7 + n], outputs[i % len(outputs)]) for i, n in enumerate(lengths)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def run_ours(prefiller, model, device, requests) -> dict:
+    runner = ModelRunner(model, prefiller.identity, RunnerConfig(kv_cache_tokens=16384), device)
+    engine = DecodeEngine(runner, EngineConfig(max_model_len=4096))
+    done, peak_blocks, started = {}, 0, time.perf_counter()
+
+    def record(events):
+        for event in events:
+            if event.finish_reason:
+                done[event.request_id] = time.perf_counter() - started
+
+    for i, (tokens, n_out) in enumerate(requests):
+        params = SamplingParams(temperature=0.0, max_tokens=n_out)
+        record(engine.add(prefiller.prefill(PrefillRequest(f"r{i}", tuple(tokens), params)).handoff))
+        record(engine.step())
+        peak_blocks = max(peak_blocks, engine.blocks.num_used_blocks)
+    while engine.has_work:
+        record(engine.step())
+        peak_blocks = max(peak_blocks, engine.blocks.num_used_blocks)
+    kv_bytes = peak_blocks * runner.pool.shape.block_size * runner.pool.shape.bytes_per_token()
+    return dict(latencies=list(done.values()), wall=time.perf_counter() - started, kv_bytes=kv_bytes)
+
+
+def run_static(model, requests, per_token_bytes) -> dict:
+    longest = max(len(t) for t, _ in requests)
+    max_new = max(n for _, n in requests)
+    ids = torch.full((len(requests), longest), model.config.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (tokens, _) in enumerate(requests):
+        ids[row, longest - len(tokens):] = torch.tensor(tokens)
+        mask[row, longest - len(tokens):] = 1
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                       max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=model.config.pad_token_id or 0)
+    wall = time.perf_counter() - started
+    return dict(latencies=[wall] * len(requests), wall=wall,
+                kv_bytes=len(requests) * (longest + max_new) * per_token_bytes)
+
+
+def run_cb(model, requests) -> dict:
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    started = time.perf_counter()
+    for i, (tokens, n_out) in enumerate(requests):
+        manager.add_request(tokens, request_id=f"r{i}", max_new_tokens=n_out, eos_token_id=-1)
+    done = {}
+    while len(done) < len(requests):
+        result = manager.get_result(timeout=600)
+        if result is None:
+            raise RuntimeError("transformers continuous batching stopped before finishing")
+        if result.is_finished():
+            done[result.request_id] = time.perf_counter() - started
+    wall = time.perf_counter() - started
+    manager.stop(block=True)
+    return dict(latencies=list(done.values()), wall=wall, kv_bytes=None)
+
+
+def step_times(prefiller, model, device, batches, context=256, steps=5) -> list[tuple[int, float, float]]:
+    tokens = tuple(prefiller.tokenize(TEXT * 8)[:context])
+    handoff = prefiller.prefill(PrefillRequest("s", tokens, SamplingParams(temperature=0.0, max_tokens=64))).handoff
+    rows = []
+    for batch in batches:
+        runner = ModelRunner(model, prefiller.identity, RunnerConfig(kv_cache_tokens=(context + 80) * batch), device)
+        engine = DecodeEngine(runner, EngineConfig())
+        for i in range(batch):
+            engine.add(_renamed(handoff, f"s{i}"))
+        engine.step()  # imports and the first step
+        ours = _timed(engine.step, steps, device)
+        model.set_attn_implementation("sdpa")
+        ids = torch.tensor([tokens] * batch, device=device)
+        with torch.inference_mode():
+            out = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True)
+        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+
+        def plain_step():
+            nonlocal nxt
+            with torch.inference_mode():
+                nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        rows.append((batch, ours, _timed(plain_step, steps, device)))
+    return rows
+
+
+def _renamed(handoff, request_id):
+    import dataclasses
+    return dataclasses.replace(handoff, request_id=request_id)
+
+
+def _timed(fn, steps, device) -> float:
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--outputs", default="16,32,64,128", help="output lengths, cycled over the 16 requests")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--skip", default="", help="comma list of systems to skip: static,cb")
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype("auto", device)
+    prefiller = Prefiller(PrefillConfig(args.model or embedded_model_path(), n_ctx=1100, kv_type="q8_0"))
+    requests = workload(prefiller, [int(n) for n in args.outputs.split(",")])
+    useful = sum(n for _, n in requests)
+    ident = prefiller.identity
+    per_token = bytes_per_token(ident.n_layer, ident.n_kv_head, ident.head_dim_k, str(dtype).split(".")[-1])
+    results = {"ours (llama.cpp prefill + paged engine)": run_ours(prefiller, load_decode_model(ident, device, dtype),
+                                                                   device, requests)}
+    if "static" not in args.skip:
+        results["static batch (transformers generate)"] = run_static(load_decode_model(ident, device, dtype),
+                                                                     requests, per_token)
+    if "cb" not in args.skip:
+        results["transformers continuous batching"] = run_cb(load_decode_model(ident, device, dtype), requests)
+    print(f"\n16 requests (prompts 64/256/1024 in 6:3:1, outputs {args.outputs}) on {device}, {dtype}; "
+          f"useful tokens {useful}")
+    print("| system | useful tok/s | latency p50 s | latency p99 s | wall s | peak KV MiB |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        kv = f"{r['kv_bytes'] / 2**20:.1f}" if r["kv_bytes"] is not None else "n/a (pool preallocated)"
+        print(f"| {name} | {useful / r['wall']:.1f} | {percentile(r['latencies'], 50):.2f} | "
+              f"{percentile(r['latencies'], 99):.2f} | {r['wall']:.1f} | {kv} |")
+    rows = step_times(prefiller, load_decode_model(ident, device, dtype), device,
+                      [int(b) for b in args.batches.split(",")])
+    print("\nDecode step time at context 256 (median of 5)")
+    print("| batch | ours paged ms | transformers DynamicCache ms | ratio |")
+    print("|---|---|---|---|")
+    for batch, ours, plain in rows:
+        print(f"| {batch} | {ours:.1f} | {plain:.1f} | {ours / plain:.2f}x |")
+    prefiller.close()
+
+
+if __name__ == "__main__":
+    main()

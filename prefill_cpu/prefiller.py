@@ -30,6 +30,10 @@ class PrefillError(RuntimeError):
     """llama.cpp could not prefill or export a prompt."""
 
 
+class PrefillCancelledError(RuntimeError):
+    """The request was cancelled between two prefill chunks."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt does not fit the prefill context."""
 
@@ -96,7 +100,7 @@ class Prefiller:
     def detokenize(self, tokens: list[int]) -> str:
         return self.llm.detokenize(tokens).decode("utf-8", errors="replace")
 
-    def prefill(self, request: PrefillRequest) -> PrefillOutcome:
+    def prefill(self, request: PrefillRequest, should_cancel=lambda: False) -> PrefillOutcome:
         tokens = list(request.prompt_tokens)
         if not tokens:
             raise PromptTooLongError("the prompt is empty")
@@ -106,7 +110,7 @@ class Prefiller:
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
         try:
             started = time.perf_counter()
-            self._decode_prompt(tokens)
+            self._decode_prompt(tokens, should_cancel)
             first_token = self._sample_first(request.sampling)
             exported = time.perf_counter()
             state = self._export_state()
@@ -116,9 +120,11 @@ class Prefiller:
         done = time.perf_counter()
         return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported)
 
-    def _decode_prompt(self, tokens: list[int]) -> None:
+    def _decode_prompt(self, tokens: list[int], should_cancel) -> None:
         batch, n_batch = self._batch, self.config.n_batch
         for start in range(0, len(tokens), n_batch):
+            if should_cancel():
+                raise PrefillCancelledError(f"cancelled after {start} of {len(tokens)} prompt tokens")
             chunk = tokens[start:start + n_batch]
             batch.n_tokens = len(chunk)
             for i, token in enumerate(chunk):

@@ -1,0 +1,209 @@
+"""The decode engine process: loads the model, listens for handoffs and aborts, streams token events.
+
+    python -m decode_gpu.server --model PATH.gguf --listen unix:/tmp/edge/engine.sock [--device auto]
+
+The engine steps in its own thread (torch releases the GIL); an asyncio loop owns the sockets. It listens
+only after the model is loaded, so a successful connection means the engine is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import logging
+import queue
+import signal
+import threading
+
+from decode_gpu.device import resolve_device, resolve_dtype
+from decode_gpu.engine import DecodeEngine, EngineConfig, HandoffRejectedError, TokenEvent
+from decode_gpu.model_loader import load_decode_model, load_tokenizer
+from decode_gpu.model_runner import ModelRunner, RunnerConfig
+from decode_gpu.scheduler import SchedulerConfig
+from edge.protocol import Abort, Handoff, Hello, Stats, Token, read_message, send_message, start_server
+from prefill_cpu.gguf_identity import read_gguf_identity
+from prefill_cpu.handoff import HandoffFormatError, decode_handoff
+
+log = logging.getLogger("decode_gpu.server")
+STATS_INTERVAL_S = 0.5
+
+
+class EngineService:
+    def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.inbox: queue.Queue = queue.Queue()
+        self.gateways: set[asyncio.StreamWriter] = set()
+        self.pending_events: collections.deque = collections.deque(maxlen=100_000)  # while no gateway is connected
+        self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # aborts seen before the handoff
+        self.stopping = threading.Event()
+
+    # --- engine thread -------------------------------------------------------------------------
+    def run_engine(self) -> None:
+        while not self.stopping.is_set():
+            self._drain_inbox(block=not self.engine.has_work)
+            if self.engine.has_work:
+                try:
+                    events = self.engine.step()
+                except Exception as err:  # a failed step must not leave requests hanging: fail them all
+                    log.exception("decode step failed")
+                    events = self._fail_all(f"decode step failed: {err}")
+                self._publish(events)
+        self._publish(self._abort_all())
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            self._publish(self._add(payload) if kind == "handoff" else self._abort(payload))
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, data: bytes) -> list[TokenEvent]:
+        try:
+            handoff = decode_handoff(data)
+        except HandoffFormatError as err:
+            log.error("dropped a malformed handoff: %s", err)
+            return []
+        if handoff.request_id in self.aborted:  # the client went away while it was being prefilled
+            del self.aborted[handoff.request_id]
+            return [TokenEvent(handoff.request_id, (), "", "abort", num_prompt_tokens=handoff.n_tokens)]
+        try:
+            return self.engine.add(handoff)
+        except HandoffRejectedError as err:
+            log.error("handoff %s rejected: %s", handoff.request_id, err)
+            return [TokenEvent(handoff.request_id, (), "", "error", error=str(err),
+                               num_prompt_tokens=handoff.n_tokens)]
+
+    def _abort(self, request_id: str) -> list[TokenEvent]:
+        event = self.engine.abort(request_id)
+        if event is None:  # not here yet: its handoff may still be in flight
+            self.aborted[request_id] = None
+            while len(self.aborted) > 10_000:
+                self.aborted.popitem(last=False)
+            return []
+        return [event]
+
+    def _fail_all(self, why: str) -> list[TokenEvent]:
+        events = []
+        for request_id in list(self.engine.sequences):
+            event = self.engine.abort(request_id)
+            events.append(dataclasses.replace(event, finish_reason="error", error=why))
+        return events
+
+    def _abort_all(self) -> list[TokenEvent]:
+        return [self.engine.abort(request_id) for request_id in list(self.engine.sequences)]
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        if events:
+            self.loop.call_soon_threadsafe(self._send_events, events)
+
+    # --- asyncio side ------------------------------------------------------------------------
+    def _send_events(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            message = Token(dataclasses.asdict(event))
+            if not self.gateways:
+                self.pending_events.append(message)
+            for writer in list(self.gateways):
+                asyncio.ensure_future(self._send(writer, message))
+
+    async def _send(self, writer: asyncio.StreamWriter, message) -> None:
+        try:
+            await send_message(writer, message)
+        except (ConnectionError, RuntimeError):
+            self.gateways.discard(writer)
+
+    async def handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = await read_message(reader)
+        if not isinstance(hello, Hello):
+            writer.close()
+            return
+        if hello.role == "gateway":
+            self.gateways.add(writer)
+            while self.pending_events:
+                await self._send(writer, self.pending_events.popleft())
+        try:
+            while (message := await read_message(reader)) is not None:
+                if isinstance(message, Handoff):
+                    self.inbox.put(("handoff", message.data))
+                elif isinstance(message, Abort):
+                    self.inbox.put(("abort", message.request_id))
+        finally:
+            self.gateways.discard(writer)
+            writer.close()
+
+    async def publish_stats(self) -> None:
+        while not self.stopping.is_set():
+            await asyncio.sleep(STATS_INTERVAL_S)
+            message = Stats(dataclasses.asdict(self.engine.stats()))
+            for writer in list(self.gateways):
+                await self._send(writer, message)
+
+
+def build_engine(args: argparse.Namespace) -> DecodeEngine:
+    identity = read_gguf_identity(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = load_decode_model(identity, device, dtype)
+    tokenizer = load_tokenizer(identity)
+    runner = ModelRunner(model, identity, RunnerConfig(block_size=args.block_size, kv_storage=args.kv_storage,
+                                                       kv_cache_tokens=args.kv_cache_tokens,
+                                                       gpu_memory_utilization=args.gpu_memory_utilization), device)
+    eos = tuple(t for t in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
+                if isinstance(t, int))
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), max_model_len=args.max_model_len)
+    return DecodeEngine(runner, config, tokenizer, eos)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine = build_engine(args)
+    loop = asyncio.get_running_loop()
+    service = EngineService(engine, loop)
+    thread = threading.Thread(target=service.run_engine, name="engine", daemon=True)
+    thread.start()
+    server = await start_server(service.handle_connection, args.listen)
+    stats_task = asyncio.create_task(service.publish_stats())
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("decode engine ready on %s", args.listen)
+    await stop.wait()
+    log.info("decode engine stopping: aborting %d in-flight requests", len(engine.sequences))
+    service.stopping.set()
+    await asyncio.to_thread(thread.join, 10)
+    await asyncio.sleep(0.2)  # let the abort events reach the gateway
+    stats_task.cancel()
+    server.close()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="decode engine process")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--listen", required=True, help="unix:/path or tcp://host:port")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-storage", default="auto", help="auto, float32, float16, bfloat16 or int8")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

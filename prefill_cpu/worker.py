@@ -1,0 +1,154 @@
+"""The prefill worker process: takes jobs from the gateway, prefills on llama.cpp, hands KV to the engine.
+
+    python -m prefill_cpu.worker --model PATH.gguf --listen ADDR --engine ADDR [--name w0]
+
+It serves one prompt at a time (one llama.cpp context); the gateway owns the priority queue and sends a
+worker its next job when it is idle. A cancel between two prefill chunks stops the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from edge.protocol import (CancelPrefill, Handoff, Hello, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus,
+                           open_connection, read_message, send_message, start_server)
+from prefill_cpu.handoff import SamplingParams, encode_handoff
+from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
+                                   PromptTooLongError)
+from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
+
+log = logging.getLogger("prefill_cpu.worker")
+
+
+class PrefillWorker:
+    def __init__(self, prefiller: Prefiller, name: str, engine_writer: asyncio.StreamWriter) -> None:
+        self.prefiller = prefiller
+        self.renderer = PromptRenderer(prefiller)
+        self.name = name
+        self.engine_writer = engine_writer
+        self.cancelled: set[str] = set()
+        self.lock = asyncio.Lock()  # one llama.cpp context: one prompt at a time
+
+    async def handle_gateway(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not isinstance(await read_message(reader), Hello):
+            writer.close()
+            return
+        cfg = self.prefiller.config
+        await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type))
+        jobs: set[asyncio.Task] = set()
+        while (message := await read_message(reader)) is not None:
+            if isinstance(message, PrefillJob):
+                task = asyncio.create_task(self.run_job(message, writer))
+                jobs.add(task)
+                task.add_done_callback(jobs.discard)
+            elif isinstance(message, CancelPrefill):
+                self.cancelled.add(message.request_id)
+        log.info("gateway disconnected; cancelling %d jobs", len(jobs))
+        for task in jobs:
+            task.cancel()
+
+    async def run_job(self, job: PrefillJob, writer: asyncio.StreamWriter) -> None:
+        async with self.lock:
+            reply = await asyncio.to_thread(self._prefill, job) if job.request_id not in self.cancelled else \
+                PrefillFailed(job.request_id, "cancelled", "cancelled before prefill started")
+            self.cancelled.discard(job.request_id)
+            if isinstance(reply, tuple):
+                data, done = reply
+                started = time.perf_counter()
+                await send_message(self.engine_writer, Handoff(data))
+                reply = PrefillDone(**{**done.__dict__, "handoff_ms": done.handoff_ms + (time.perf_counter() - started) * 1e3})
+            await send_message(writer, reply)
+
+    def _prefill(self, job: PrefillJob):
+        try:
+            tokens = self._tokens(job)
+            limit = min(job.max_prompt_tokens, self.prefiller.config.n_ctx - 1)
+            if len(tokens) > limit:
+                return PrefillFailed(job.request_id, "prompt_too_long",
+                                     f"the prompt has {len(tokens)} tokens; the limit is {limit}", len(tokens), limit)
+            request = PrefillRequest(job.request_id, tuple(tokens), SamplingParams(**_tuples(job.sampling)),
+                                     job.priority)
+            outcome = self.prefiller.prefill(request, should_cancel=lambda: job.request_id in self.cancelled)
+            started = time.perf_counter()
+            data = encode_handoff(outcome.handoff)
+            handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
+            return data, PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data), handoff_ms)
+        except PrefillCancelledError as err:
+            return PrefillFailed(job.request_id, "cancelled", str(err))
+        except (BadPromptError, PromptTooLongError) as err:
+            return PrefillFailed(job.request_id, "bad_prompt", str(err))
+        except Exception as err:  # the gateway must hear of every failure, whatever it is
+            log.exception("prefill of %s failed", job.request_id)
+            return PrefillFailed(job.request_id, "internal", f"prefill failed: {err}")
+
+    def _tokens(self, job: PrefillJob) -> list[int]:
+        if job.prompt_tokens is not None:
+            return list(job.prompt_tokens)
+        if job.messages is not None:
+            return self.renderer.chat_tokens(job.messages)
+        return self.renderer.completion_tokens(job.prompt or "")
+
+
+def _tuples(sampling: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in sampling.items()}
+
+
+async def connect_engine(address: str, timeout_s: float = 600.0):
+    """The engine listens once its model is loaded; wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await open_connection(address)
+        except (FileNotFoundError, ConnectionError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    prefiller = Prefiller(PrefillConfig(args.model, n_ctx=args.n_ctx, n_batch=args.n_batch,
+                                        n_threads=args.threads, kv_type=args.kv_type))
+    reader, engine_writer = await connect_engine(args.engine)
+    await send_message(engine_writer, Hello("prefill", args.name))
+    worker = PrefillWorker(prefiller, args.name, engine_writer)
+    server = await start_server(worker.handle_gateway, args.listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engine_gone = asyncio.create_task(reader.read())  # returns when the engine closes the connection
+    log.info("prefill worker %s ready on %s", args.name, args.listen)
+    done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), engine_gone], return_when=asyncio.FIRST_COMPLETED)
+    server.close()
+    if engine_gone in done and not stop.is_set():
+        log.error("lost the decode engine connection; exiting so the supervisor restarts this worker")
+        sys.exit(1)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="llama.cpp prefill worker process")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--name", default="prefill-0")
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--n-batch", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--kv-type", default="q8_0", choices=["f16", "q8_0", "q4_0"])
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s [{args.name}] %(name)s: %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -108,7 +108,7 @@ class EngineService:
     # --- asyncio side ------------------------------------------------------------------------
     def _send_events(self, events: list[TokenEvent]) -> None:
         for event in events:
-            message = Token(dataclasses.asdict(event))
+            message = Token(event_for_gateway(event, self.engine.tokenizer))
             if not self.gateways:
                 self.pending_events.append(message)
             for writer in list(self.gateways):
@@ -145,6 +145,19 @@ class EngineService:
             message = Stats(dataclasses.asdict(self.engine.stats()))
             for writer in list(self.gateways):
                 await self._send(writer, message)
+
+
+def event_for_gateway(event: TokenEvent, tokenizer) -> dict:
+    """The event as the gateway needs it: logprobs carry token text, which only this process can decode."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    body = dataclasses.asdict(event)
+    body["logprobs"] = [
+        {"id": tid, "token": text(tid), "logprob": lp,
+         "top": [{"id": alt, "token": text(alt), "logprob": alt_lp} for alt, alt_lp in top]}
+        for tid, lp, top in event.logprobs]
+    return body
 
 
 def build_engine(args: argparse.Namespace) -> DecodeEngine:

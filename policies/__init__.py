@@ -1,0 +1,1 @@
+"""Operator policies: request filters, client classes and load-based degradation. Pure Python."""

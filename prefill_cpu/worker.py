@@ -41,13 +41,16 @@ class PrefillWorker:
         cfg = self.prefiller.config
         await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type))
         jobs: set[asyncio.Task] = set()
-        while (message := await read_message(reader)) is not None:
-            if isinstance(message, PrefillJob):
-                task = asyncio.create_task(self.run_job(message, writer))
-                jobs.add(task)
-                task.add_done_callback(jobs.discard)
-            elif isinstance(message, CancelPrefill):
-                self.cancelled.add(message.request_id)
+        try:
+            while (message := await read_message(reader)) is not None:
+                if isinstance(message, PrefillJob):
+                    task = asyncio.create_task(self.run_job(message, writer))
+                    jobs.add(task)
+                    task.add_done_callback(jobs.discard)
+                elif isinstance(message, CancelPrefill):
+                    self.cancelled.add(message.request_id)
+        except asyncio.CancelledError:
+            pass  # the worker is shutting down
         log.info("gateway disconnected; cancelling %d jobs", len(jobs))
         for task in jobs:
             task.cancel()

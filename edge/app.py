@@ -1,0 +1,100 @@
+"""Build the gateway application: launch (or connect to) the engine and workers, wire the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from aiohttp import web
+
+from edge.config import ServeConfig, default_threads
+from edge.engine_client import EngineClient
+from edge.gateway import Gateway
+from edge.launcher import Supervisor
+from edge.lifecycle import InFlightRegistry
+from edge.metrics import Metrics
+from edge.prefill_pool import PrefillPool
+from edge.routes import add_routes
+from edge.state import CONFIG, GATEWAY, SUPERVISOR
+from prefill_cpu.embedded_model import embedded_model_path
+
+log = logging.getLogger("edge.app")
+
+
+def resolve_addresses(config: ServeConfig) -> tuple[str, dict[str, str]]:
+    run_dir = config.run_dir or tempfile.mkdtemp(prefix="edge-")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    engine = config.engine_address or f"unix:{os.path.join(run_dir, 'engine.sock')}"
+    workers = list(config.worker_addresses) or [f"unix:{os.path.join(run_dir, f'prefill-{i}.sock')}"
+                                                for i in range(config.prefill_workers)]
+    return engine, {f"prefill-{i}": address for i, address in enumerate(workers)}
+
+
+def make_app(config: ServeConfig) -> web.Application:
+    model_path = config.model or embedded_model_path()
+    model_name = config.model_name or Path(model_path).name.removesuffix(".gguf")
+    engine_address, worker_addresses = resolve_addresses(config)
+    registry = InFlightRegistry()
+    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size)
+    engine = EngineClient(engine_address, registry)
+    gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name))
+    app = web.Application(client_max_size=config.limits.max_body_bytes)
+    app[CONFIG] = config
+    app[GATEWAY] = gateway
+    if config.launch:
+        app[SUPERVISOR] = Supervisor()
+        app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses))
+    app.cleanup_ctx.append(_connections)
+    app.on_shutdown.append(_drain)
+    add_routes(app)
+    return app
+
+
+def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str]):
+    async def context(app: web.Application):
+        config, supervisor = app[CONFIG], app[SUPERVISOR]
+        engine_args = ["--model", model_path, "--listen", engine_address, "--device", config.device,
+                       "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
+                       "--max-model-len", str(config.max_model_len), "--log-level", config.log_level]
+        if config.kv_cache_tokens:
+            engine_args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
+        supervisor.add("decode_engine", "decode_gpu.server", engine_args)
+        for name, address in worker_addresses.items():
+            supervisor.add(name, "prefill_cpu.worker", [
+                "--model", model_path, "--listen", address, "--engine", engine_address, "--name", name,
+                "--n-ctx", str(config.n_ctx), "--threads", str(default_threads(config)),
+                "--kv-type", config.kv_type, "--log-level", config.log_level])
+        watcher = asyncio.create_task(supervisor.watch())
+        yield
+        watcher.cancel()
+        await supervisor.shutdown()
+    return context
+
+
+async def _connections(app: web.Application):
+    gateway = app[GATEWAY]
+    tasks = [asyncio.create_task(gateway.engine.run()), asyncio.create_task(gateway.pool.run())]
+    yield
+    gateway.engine.closing = gateway.pool.closing = True
+    for task in tasks:
+        task.cancel()
+
+
+async def _drain(app: web.Application) -> None:
+    """Runs once the listener is closed: in-flight requests get a grace period to finish, then the rest
+    end with an explicit abort in their stream (aiohttp waits for their handlers before cleanup)."""
+    gateway = app[GATEWAY]
+    gateway.shutting_down = True
+    grace_s = app[CONFIG].limits.shutdown_grace_s
+    log.info("shutting down: %d requests in flight, %.0f s to finish", len(gateway.registry.requests), grace_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while gateway.registry.requests and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for request_id in list(gateway.registry.requests):
+        gateway.registry.deliver(request_id, {
+            "request_id": request_id, "token_ids": [], "text": "", "finish_reason": "abort", "error": None,
+            "logprobs": [], "num_prompt_tokens": 0, "num_output_tokens": 0})

@@ -1,0 +1,42 @@
+"""`edge serve`: start the gateway, the prefill workers and the decode engine from one command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from aiohttp import web
+
+from edge.config import ConfigError, load_config
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="edge", description="On-prem OpenAI-compatible LLM service")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start the service")
+    serve.add_argument("--config", help="TOML config file (see docs/config.md)")
+    serve.add_argument("--model", help="GGUF path (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--prefill-workers", type=int)
+    serve.add_argument("--policy", help="policy file")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    serve.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"])
+    serve.add_argument("--kv-cache-tokens", type=int)
+    serve.add_argument("--log-level")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as err:
+        sys.exit(f"edge: {err}")
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
+    from edge.app import make_app  # after logging is set up: loading the app logs
+    web.run_app(make_app(config), host=config.host, port=config.port, handler_cancellation=True,
+                shutdown_timeout=config.limits.shutdown_grace_s + 5,
+                print=lambda msg: logging.getLogger("edge").info(msg.strip()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The gateway's configuration: defaults, overridden by a TOML file, overridden by command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: str
+    name: str = ""
+    priority: int = 0  # default priority of this key's requests
+    requests_per_minute: int = 0  # 0: unlimited
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = 2048
+    default_max_tokens: int = 256
+    max_tokens: int = 2048  # the largest max_tokens a request may ask for
+    prefill_queue_size: int = 64  # waiting prompts beyond this get 429
+    header_timeout_s: float = 10.0  # a client must send its headers within this
+    body_timeout_s: float = 30.0  # ... and its body within this
+    request_timeout_s: float = 300.0  # overall deadline of one request
+    shutdown_grace_s: float = 5.0  # on SIGTERM, in-flight requests may finish for this long, then are aborted
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None  # GGUF path; None: the embedded SmolLM2-135M
+    model_name: str = ""  # the id clients use; "" -> the GGUF file name without .gguf
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_workers: int = 1
+    threads_per_worker: int = 0  # 0: cores / workers
+    device: str = "auto"
+    kv_type: str = "q8_0"  # llama.cpp KV cache and wire format
+    n_ctx: int = 4096
+    kv_storage: str = "auto"
+    kv_cache_tokens: int | None = None
+    max_num_seqs: int = 32
+    max_model_len: int = 4096
+    launch: bool = True  # start the engine and workers here; False: connect to the addresses below
+    run_dir: str = ""  # where local sockets live; "" -> a fresh temporary directory
+    engine_address: str = ""  # "" -> unix socket in run_dir
+    worker_addresses: tuple[str, ...] = ()  # "" -> unix sockets in run_dir
+    policy: str | None = None  # policy file (filters, classes, degradation tiers)
+    limits: Limits = field(default_factory=Limits)
+    api_keys: tuple[ApiKey, ...] = ()
+    blocked_words: tuple[str, ...] = ()
+    log_level: str = "INFO"
+
+
+def load_config(path: str | None, overrides: dict) -> ServeConfig:
+    data = _read_toml(path) if path else {}
+    limits = Limits(**_section(data.pop("limits", {}), Limits, path, "limits"))
+    keys = tuple(ApiKey(**_section(k, ApiKey, path, f"api_keys[{i}]")) for i, k in enumerate(data.pop("api_keys", [])))
+    values = _section(data, ServeConfig, path, "")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for name in ("worker_addresses", "blocked_words"):
+        if name in values:
+            values[name] = tuple(values[name])
+    return ServeConfig(**values, limits=limits, api_keys=keys)
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+
+
+def _section(data: dict, cls, path: str | None, where: str) -> dict:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: {where or 'top level'} must be a table")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in known or key in ("limits", "api_keys"):
+            raise ConfigError(f"{path}: unknown key {'.'.join(filter(None, [where, key]))!r}; "
+                              f"known: {sorted(k for k in known if k not in ('limits', 'api_keys'))}")
+    return dict(data)
+
+
+def default_threads(config: ServeConfig) -> int:
+    return config.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, config.prefill_workers))

@@ -1,0 +1,63 @@
+"""The gateway's connection to the decode engine: token events in, aborts out, stats kept for policies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from edge.lifecycle import InFlightRegistry, RequestStatus
+from edge.protocol import Abort, Hello, Stats, Token, open_connection, read_message, send_message
+
+log = logging.getLogger("edge.engine_client")
+
+
+class EngineClient:
+    def __init__(self, address: str, registry: InFlightRegistry) -> None:
+        self.address = address
+        self.registry = registry
+        self.writer: asyncio.StreamWriter | None = None
+        self.state = "connecting"  # connecting | ready | down
+        self.stats: dict | None = None
+        self.closing = False  # set at shutdown: a dropped connection is then expected
+
+    async def run(self) -> None:
+        while True:
+            try:
+                reader, writer = await open_connection(self.address)
+            except (FileNotFoundError, ConnectionError, OSError):
+                await asyncio.sleep(0.2)
+                continue
+            await send_message(writer, Hello("gateway"))
+            self.writer, self.state = writer, "ready"
+            log.info("connected to the decode engine at %s", self.address)
+            try:
+                await self._serve(reader)
+            finally:
+                self._lost()
+                writer.close()
+            await asyncio.sleep(0.2)
+
+    async def abort(self, request_id: str) -> None:
+        if self.writer is not None:
+            try:
+                await send_message(self.writer, Abort(request_id))
+            except ConnectionError:
+                pass
+
+    async def _serve(self, reader: asyncio.StreamReader) -> None:
+        while (message := await read_message(reader)) is not None:
+            if isinstance(message, Token):
+                self.registry.deliver(message.event["request_id"], message.event)
+            elif isinstance(message, Stats):
+                self.stats = message.stats
+
+    def _lost(self) -> None:
+        if not self.closing:
+            log.error("lost the decode engine connection")
+        self.state, self.writer, self.stats = "down", None, None
+        for request in list(self.registry.requests.values()):
+            if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING):
+                self.registry.deliver(request.request_id, {
+                    "request_id": request.request_id, "token_ids": [], "text": "", "finish_reason": "error",
+                    "error": "the decode engine went away", "logprobs": [], "num_prompt_tokens": 0,
+                    "num_output_tokens": 0})

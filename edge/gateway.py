@@ -1,0 +1,182 @@
+"""The gateway's request flow: filters before any model work, then prefill queue -> engine -> events.
+
+Every accepted request is in the InFlightRegistry until it reaches exactly one terminal state
+(finished, aborted or failed), which is counted in /metrics and told to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from edge.config import ApiKey, ServeConfig
+from edge.engine_client import EngineClient
+from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
+from edge.metrics import Metrics
+from edge.openai_api import ApiError, GenerateRequest
+from edge.prefill_pool import PrefillPool, QueueFullError
+from edge.protocol import PrefillDone, PrefillFailed, PrefillJob
+from policies.content_filter import ContentFilter
+from policies.rate_limit import RateLimiter
+
+log = logging.getLogger("edge.gateway")
+ANONYMOUS = ApiKey(key="", name="anonymous")
+PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, code)
+    "prompt_too_long": (413, "invalid_request_error", "context_length_exceeded"),
+    "bad_prompt": (400, "invalid_request_error", "invalid_prompt"),
+    "worker_died": (503, "server_error", "prefill_worker_died"),
+    "internal": (500, "server_error", "prefill_failed"),
+    "cancelled": (499, "server_error", "cancelled"),
+}
+
+
+@dataclass
+class Run:
+    """An accepted request as its handler sees it."""
+    inflight: InFlight
+    request: GenerateRequest
+    key: ApiKey
+    deadline: float
+
+
+class Gateway:
+    def __init__(self, config: ServeConfig, model_name: str, pool: PrefillPool, engine: EngineClient,
+                 registry: InFlightRegistry, metrics: Metrics) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.pool, self.engine, self.registry, self.metrics = pool, engine, registry, metrics
+        self.keys = {k.key: k for k in config.api_keys}
+        self.content_filter = ContentFilter(config.blocked_words)
+        self.rate_limiter = RateLimiter()
+        self.shutting_down = False
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.state == "ready" and self.pool.num_ready > 0
+
+    def authenticate(self, request: web.Request) -> ApiKey:
+        if not self.keys:
+            return ANONYMOUS
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if token not in self.keys:
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           error_type="authentication_error", code="invalid_api_key")
+        return self.keys[token]
+
+    def admit(self, request: GenerateRequest, key: ApiKey) -> Run:
+        """Filters that need no model work, then queue the prompt. Raises ApiError to refuse."""
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down")
+        if self.content_filter.check(request.user_text) is not None:
+            raise ApiError(403, "the request contains blocked content", error_type="content_policy_violation",
+                           code="content_blocked")
+        if wait := self.rate_limiter.acquire(key.key, key.requests_per_minute):
+            raise ApiError(429, f"rate limit of {key.requests_per_minute} requests per minute reached",
+                           error_type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(max(1, round(wait)))})
+        if not self.ready:
+            raise ApiError(503, "the model is still loading", error_type="server_error", code="loading",
+                           headers={"Retry-After": "5"})
+        priority = request.priority if request.priority is not None else key.priority
+        prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
+        inflight = InFlight(prefix + uuid.uuid4().hex, priority)
+        job = PrefillJob(inflight.request_id, request.sampling, priority, prompt=request.prompt,
+                         messages=list(request.messages) if request.messages else None,
+                         prompt_tokens=list(request.prompt_tokens) if request.prompt_tokens else None,
+                         max_prompt_tokens=self.config.limits.max_prompt_tokens)
+        self.registry.add(inflight)
+        try:
+            self.pool.submit(job)
+        except QueueFullError as err:
+            self.registry.remove(inflight.request_id)
+            raise ApiError(429, str(err), error_type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "2"}) from None
+        return Run(inflight, request, key, time.monotonic() + self.config.limits.request_timeout_s)
+
+    async def next_event(self, run: Run) -> dict:
+        """The next engine event for this run. Prefill outcomes are absorbed; failures raise ApiError."""
+        while True:
+            remaining = run.deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
+            except asyncio.TimeoutError:
+                raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} s",
+                               error_type="server_error", code="timeout") from None
+            if isinstance(message, PrefillDone):
+                self._prefilled(run, message)
+            elif isinstance(message, PrefillFailed):
+                raise self._prefill_error(message)
+            else:
+                return self._token(run, message)
+
+    def _prefilled(self, run: Run, done: PrefillDone) -> None:
+        run.inflight.advance(RequestStatus.HANDED_OFF)
+        m = self.metrics
+        m.label(m.prompt_tokens).inc(done.num_prompt_tokens)
+        m.label(m.handoff_bytes).observe(done.handoff_bytes)
+        m.label(m.handoff_seconds).observe(done.handoff_ms / 1e3)
+
+    def _prefill_error(self, failed: PrefillFailed) -> ApiError:
+        status, error_type, code = PREFILL_FAILURES.get(failed.kind, (500, "server_error", failed.kind))
+        message = failed.message
+        if failed.kind == "prompt_too_long":
+            message = (f"the prompt has {failed.num_prompt_tokens} tokens, more than the limit of {failed.limit}")
+        return ApiError(status, message, "messages" if status == 413 else None, code, error_type)
+
+    def _token(self, run: Run, event: dict) -> dict:
+        now = time.perf_counter()
+        inflight, m = run.inflight, self.metrics
+        if event["token_ids"]:
+            if inflight.first_token_at is None:
+                inflight.first_token_at = now
+                m.label(m.ttft).observe(now - inflight.created)
+            elif inflight.last_token_at is not None:
+                m.label(m.itl).observe(now - inflight.last_token_at)
+            inflight.last_token_at = now
+            m.label(m.generation_tokens).inc(len(event["token_ids"]))
+        inflight.advance(RequestStatus.DECODING)
+        if event["finish_reason"] == "error":
+            raise ApiError(500, f"decoding failed: {event['error']}", error_type="server_error", code="decode_failed")
+        if event["finish_reason"] == "abort":
+            raise ApiError(503, "the request was aborted by the server (shutting down or restarting)",
+                           error_type="server_error", code="aborted")
+        return event
+
+    async def end(self, run: Run, status: RequestStatus, reason: str) -> None:
+        """Record the one terminal state; stop any work still going on for the request."""
+        inflight = run.inflight
+        was = inflight.status
+        if not inflight.advance(status):
+            return
+        if status is not RequestStatus.FINISHED:
+            if was <= RequestStatus.PREFILLING:
+                await self.pool.cancel(inflight.request_id)
+            await self.engine.abort(inflight.request_id)  # also covers a handoff still in flight
+        self.registry.remove(inflight.request_id)
+        m = self.metrics
+        m.label(m.e2e).observe(time.perf_counter() - inflight.created)
+        if status is RequestStatus.FAILED:
+            m.label(m.failed).inc()
+        m.label(m.finished, finished_reason=reason).inc()
+        log.info("request %s %s (%s) after %.2f s", inflight.request_id, status.name.lower(), reason,
+                 time.perf_counter() - inflight.created)
+
+    def refresh_metrics(self) -> None:
+        m, stats = self.metrics, self.engine.stats or {}
+        m.label(m.prefill_queue).set(self.pool.queue_length)
+        m.label(m.prefill_tps).set(self.pool.tokens_per_s)
+        waiting_prefill = self.registry.count(RequestStatus.WAITING) + self.registry.count(RequestStatus.PREFILLING)
+        m.label(m.waiting).set(waiting_prefill + stats.get("num_waiting", 0))
+        m.label(m.running).set(stats.get("num_running", 0))
+        used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
+        m.label(m.kv_blocks_used).set(used)
+        m.label(m.kv_blocks_total).set(total)
+        m.label(m.kv_usage).set(used / total if total else 0.0)
+        m.label(m.preemptions).set(stats.get("num_preemptions", 0))
+        m.label(m.decode_tps).set(stats.get("tokens_per_s", 0.0))

@@ -1,0 +1,51 @@
+"""Prometheus metrics, with vLLM's names where one exists (so existing dashboards work) and edge:* for the rest."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge("vllm:num_requests_running", "Requests decoding in the engine", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (prefill queue and engine queue)",
+                             labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", labels, registry=r)
+        self.kv_blocks_used = Gauge("edge:kv_cache_blocks_used", "KV cache blocks in use", labels, registry=r)
+        self.kv_blocks_total = Gauge("edge:kv_cache_blocks_total", "KV cache blocks in the pool", labels, registry=r)
+        self.preemptions = Gauge("vllm:num_preemptions_total", "Preemptions since the engine started", labels,
+                                 registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a stream", labels,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
+        self.finished = Counter("vllm:request_success", "Finished requests by finish reason",
+                                labels + ["finished_reason"], registry=r)
+        self.rejected = Counter("edge:requests_rejected", "Requests refused before model work, by reason",
+                                labels + ["reason"], registry=r)
+        self.failed = Counter("edge:requests_failed", "Accepted requests that ended in an error", labels, registry=r)
+        self.prefill_queue = Gauge("edge:prefill_queue_length", "Prompts waiting for a prefill worker", labels,
+                                   registry=r)
+        self.prefill_tps = Gauge("edge:prefill_tokens_per_second", "Recent llama.cpp prefill speed", labels,
+                                 registry=r)
+        self.handoff_bytes = Histogram("edge:handoff_bytes", "KV handoff message size", labels,
+                                       buckets=(1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8), registry=r)
+        self.handoff_seconds = Histogram("edge:handoff_seconds", "KV export, encode and send time", labels,
+                                         buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=r)
+        self.decode_tps = Gauge("edge:decode_tokens_per_second", "Recent decode throughput", labels, registry=r)
+
+    def label(self, metric, **extra):
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

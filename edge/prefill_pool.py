@@ -1,0 +1,152 @@
+"""The gateway's prefill queue (ordered by priority, then arrival) and its connections to prefill workers.
+
+A worker gets one job at a time; when it answers, the best waiting job goes to it. A worker whose
+connection drops fails its current job with a clear error and is reconnected when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass
+
+from edge.lifecycle import InFlightRegistry, RequestStatus
+from edge.protocol import (CancelPrefill, Hello, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus,
+                           open_connection, read_message, send_message)
+
+log = logging.getLogger("edge.prefill_pool")
+
+
+class QueueFullError(RuntimeError):
+    """The prefill queue is at its limit."""
+
+
+@dataclass
+class WorkerClient:
+    name: str
+    address: str
+    writer: asyncio.StreamWriter | None = None
+    state: str = "connecting"  # connecting | ready | down
+    current: str | None = None  # request id being prefilled
+    info: WorkerStatus | None = None
+    completed: int = 0
+
+
+class PrefillPool:
+    def __init__(self, addresses: dict[str, str], registry: InFlightRegistry, queue_limit: int,
+                 on_done=None) -> None:
+        self.workers = {name: WorkerClient(name, address) for name, address in addresses.items()}
+        self.registry = registry
+        self.queue_limit = queue_limit
+        self.queue: list[tuple[int, int, PrefillJob]] = []
+        self.counter = itertools.count()
+        self.on_done = on_done  # callback(PrefillDone) for metrics
+        self.tokens_per_s = 0.0
+        self.closing = False  # set at shutdown: dropped connections are then expected
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.queue)
+
+    @property
+    def num_ready(self) -> int:
+        return sum(1 for w in self.workers.values() if w.state == "ready")
+
+    def submit(self, job: PrefillJob) -> None:
+        if len(self.queue) >= self.queue_limit:
+            raise QueueFullError(f"the prefill queue is full ({self.queue_limit} prompts waiting)")
+        heapq.heappush(self.queue, (job.priority, next(self.counter), job))
+        self._dispatch()
+
+    async def cancel(self, request_id: str) -> None:
+        before = len(self.queue)
+        self.queue = [item for item in self.queue if item[2].request_id != request_id]
+        if len(self.queue) != before:
+            heapq.heapify(self.queue)
+            return
+        for worker in self.workers.values():
+            if worker.current == request_id and worker.writer is not None:
+                try:
+                    await send_message(worker.writer, CancelPrefill(request_id))
+                except ConnectionError:
+                    pass
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._maintain(w) for w in self.workers.values()))
+
+    async def _maintain(self, worker: WorkerClient) -> None:
+        while True:
+            try:
+                reader, writer = await open_connection(worker.address)
+            except (FileNotFoundError, ConnectionError, OSError):
+                await asyncio.sleep(0.2)
+                continue
+            await send_message(writer, Hello("gateway"))
+            worker.writer = writer
+            try:
+                await self._serve(worker, reader)
+            finally:
+                self._lost(worker)
+                writer.close()
+            await asyncio.sleep(0.2)
+
+    async def _serve(self, worker: WorkerClient, reader: asyncio.StreamReader) -> None:
+        while (message := await read_message(reader)) is not None:
+            if isinstance(message, WorkerStatus):
+                worker.info, worker.state = message, "ready"
+                log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)
+            elif isinstance(message, (PrefillDone, PrefillFailed)):
+                if worker.current == message.request_id:
+                    worker.current = None
+                worker.completed += 1
+                if isinstance(message, PrefillDone):
+                    self._record(message)
+                self.registry.deliver(message.request_id, message)
+            self._dispatch()
+
+    def _lost(self, worker: WorkerClient) -> None:
+        if worker.state != "down" and not self.closing:
+            log.error("lost prefill worker %s", worker.name)
+        worker.state, worker.writer = "down", None
+        if worker.current is not None:
+            self.registry.deliver(worker.current, PrefillFailed(
+                worker.current, "worker_died", f"prefill worker {worker.name} died while prefilling this request"))
+            worker.current = None
+
+    def _record(self, done: PrefillDone) -> None:
+        if done.prefill_ms > 0:
+            rate = done.num_prompt_tokens / (done.prefill_ms / 1e3)
+            self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.7 * self.tokens_per_s + 0.3 * rate
+        if self.on_done:
+            self.on_done(done)
+
+    def _dispatch(self) -> None:
+        for worker in self.workers.values():
+            if worker.state != "ready" or worker.current is not None:
+                continue
+            job = self._next_live_job()
+            if job is None:
+                return
+            worker.current = job.request_id
+            request = self.registry.get(job.request_id)
+            request.advance(RequestStatus.PREFILLING)
+            request.worker = worker.name
+            asyncio.ensure_future(self._send(worker, job))
+
+    def _next_live_job(self) -> PrefillJob | None:
+        while self.queue:
+            _, _, job = heapq.heappop(self.queue)
+            request = self.registry.get(job.request_id)
+            if request is not None and not request.status.terminal:
+                return job
+        return None
+
+    async def _send(self, worker: WorkerClient, job: PrefillJob) -> None:
+        try:
+            await send_message(worker.writer, job)
+        except (ConnectionError, AttributeError):
+            self._lost(worker)
+
+

@@ -1,0 +1,151 @@
+"""HTTP routes: the OpenAI API, /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from edge.gateway import Gateway, Run
+from edge.lifecycle import RequestStatus
+from edge.openai_api import ApiError, parse_request
+from edge.responses import Completion, sse
+from edge.state import GATEWAY, SUPERVISOR
+
+log = logging.getLogger("edge.routes")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    gateway: Gateway = request.app[GATEWAY]
+    try:
+        key = gateway.authenticate(request)
+        body = await _read_json(request, gateway)
+        run = gateway.admit(parse_request(body, kind, gateway.config.limits, {gateway.model_name}), key)
+    except ApiError as err:
+        gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
+        return err.response()
+    completion = Completion(run.inflight.request_id, run.request, gateway.model_name)
+    status, reason = RequestStatus.ABORTED, "abort"
+    try:
+        if run.request.stream:
+            response = await _stream(request, gateway, run, completion)
+        else:
+            response = await _collect(gateway, run, completion)
+        if completion.finish_reason in ("stop", "length"):
+            status, reason = RequestStatus.FINISHED, completion.finish_reason
+        elif completion.error is not None and completion.error.code != "aborted":
+            status, reason = RequestStatus.FAILED, "error"
+        return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        status, reason = RequestStatus.ABORTED, "abort"  # the client went away
+        raise
+    finally:
+        await asyncio.shield(gateway.end(run, status, reason))
+
+
+async def _read_json(request: web.Request, gateway: Gateway):
+    limits = gateway.config.limits
+    if request.content_length is not None and request.content_length > limits.max_body_bytes:
+        raise ApiError(413, f"the body has {request.content_length} bytes, more than the limit of "
+                            f"{limits.max_body_bytes}", code="body_too_large")
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout=limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {limits.body_timeout_s:.0f} s",
+                       code="body_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the body is larger than the limit of {limits.max_body_bytes} bytes",
+                       code="body_too_large") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def _collect(gateway: Gateway, run: Run, completion: Completion) -> web.Response:
+    try:
+        while completion.finish_reason is None:
+            completion.add(await gateway.next_event(run))
+    except ApiError as err:
+        completion.error = err
+        return err.response()
+    return web.json_response(completion.body())
+
+
+async def _stream(request: web.Request, gateway: Gateway, run: Run, completion: Completion) -> web.StreamResponse:
+    try:
+        first = await gateway.next_event(run)  # headers wait for the first token, so errors keep their status
+    except ApiError as err:
+        completion.error = err
+        return err.response()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": run.inflight.request_id})
+    await response.prepare(request)
+    event = first
+    try:
+        while True:
+            completion.add(event)
+            if (chunk := completion.chunk(event)) is not None:
+                await response.write(sse(chunk))
+            if completion.finish_reason is not None:
+                break
+            event = await gateway.next_event(run)
+        if run.request.include_usage:
+            await response.write(sse(completion.usage_chunk()))
+    except ApiError as err:  # after the headers: the error travels in the stream, then it ends
+        completion.finish_reason, completion.error = None, err
+        await response.write(sse({"error": {"message": err.message, "type": err.error_type, "param": None,
+                                            "code": err.code}}))
+    await response.write(sse("[DONE]"))
+    await response.write_eof()
+    return response
+
+
+async def models(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app[GATEWAY]
+    try:
+        gateway.authenticate(request)
+    except ApiError as err:
+        return err.response()
+    return web.json_response({"object": "list", "data": [
+        {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "edge"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app[GATEWAY]
+    components = {"decode_engine": gateway.engine.state}
+    components.update({name: w.state for name, w in gateway.pool.workers.items()})
+    supervisor = request.app.get(SUPERVISOR)
+    processes = {name: {"state": c.state, "restarts": c.restarts, "last_exit": c.last_exit}
+                 for name, c in supervisor.children.items()} if supervisor else {}
+    ready = gateway.ready and not gateway.shutting_down
+    degraded = ready and any(state != "ready" for state in components.values())
+    body = {"status": "degraded" if degraded else "ok" if ready else "loading" if not gateway.shutting_down
+            else "shutting_down", "model": gateway.model_name, "components": components, "processes": processes,
+            "prefill_queue": gateway.pool.queue_length, "engine": gateway.engine.stats}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app[GATEWAY]
+    gateway.refresh_metrics()
+    return web.Response(body=gateway.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,11 @@
+"""aiohttp application keys: all gateway state lives under these, none in module globals."""
+
+from aiohttp import web
+
+from edge.config import ServeConfig
+from edge.gateway import Gateway
+from edge.launcher import Supervisor
+
+CONFIG = web.AppKey("config", ServeConfig)
+GATEWAY = web.AppKey("gateway", Gateway)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)

@@ -127,7 +127,8 @@ async def health(request: web.Request) -> web.Response:
     components = {"decode_engine": gateway.engine.state}
     components.update({name: w.state for name, w in gateway.pool.workers.items()})
     supervisor = request.app.get(SUPERVISOR)
-    processes = {name: {"state": c.state, "restarts": c.restarts, "last_exit": c.last_exit}
+    processes = {name: {"state": c.state, "pid": c.process.pid if c.process else None, "restarts": c.restarts,
+                        "last_exit": c.last_exit}
                  for name, c in supervisor.children.items()} if supervisor else {}
     ready = gateway.ready and not gateway.shutting_down
     degraded = ready and any(state != "ready" for state in components.values())

@@ -1,0 +1,78 @@
+"""Start the real service (`edge serve`) as a subprocess for end-to-end tests, and stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, config_text: str, workdir: Path) -> None:
+        self.port = free_port()
+        self.config = workdir / "serve.toml"
+        self.config.write_text(config_text)
+        self.log_path = workdir / "serve.log"
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 300.0) -> "ServerProcess":
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", "--config", str(self.config),
+                                         "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not healthy in {timeout_s} s:\n{self.log_path.read_text()[-3000:]}")
+
+    def health(self) -> dict:
+        return httpx.get(self.base + "/health", timeout=5).json()
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.base + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def child_pids(self) -> list[int]:
+        return [p["pid"] for p in self.health()["processes"].values() if p["pid"]]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; only its parent has not reaped it yet
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,215 @@
+"""End to end: the real service (gateway, llama.cpp prefill worker, decode engine) on the embedded model,
+driven by the official openai client and by raw HTTP for every bad input."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_process import ServerProcess, pid_alive
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+KEY, LIMITED_KEY = "test-key", "limited-key"
+CONFIG = f"""
+kv_cache_tokens = 8192
+blocked_words = ["forbidden"]
+[limits]
+max_body_bytes = 65536
+max_prompt_tokens = 1024
+max_tokens = 512
+prefill_queue_size = 4
+shutdown_grace_s = 1.0
+[[api_keys]]
+key = "{KEY}"
+[[api_keys]]
+key = "{LIMITED_KEY}"
+requests_per_minute = 2
+"""
+LONG_TEXT = "The appliance serves many users behind a firewall, and every one of them expects answers. " * 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("serve")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path, body=None, key=KEY, raw=None, headers=None):
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(server.base + path, json=body if raw is None else None, content=raw, headers=headers,
+                      timeout=120)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = server.health()
+    assert health["status"] == "ok" and health["components"]["decode_engine"] == "ready"
+
+
+def test_chat_and_completions_with_the_openai_client(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens <= 8 and chat.usage.prompt_tokens > 5
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                           temperature=0, logprobs=2)
+    assert completion.choices[0].text.strip() and completion.usage.completion_tokens == 6
+    assert len(completion.choices[0].logprobs.token_logprobs) == 6
+    assert all(len(top) == 2 for top in completion.choices[0].logprobs.top_logprobs)
+
+
+def test_streaming_with_the_openai_client(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=10, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    assert chunks[-2].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = list(client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=5, temperature=0,
+                                              stream=True))
+    assert text and "".join(c.choices[0].text for c in streamed)
+
+
+def test_greedy_output_is_reproducible_and_seeded_sampling_too(client):
+    def ask(**kw):
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, **kw).choices[0].text
+    assert ask(temperature=0) == ask(temperature=0)
+    assert ask(temperature=0.9, seed=7) == ask(temperature=0.9, seed=7)
+
+
+def test_stop_strings_end_the_answer(client):
+    text = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
+                                     stop=[" 7"]).choices[0]
+    assert " 7" not in text.text and text.finish_reason == "stop"
+
+
+BAD_INPUTS = [
+    ("malformed json", dict(raw=b"{not json"), 400, "invalid_json"),
+    ("body not an object", dict(body=[1, 2]), 400, None),
+    ("unknown model", dict(body={"model": "gpt-9", "prompt": "hi"}), 400, "model_not_found"),
+    ("missing prompt", dict(body={"model": MODEL}), 400, "missing_required_parameter"),
+    ("wrong type max_tokens", dict(body={"model": MODEL, "prompt": "hi", "max_tokens": "ten"}), 400, "invalid_type"),
+    ("max_tokens too big", dict(body={"model": MODEL, "prompt": "hi", "max_tokens": 100000}), 400, "invalid_value"),
+    ("temperature out of range", dict(body={"model": MODEL, "prompt": "hi", "temperature": 3}), 400, "invalid_value"),
+    ("top_p zero", dict(body={"model": MODEL, "prompt": "hi", "top_p": 0}), 400, "invalid_value"),
+    ("n above one", dict(body={"model": MODEL, "prompt": "hi", "n": 2}), 400, "unsupported_parameter"),
+    ("stream not bool", dict(body={"model": MODEL, "prompt": "hi", "stream": "yes"}), 400, "invalid_type"),
+    ("body too large", dict(body={"model": MODEL, "prompt": "x" * 70000}), 413, "body_too_large"),
+    ("prompt over token limit", dict(body={"model": MODEL, "prompt": LONG_TEXT * 6}), 413, "context_length_exceeded"),
+    ("blocked content", dict(body={"model": MODEL, "prompt": "say F O R\u200bB I D D E N"}), 403, "content_blocked"),
+    ("blocked full-width", dict(body={"model": MODEL, "prompt": "ｆｏｒｂｉｄｄｅｎ words"}), 403, "content_blocked"),
+    ("missing key", dict(body={"model": MODEL, "prompt": "hi"}, key=None), 401, "invalid_api_key"),
+    ("wrong key", dict(body={"model": MODEL, "prompt": "hi"}, key="nope"), 401, "invalid_api_key"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,status,code", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_its_status_and_an_openai_error(server, name, kwargs, status, code):
+    response = post(server, "/v1/completions", **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and "param" in error
+    if code:
+        assert error["code"] == code
+    if status == 413 and code == "context_length_exceeded":
+        assert "limit of 1024" in error["message"] and "tokens" in error["message"]
+
+
+def test_chat_with_bad_messages(server):
+    response = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages[0]"
+
+
+def test_rate_limit_answers_429_with_retry_after(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    statuses = [post(server, "/v1/completions", body, key=LIMITED_KEY) for _ in range(3)]
+    assert [r.status_code for r in statuses[:2]] == [200, 200]
+    assert statuses[2].status_code == 429 and int(statuses[2].headers["Retry-After"]) >= 1
+
+
+def test_full_prefill_queue_answers_429(server):
+    body = {"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 1}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(post(server, "/v1/completions", body)))
+               for _ in range(9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(r.status_code for r in results)
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in results if r.status_code == 429)
+
+
+def wait_for(predicate, timeout_s: float, interval=0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def test_closing_a_stream_frees_its_kv_blocks(server, client):
+    with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 400, "stream": True},
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert wait_for(lambda: server.metric("edge:kv_cache_blocks_used") > 0, 5)
+    closed = time.monotonic()
+    assert wait_for(lambda: server.metric("edge:kv_cache_blocks_used") == 0, 3)
+    assert time.monotonic() - closed < 1.5  # freed within about a second (metrics refresh every 0.5 s)
+    assert client.completions.create(model=MODEL, prompt="Next request", max_tokens=3).choices[0].text is not None
+
+
+def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, client):
+    worker_pid = server.health()["processes"]["prefill-0"]["pid"]
+    results = []
+    thread = threading.Thread(target=lambda: results.append(post(server, "/v1/completions", {
+        "model": MODEL, "prompt": LONG_TEXT * 4, "max_tokens": 4})))
+    thread.start()
+    time.sleep(0.8)  # the ~800-token prompt takes seconds to prefill on two cores
+    os.kill(worker_pid, signal.SIGKILL)
+    thread.join(60)
+    assert results[0].status_code == 503 and results[0].json()["error"]["code"] == "prefill_worker_died"
+    assert wait_for(lambda: server.health()["components"]["prefill-0"] == "ready", 60, 0.5)
+    assert server.health()["processes"]["prefill-0"]["restarts"] >= 1
+    assert client.completions.create(model=MODEL, prompt="Back again", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
+    server = ServerProcess(CONFIG, tmp_path).start()
+    children = server.child_pids()
+    assert len(children) == 2
+    lines: list[str] = []
+
+    def read_stream():
+        with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 500, "stream": True},
+                          timeout=60) as response:
+            lines.extend(response.iter_lines())
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert wait_for(lambda: len(lines) > 4, 30)
+    assert server.stop() == 0
+    reader.join(30)
+    data = [line for line in lines if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    assert '"code": "aborted"' in data[-2] or '"finish_reason": "length"' in data[-2]
+    assert wait_for(lambda: not any(pid_alive(pid) for pid in children), 10)

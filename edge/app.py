@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import tempfile
 from pathlib import Path
 
 from aiohttp import web
 
-from edge.config import ServeConfig, default_threads
+from edge.config import ServeConfig, default_threads, policy_path
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
 from edge.launcher import Supervisor
@@ -18,7 +19,10 @@ from edge.lifecycle import InFlightRegistry
 from edge.metrics import Metrics
 from edge.prefill_pool import PrefillPool
 from edge.routes import add_routes
-from edge.state import CONFIG, GATEWAY, SUPERVISOR
+from edge.state import CONFIG, GATEWAY, RELOADER, SUPERVISOR
+from policies.enforcer import PolicyEnforcer
+from policies.loader import load_policy
+from policies.reloader import PolicyReloader
 from prefill_cpu.embedded_model import embedded_model_path
 
 log = logging.getLogger("edge.app")
@@ -40,14 +44,17 @@ def make_app(config: ServeConfig) -> web.Application:
     registry = InFlightRegistry()
     pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size)
     engine = EngineClient(engine_address, registry)
-    gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name))
+    enforcer = PolicyEnforcer(load_policy(policy_path(config)), config.limits.default_max_tokens)
+    gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[CONFIG] = config
     app[GATEWAY] = gateway
+    app[RELOADER] = PolicyReloader(policy_path(config), enforcer)
     if config.launch:
         app[SUPERVISOR] = Supervisor()
         app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses))
     app.cleanup_ctx.append(_connections)
+    app.cleanup_ctx.append(_policy_loop)
     app.on_shutdown.append(_drain)
     add_routes(app)
     return app
@@ -81,6 +88,30 @@ async def _connections(app: web.Application):
     gateway.engine.closing = gateway.pool.closing = True
     for task in tasks:
         task.cancel()
+
+
+async def _policy_loop(app: web.Application):
+    """Feed load signals to the tier evaluator twice a second; reload the policy file on change or SIGHUP."""
+    gateway, reloader = app[GATEWAY], app[RELOADER]
+    loop = asyncio.get_running_loop()
+
+    def reload_now() -> None:
+        if reloader.reload() is False:
+            gateway.metrics.label(gateway.metrics.policy_reload_failures).inc()
+    loop.add_signal_handler(signal.SIGHUP, reload_now)
+
+    async def run() -> None:
+        ticks = 0
+        while True:
+            await asyncio.sleep(0.5)
+            gateway.update_policy_signals()
+            ticks += 1
+            if ticks % 2 == 0 and reloader.poll() is False:
+                gateway.metrics.label(gateway.metrics.policy_reload_failures).inc()
+    task = asyncio.create_task(run())
+    yield
+    task.cancel()
+    loop.remove_signal_handler(signal.SIGHUP)
 
 
 async def _drain(app: web.Application) -> None:

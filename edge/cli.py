@@ -8,7 +8,8 @@ import sys
 
 from aiohttp import web
 
-from edge.config import ConfigError, load_config
+from edge.config import ConfigError, load_config, policy_path
+from policies.loader import PolicyError, load_policy
 
 
 def main(argv=None) -> None:
@@ -29,7 +30,8 @@ def main(argv=None) -> None:
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)
-    except ConfigError as err:
+        load_policy(policy_path(config))  # refuse a bad policy before starting anything
+    except (ConfigError, PolicyError) as err:
         sys.exit(f"edge: {err}")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
     from edge.app import make_app  # after logging is set up: loading the app logs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from pathlib import Path
 from dataclasses import dataclass, field
 
 
@@ -13,19 +14,9 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ApiKey:
-    key: str
-    name: str = ""
-    priority: int = 0  # default priority of this key's requests
-    requests_per_minute: int = 0  # 0: unlimited
-
-
-@dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int = 2048
-    default_max_tokens: int = 256
-    max_tokens: int = 2048  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when a request gives none (the policy caps what it may ask for)
     prefill_queue_size: int = 64  # waiting prompts beyond this get 429
     header_timeout_s: float = 10.0  # a client must send its headers within this
     body_timeout_s: float = 30.0  # ... and its body within this
@@ -52,23 +43,21 @@ class ServeConfig:
     run_dir: str = ""  # where local sockets live; "" -> a fresh temporary directory
     engine_address: str = ""  # "" -> unix socket in run_dir
     worker_addresses: tuple[str, ...] = ()  # "" -> unix sockets in run_dir
-    policy: str | None = None  # policy file (filters, classes, degradation tiers)
+    policy: str = ""  # policy file: filters, API keys, classes, degradation tiers; "" -> policies/default.toml
     limits: Limits = field(default_factory=Limits)
-    api_keys: tuple[ApiKey, ...] = ()
-    blocked_words: tuple[str, ...] = ()
     log_level: str = "INFO"
 
 
 def load_config(path: str | None, overrides: dict) -> ServeConfig:
     data = _read_toml(path) if path else {}
     limits = Limits(**_section(data.pop("limits", {}), Limits, path, "limits"))
-    keys = tuple(ApiKey(**_section(k, ApiKey, path, f"api_keys[{i}]")) for i, k in enumerate(data.pop("api_keys", [])))
     values = _section(data, ServeConfig, path, "")
     values.update({k: v for k, v in overrides.items() if v is not None})
-    for name in ("worker_addresses", "blocked_words"):
-        if name in values:
-            values[name] = tuple(values[name])
-    return ServeConfig(**values, limits=limits, api_keys=keys)
+    if "worker_addresses" in values:
+        values["worker_addresses"] = tuple(values["worker_addresses"])
+    if path and values.get("policy") and not os.path.isabs(values["policy"]):
+        values["policy"] = os.path.join(os.path.dirname(os.path.abspath(path)), values["policy"])
+    return ServeConfig(**values, limits=limits)
 
 
 def _read_toml(path: str) -> dict:
@@ -86,10 +75,14 @@ def _section(data: dict, cls, path: str | None, where: str) -> dict:
         raise ConfigError(f"{path}: {where or 'top level'} must be a table")
     known = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in data.items():
-        if key not in known or key in ("limits", "api_keys"):
+        if key not in known or key == "limits":
             raise ConfigError(f"{path}: unknown key {'.'.join(filter(None, [where, key]))!r}; "
-                              f"known: {sorted(k for k in known if k not in ('limits', 'api_keys'))}")
+                              f"known: {sorted(k for k in known if k != 'limits')}")
     return dict(data)
+
+
+def policy_path(config: ServeConfig) -> str:
+    return config.policy or str(Path(__file__).resolve().parent.parent / "policies" / "default.toml")
 
 
 def default_threads(config: ServeConfig) -> int:

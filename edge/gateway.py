@@ -7,6 +7,7 @@ Every accepted request is in the InFlightRegistry until it reaches exactly one t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -14,18 +15,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from edge.config import ApiKey, ServeConfig
+from edge.config import ServeConfig
 from edge.engine_client import EngineClient
 from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
 from edge.metrics import Metrics
 from edge.openai_api import ApiError, GenerateRequest
 from edge.prefill_pool import PrefillPool, QueueFullError
 from edge.protocol import PrefillDone, PrefillFailed, PrefillJob
-from policies.content_filter import ContentFilter
-from policies.rate_limit import RateLimiter
+from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
+from policies.signals import TTFTWindow, box_signals
 
 log = logging.getLogger("edge.gateway")
-ANONYMOUS = ApiKey(key="", name="anonymous")
 PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, code)
     "prompt_too_long": (413, "invalid_request_error", "context_length_exceeded"),
     "bad_prompt": (400, "invalid_request_error", "invalid_prompt"),
@@ -39,57 +39,71 @@ PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, 
 class Run:
     """An accepted request as its handler sees it."""
     inflight: InFlight
-    request: GenerateRequest
-    key: ApiKey
+    request: GenerateRequest  # with the policy's decisions applied to its sampling
+    decision: Decision
     deadline: float
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Tell the client what the policy did to its request."""
+        headers = {"X-Request-Id": self.inflight.request_id, "X-Edge-Tier": self.decision.tier,
+                   "X-Edge-Class": self.decision.client_class}
+        if self.decision.notes:
+            headers["X-Edge-Degraded"] = "; ".join(self.decision.notes)
+        return headers
 
 
 class Gateway:
     def __init__(self, config: ServeConfig, model_name: str, pool: PrefillPool, engine: EngineClient,
-                 registry: InFlightRegistry, metrics: Metrics) -> None:
+                 registry: InFlightRegistry, metrics: Metrics, enforcer: PolicyEnforcer) -> None:
         self.config = config
         self.model_name = model_name
         self.pool, self.engine, self.registry, self.metrics = pool, engine, registry, metrics
-        self.keys = {k.key: k for k in config.api_keys}
-        self.content_filter = ContentFilter(config.blocked_words)
-        self.rate_limiter = RateLimiter()
+        self.enforcer = enforcer
+        self.ttft_window = TTFTWindow()
         self.shutting_down = False
 
     @property
     def ready(self) -> bool:
         return self.engine.state == "ready" and self.pool.num_ready > 0
 
-    def authenticate(self, request: web.Request) -> ApiKey:
-        if not self.keys:
-            return ANONYMOUS
-        header = request.headers.get("Authorization", "")
-        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if token not in self.keys:
+    def check_key(self, request: web.Request) -> None:
+        """For routes without a body (/v1/models): only the API key matters."""
+        if self.enforcer.auth_required and _bearer(request) not in self.enforcer.policy.keys:
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                            error_type="authentication_error", code="invalid_api_key")
-        return self.keys[token]
 
-    def admit(self, request: GenerateRequest, key: ApiKey) -> Run:
-        """Filters that need no model work, then queue the prompt. Raises ApiError to refuse."""
+    def admit(self, http: web.Request, request: GenerateRequest) -> Run:
+        """The policy decides (auth, class, filters, limits, degradation), then the prompt is queued.
+        Raises ApiError to refuse; nothing has touched a model yet."""
         if self.shutting_down:
             raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down")
-        if self.content_filter.check(request.user_text) is not None:
-            raise ApiError(403, "the request contains blocked content", error_type="content_policy_violation",
-                           code="content_blocked")
-        if wait := self.rate_limiter.acquire(key.key, key.requests_per_minute):
-            raise ApiError(429, f"rate limit of {key.requests_per_minute} requests per minute reached",
-                           error_type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(max(1, round(wait)))})
+        tenant = http.headers.get(self.enforcer.policy.tenant_header) if self.enforcer.policy.tenant_header else None
+        facts = RequestFacts(_bearer(http), tenant, request.model, request.user_text,
+                             request.sampling["max_tokens"], request.sampling["logprobs"])
+        try:
+            decision = self.enforcer.decide(facts, {self.model_name})
+        except PolicyRejection as err:
+            raise _api_error(err) from None
+        try:
+            return self._queue(request, decision)
+        except ApiError:
+            self.enforcer.release(decision)
+            raise
+
+    def _queue(self, request: GenerateRequest, decision: Decision) -> Run:
         if not self.ready:
             raise ApiError(503, "the model is still loading", error_type="server_error", code="loading",
                            headers={"Retry-After": "5"})
-        priority = request.priority if request.priority is not None else key.priority
+        priority = request.priority if request.priority is not None else decision.priority
+        sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
+        request = dataclasses.replace(request, sampling=sampling)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
         inflight = InFlight(prefix + uuid.uuid4().hex, priority)
-        job = PrefillJob(inflight.request_id, request.sampling, priority, prompt=request.prompt,
+        job = PrefillJob(inflight.request_id, sampling, priority, prompt=request.prompt,
                          messages=list(request.messages) if request.messages else None,
                          prompt_tokens=list(request.prompt_tokens) if request.prompt_tokens else None,
-                         max_prompt_tokens=self.config.limits.max_prompt_tokens)
+                         max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type)
         self.registry.add(inflight)
         try:
             self.pool.submit(job)
@@ -97,7 +111,19 @@ class Gateway:
             self.registry.remove(inflight.request_id)
             raise ApiError(429, str(err), error_type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "2"}) from None
-        return Run(inflight, request, key, time.monotonic() + self.config.limits.request_timeout_s)
+        return Run(inflight, request, decision, time.monotonic() + self.config.limits.request_timeout_s)
+
+    def update_policy_signals(self) -> None:
+        stats = self.engine.stats or {}
+        total = stats.get("kv_blocks_total", 0)
+        waiting = self.registry.count(RequestStatus.WAITING) + self.registry.count(RequestStatus.PREFILLING)
+        signals = {"kv_cache_usage": stats.get("kv_blocks_used", 0) / total if total else 0.0,
+                   "waiting_requests": float(waiting + stats.get("num_waiting", 0)),
+                   "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
+                   **box_signals()}
+        if (transition := self.enforcer.update_signals(signals)) is not None:
+            m = self.metrics
+            m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
 
     async def next_event(self, run: Run) -> dict:
         """The next engine event for this run. Prefill outcomes are absorbed; failures raise ApiError."""
@@ -136,6 +162,7 @@ class Gateway:
             if inflight.first_token_at is None:
                 inflight.first_token_at = now
                 m.label(m.ttft).observe(now - inflight.created)
+                self.ttft_window.add(now - inflight.created)
             elif inflight.last_token_at is not None:
                 m.label(m.itl).observe(now - inflight.last_token_at)
             inflight.last_token_at = now
@@ -154,6 +181,7 @@ class Gateway:
         was = inflight.status
         if not inflight.advance(status):
             return
+        self.enforcer.release(run.decision)
         if status is not RequestStatus.FINISHED:
             if was <= RequestStatus.PREFILLING:
                 await self.pool.cancel(inflight.request_id)
@@ -180,3 +208,16 @@ class Gateway:
         m.label(m.kv_usage).set(used / total if total else 0.0)
         m.label(m.preemptions).set(stats.get("num_preemptions", 0))
         m.label(m.decode_tps).set(stats.get("tokens_per_s", 0.0))
+        m.label(m.tier).set(self.enforcer.evaluator.state.index + 1)
+
+
+def _bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    return header[7:].strip() if header.lower().startswith("bearer ") else None
+
+
+def _api_error(err: PolicyRejection) -> ApiError:
+    error_type = {401: "authentication_error", 403: "content_policy_violation", 429: "rate_limit_error",
+                  503: "server_error"}.get(err.status, "invalid_request_error")
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else {}
+    return ApiError(err.status, err.message, err.param, err.code, error_type, headers)

@@ -42,6 +42,12 @@ class Metrics:
                                        buckets=(1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8), registry=r)
         self.handoff_seconds = Histogram("edge:handoff_seconds", "KV export, encode and send time", labels,
                                          buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1), registry=r)
+        self.tier = Gauge("edge:degradation_tier", "Degradation tier in force: 0 normal, n the n-th tier of the policy",
+                          labels, registry=r)
+        self.tier_transitions = Counter("edge:degradation_tier_transitions", "Tier changes",
+                                        labels + ["before", "after"], registry=r)
+        self.policy_reload_failures = Counter("edge:policy_reload_failures", "Policy files refused on reload",
+                                              labels, registry=r)
         self.decode_tps = Gauge("edge:decode_tokens_per_second", "Recent decode throughput", labels, registry=r)
 
     def label(self, metric, **extra):

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from edge.config import Limits
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 UNSUPPORTED_IF_SET = {"n": 1, "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
@@ -32,7 +31,7 @@ class ApiError(Exception):
 class GenerateRequest:
     kind: str  # "chat" or "completion"
     model: str
-    sampling: dict  # prefill_cpu.handoff.SamplingParams fields
+    sampling: dict  # prefill_cpu.handoff.SamplingParams fields (max_tokens None until the policy decides)
     stream: bool
     include_usage: bool
     priority: int | None  # None: the API key's default
@@ -43,13 +42,11 @@ class GenerateRequest:
     user_text: str = ""  # every piece of client text, for content filters
 
 
-def parse_request(body, kind: str, limits: Limits, model_names: set[str]) -> GenerateRequest:
+def parse_request(body, kind: str) -> GenerateRequest:
+    """Types and ranges only; what a client may ask for (models, token limits) is the policy's call."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = _field(body, "model", str, required=True)
-    if model not in model_names:
-        raise ApiError(400, f"model {model!r} is not served here; available: {sorted(model_names)}", "model",
-                       "model_not_found")
     for name, neutral in UNSUPPORTED_IF_SET.items():
         if body.get(name, neutral) not in (neutral, None):
             raise ApiError(400, f"{name}={body[name]!r} is not supported by this server", name, "unsupported_parameter")
@@ -75,7 +72,7 @@ def parse_request(body, kind: str, limits: Limits, model_names: set[str]) -> Gen
         "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, open_low=True),
         "top_k": max(0, _int(body, "top_k", -1, 1_000_000, default=0)),
         "seed": _int(body, "seed", -2**63, 2**63 - 1, default=None),
-        "max_tokens": _max_tokens(max_tokens, limits),
+        "max_tokens": _max_tokens(max_tokens),
         "stop": _stop(body),
         "stop_token_ids": tuple(_int_list(body, "stop_token_ids")),
         "logprobs": logprobs,
@@ -112,14 +109,13 @@ def _number(body: dict, name: str, low: float, high: float, default: float, open
     return value
 
 
-def _max_tokens(value, limits: Limits) -> int:
+def _max_tokens(value) -> int | None:
     if value is None:
-        return limits.default_max_tokens
+        return None  # the policy's default applies
     if not isinstance(value, int) or isinstance(value, bool):
         raise ApiError(400, f"'max_tokens' must be an integer, not {type(value).__name__}", "max_tokens", "invalid_type")
-    if not 1 <= value <= limits.max_tokens:
-        raise ApiError(400, f"'max_tokens' must be between 1 and {limits.max_tokens}, got {value}", "max_tokens",
-                       "invalid_value")
+    if value < 1:
+        raise ApiError(400, f"'max_tokens' must be at least 1, got {value}", "max_tokens", "invalid_value")
     return value
 
 

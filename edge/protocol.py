@@ -35,6 +35,7 @@ class PrefillJob:  # gateway -> prefill worker
     messages: list | None = None  # chat messages, rendered with the GGUF's chat template
     prompt_tokens: list | None = None  # already tokenized prompt
     max_prompt_tokens: int = 2048
+    kv_type: str = ""  # "" -> the worker's configured KV type; a degradation tier may ask for "q4_0"
 
 
 @dataclass(frozen=True)

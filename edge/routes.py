@@ -13,7 +13,7 @@ from edge.gateway import Gateway, Run
 from edge.lifecycle import RequestStatus
 from edge.openai_api import ApiError, parse_request
 from edge.responses import Completion, sse
-from edge.state import GATEWAY, SUPERVISOR
+from edge.state import GATEWAY, RELOADER, SUPERVISOR
 
 log = logging.getLogger("edge.routes")
 
@@ -29,9 +29,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     gateway: Gateway = request.app[GATEWAY]
     try:
-        key = gateway.authenticate(request)
+        gateway.check_key(request)
         body = await _read_json(request, gateway)
-        run = gateway.admit(parse_request(body, kind, gateway.config.limits, {gateway.model_name}), key)
+        run = gateway.admit(request, parse_request(body, kind))
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
         return err.response()
@@ -79,8 +79,8 @@ async def _collect(gateway: Gateway, run: Run, completion: Completion) -> web.Re
             completion.add(await gateway.next_event(run))
     except ApiError as err:
         completion.error = err
-        return err.response()
-    return web.json_response(completion.body())
+        return _with_headers(err.response(), run)
+    return web.json_response(completion.body(), headers=run.headers)
 
 
 async def _stream(request: web.Request, gateway: Gateway, run: Run, completion: Completion) -> web.StreamResponse:
@@ -88,9 +88,9 @@ async def _stream(request: web.Request, gateway: Gateway, run: Run, completion: 
         first = await gateway.next_event(run)  # headers wait for the first token, so errors keep their status
     except ApiError as err:
         completion.error = err
-        return err.response()
+        return _with_headers(err.response(), run)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": run.inflight.request_id})
+                                           **run.headers})
     await response.prepare(request)
     event = first
     try:
@@ -112,10 +112,15 @@ async def _stream(request: web.Request, gateway: Gateway, run: Run, completion: 
     return response
 
 
+def _with_headers(response: web.Response, run: Run) -> web.Response:
+    response.headers.update(run.headers)
+    return response
+
+
 async def models(request: web.Request) -> web.Response:
     gateway: Gateway = request.app[GATEWAY]
     try:
-        gateway.authenticate(request)
+        gateway.check_key(request)
     except ApiError as err:
         return err.response()
     return web.json_response({"object": "list", "data": [
@@ -134,8 +139,17 @@ async def health(request: web.Request) -> web.Response:
     degraded = ready and any(state != "ready" for state in components.values())
     body = {"status": "degraded" if degraded else "ok" if ready else "loading" if not gateway.shutting_down
             else "shutting_down", "model": gateway.model_name, "components": components, "processes": processes,
-            "prefill_queue": gateway.pool.queue_length, "engine": gateway.engine.stats}
+            "prefill_queue": gateway.pool.queue_length, "engine": gateway.engine.stats, "policy": _policy_state(request)}
     return web.json_response(body, status=200 if ready else 503)
+
+
+def _policy_state(request: web.Request) -> dict:
+    gateway: Gateway = request.app[GATEWAY]
+    state = gateway.enforcer.evaluator.state
+    reloader = request.app.get(RELOADER)
+    return {"source": gateway.enforcer.policy.source, "tier": state.name, "reason": state.reason,
+            "in_tier_s": round(gateway.enforcer.clock() - state.since, 1),
+            "last_reload_error": reloader.last_error if reloader else None}
 
 
 async def metrics(request: web.Request) -> web.Response:

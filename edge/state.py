@@ -5,7 +5,9 @@ from aiohttp import web
 from edge.config import ServeConfig
 from edge.gateway import Gateway
 from edge.launcher import Supervisor
+from policies.reloader import PolicyReloader
 
 CONFIG = web.AppKey("config", ServeConfig)
 GATEWAY = web.AppKey("gateway", Gateway)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+RELOADER = web.AppKey("policy_reloader", PolicyReloader)

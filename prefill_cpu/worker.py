@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -28,6 +29,7 @@ log = logging.getLogger("prefill_cpu.worker")
 class PrefillWorker:
     def __init__(self, prefiller: Prefiller, name: str, engine_writer: asyncio.StreamWriter) -> None:
         self.prefiller = prefiller
+        self.prefillers = {prefiller.config.kv_type: prefiller}  # a degradation tier may ask for a cheaper KV type
         self.renderer = PromptRenderer(prefiller)
         self.name = name
         self.engine_writer = engine_writer
@@ -76,7 +78,8 @@ class PrefillWorker:
                                      f"the prompt has {len(tokens)} tokens; the limit is {limit}", len(tokens), limit)
             request = PrefillRequest(job.request_id, tuple(tokens), SamplingParams(**_tuples(job.sampling)),
                                      job.priority)
-            outcome = self.prefiller.prefill(request, should_cancel=lambda: job.request_id in self.cancelled)
+            outcome = self._prefiller_for(job.kv_type).prefill(
+                request, should_cancel=lambda: job.request_id in self.cancelled)
             started = time.perf_counter()
             data = encode_handoff(outcome.handoff)
             handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
@@ -88,6 +91,14 @@ class PrefillWorker:
         except Exception as err:  # the gateway must hear of every failure, whatever it is
             log.exception("prefill of %s failed", job.request_id)
             return PrefillFailed(job.request_id, "internal", f"prefill failed: {err}")
+
+    def _prefiller_for(self, kv_type: str) -> Prefiller:
+        """One llama.cpp context per KV type, created on first use (a context's KV type is fixed)."""
+        kv_type = kv_type or self.prefiller.config.kv_type
+        if kv_type not in self.prefillers:
+            log.info("creating a %s KV context for degraded requests", kv_type)
+            self.prefillers[kv_type] = Prefiller(dataclasses.replace(self.prefiller.config, kv_type=kv_type))
+        return self.prefillers[kv_type]
 
     def _tokens(self, job: PrefillJob) -> list[int]:
         if job.prompt_tokens is not None:

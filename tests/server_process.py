@@ -20,9 +20,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, config_text: str, workdir: Path) -> None:
+    def __init__(self, config_text: str, workdir: Path, policy_text: str | None = None) -> None:
         self.port = free_port()
         self.config = workdir / "serve.toml"
+        self.policy = workdir / "policy.toml"
+        if policy_text is not None:
+            self.policy.write_text(policy_text)
+            config_text = f'policy = "{self.policy}"\n' + config_text
         self.config.write_text(config_text)
         self.log_path = workdir / "serve.log"
         self.base = f"http://127.0.0.1:{self.port}"

@@ -1,0 +1,156 @@
+"""Apply a policy to one request before any model work: who is asking (class), what they may ask for,
+and what the degradation tier in force changes about it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from policies.content_filter import ContentFilter
+from policies.evaluator import TierEvaluator, TierState, Transition
+from policies.rate_limit import RateLimiter
+from policies.schema import ApiKeyRule, ClientClass, Policy
+
+
+class PolicyRejection(Exception):
+    """A request the policy refuses; the gateway turns it into an OpenAI error."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: int | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after_s, self.param = status, code, message, retry_after_s, param
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    api_key: str | None  # the bearer token, None when absent
+    tenant: str | None  # value of the policy's tenant header, if any
+    model: str
+    text: str  # all client-supplied text, for content rules
+    max_tokens: int | None  # None: not given
+    logprobs: int | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    client_class: str
+    priority: int
+    max_tokens: int
+    logprobs: int | None
+    max_prompt_tokens: int
+    kv_type: str  # "" keeps the configured KV type
+    tier: str
+    notes: tuple[str, ...]  # what degradation changed, for the client's X-Edge-Degraded header
+    ticket: tuple[str, str]  # (key, class) holding a concurrency slot until released
+
+
+class PolicyEnforcer:
+    def __init__(self, policy: Policy, default_max_tokens: int = 256, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.default_max_tokens = default_max_tokens
+        self.rate_limiter = RateLimiter(clock)
+        self.active: Counter = Counter()  # concurrency per "key:..." and "class:..."
+        self.evaluator = TierEvaluator((), clock())
+        self.install(policy)
+
+    def install(self, policy: Policy) -> None:
+        """Switch to a new policy (hot reload); the tier in force is kept when the new policy still has it."""
+        current = self.evaluator.state.name
+        self.policy = policy
+        self.content_filter = ContentFilter(policy.filters.blocked_words, policy.filters.blocked_patterns)
+        evaluator = TierEvaluator(policy.tiers, self.clock())
+        for index, tier in enumerate(policy.tiers):
+            if tier.name == current:
+                evaluator.state = TierState(index, tier.name, "kept across a policy reload",
+                                            self.evaluator.state.since)
+        evaluator.transitions = self.evaluator.transitions
+        self.evaluator = evaluator
+
+    def update_signals(self, signals: dict[str, float]) -> Transition | None:
+        return self.evaluator.update(signals, self.clock())
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.policy.keys)
+
+    def decide(self, facts: RequestFacts, served_models: set[str]) -> Decision:
+        policy, filters = self.policy, self.policy.filters
+        key_rule = self._authenticate(facts.api_key)
+        cls = self._class_for(key_rule, facts.tenant)
+        if facts.model not in served_models or (filters.allowed_models and facts.model not in filters.allowed_models):
+            allowed = sorted(set(filters.allowed_models or served_models) & served_models)
+            raise PolicyRejection(400, "model_not_found", f"model {facts.model!r} is not available; available: "
+                                  f"{allowed}", param="model")
+        if self.content_filter.check(facts.text) is not None:
+            raise PolicyRejection(403, "content_blocked", "the request contains blocked content")
+        output_limit = min(filters.max_output_tokens, cls.max_output_tokens or filters.max_output_tokens)
+        requested = facts.max_tokens if facts.max_tokens is not None else min(self.default_max_tokens, output_limit)
+        if requested > output_limit:
+            raise PolicyRejection(400, "invalid_value", f"'max_tokens' must be at most {output_limit} for class "
+                                  f"{cls.name!r}, got {requested}", param="max_tokens")
+        decision = self._degrade(cls, requested, facts.logprobs, filters.max_prompt_tokens)
+        return dataclasses.replace(decision, ticket=self._admit(key_rule, cls))
+
+    def release(self, decision: Decision) -> None:
+        for slot in decision.ticket:
+            if slot and self.active[slot] > 0:
+                self.active[slot] -= 1
+
+    def _authenticate(self, api_key: str | None) -> ApiKeyRule | None:
+        if not self.policy.keys:
+            return None
+        rule = self.policy.keys.get(api_key or "")
+        if rule is None:
+            raise PolicyRejection(401, "invalid_api_key", "missing or wrong API key (send 'Authorization: Bearer <key>')")
+        return rule
+
+    def _class_for(self, key_rule: ApiKeyRule | None, tenant: str | None) -> ClientClass:
+        policy = self.policy
+        name = key_rule.client_class if key_rule else policy.tenant_classes.get(tenant or "", policy.default_class)
+        return policy.classes[name]
+
+    def _degrade(self, cls: ClientClass, max_tokens: int, logprobs: int | None, prompt_limit: int) -> Decision:
+        tier, notes = self.evaluator.tier, []
+        kv_type = ""
+        if tier is not None:
+            actions, allowed = tier.actions, set(cls.degradable)
+            if cls.name in actions.shed_classes:
+                raise PolicyRejection(429, "shed_under_load", f"class {cls.name!r} is shed while the server is in "
+                                      f"degradation tier {tier.name!r}; retry later", actions.retry_after_s)
+            if "cap_max_tokens" in allowed and actions.cap_max_tokens and max_tokens > actions.cap_max_tokens:
+                notes.append(f"max_tokens {max_tokens}->{actions.cap_max_tokens}")
+                max_tokens = actions.cap_max_tokens
+            if "logprobs" in allowed and logprobs is not None and actions.logprobs != "allow":
+                if actions.logprobs == "refuse":
+                    raise PolicyRejection(503, "logprobs_unavailable", f"logprobs are refused while the server is in "
+                                          f"degradation tier {tier.name!r}", actions.retry_after_s, "logprobs")
+                notes.append("logprobs stripped")
+                logprobs = None
+            if "max_prompt_tokens" in allowed and actions.max_prompt_tokens:
+                prompt_limit = min(prompt_limit, actions.max_prompt_tokens)
+                notes.append(f"max_prompt_tokens {prompt_limit}")
+            if "kv_type" in allowed and actions.kv_type:
+                kv_type = actions.kv_type
+                notes.append(f"kv_type {kv_type}")
+        return Decision(cls.name, cls.priority, max_tokens, logprobs, prompt_limit, kv_type,
+                        self.evaluator.state.name, tuple(notes), ("", ""))
+
+    def _admit(self, key_rule: ApiKeyRule | None, cls: ClientClass) -> tuple[str, str]:
+        """Rate limits and concurrency caps, per key and per class; takes the concurrency slots."""
+        limits = [(f"class:{cls.name}", cls.requests_per_minute, cls.max_concurrent)]
+        if key_rule is not None:
+            limits.insert(0, (f"key:{key_rule.key}", key_rule.requests_per_minute, key_rule.max_concurrent))
+        for slot, _, cap in limits:
+            if cap and self.active[slot] >= cap:
+                raise PolicyRejection(429, "concurrency_limit", f"{slot.split(':')[0]} has {cap} requests in flight, "
+                                      "its limit", 1)
+        for slot, per_minute, _ in limits:
+            if wait := self.rate_limiter.acquire(slot, per_minute):
+                raise PolicyRejection(429, "rate_limit_exceeded", f"rate limit of {per_minute} requests per minute "
+                                      f"reached for this {slot.split(':')[0]}", max(1, round(wait)))
+        slots = tuple(slot for slot, _, _ in limits)
+        for slot in slots:
+            self.active[slot] += 1
+        return (slots + ("", ""))[:2]

@@ -1,0 +1,94 @@
+"""Which degradation tier is in force, from a stream of load signals, with hysteresis and dwell.
+
+Tiers are ordered by severity. The evaluator escalates at once to the heaviest tier whose enter
+condition holds (any signal at or above its threshold). It steps down one tier only when the current
+tier's exit condition holds (every exit signal below its threshold) and it has been in force for at
+least its min_dwell_s; so a signal hovering around one threshold cannot make it flap.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from policies.schema import Tier
+
+log = logging.getLogger("policies.evaluator")
+
+
+@dataclass(frozen=True)
+class TierState:
+    index: int  # -1: normal operation; else the index of the tier in force
+    name: str  # "normal" or the tier's name
+    reason: str  # the signals that put or kept it there
+    since: float  # clock time it entered this tier
+
+
+@dataclass(frozen=True)
+class Transition:
+    before: str
+    after: str
+    reason: str
+    signals: dict
+
+
+NORMAL = "normal"
+
+
+class TierEvaluator:
+    def __init__(self, tiers: tuple[Tier, ...], now: float = 0.0) -> None:
+        self.tiers = tiers
+        self.state = TierState(-1, NORMAL, "no tier condition holds", now)
+        self.transitions: list[Transition] = []
+
+    def update(self, signals: dict[str, float], now: float) -> Transition | None:
+        """Feed the latest signals; returns the transition if the tier changed (logged once)."""
+        target = self._heaviest_entered(signals)
+        current = self.state.index
+        if target is not None and target > current:
+            return self._move(target, _entered_because(self.tiers[target], signals), signals, now)
+        if current >= 0 and self._may_leave(signals, now):
+            tier = self.tiers[current]
+            return self._move(current - 1, f"{tier.name} exit holds: {_exit_because(tier, signals)}", signals, now)
+        return None
+
+    def _heaviest_entered(self, signals: dict[str, float]) -> int | None:
+        for index in range(len(self.tiers) - 1, -1, -1):
+            if _enter_holds(self.tiers[index], signals):
+                return index
+        return None
+
+    def _may_leave(self, signals: dict[str, float], now: float) -> bool:
+        tier = self.tiers[self.state.index]
+        return now - self.state.since >= tier.min_dwell_s and _exit_holds(tier, signals)
+
+    def _move(self, index: int, reason: str, signals: dict, now: float) -> Transition:
+        before = self.state.name
+        name = NORMAL if index < 0 else self.tiers[index].name
+        self.state = TierState(index, name, reason, now)
+        transition = Transition(before, name, reason, dict(signals))
+        self.transitions.append(transition)
+        log.warning("degradation tier %s -> %s: %s (signals: %s)", before, name, reason,
+                    ", ".join(f"{k}={v:.3g}" for k, v in sorted(signals.items())))
+        return transition
+
+    @property
+    def tier(self) -> Tier | None:
+        return self.tiers[self.state.index] if self.state.index >= 0 else None
+
+
+def _enter_holds(tier: Tier, signals: dict[str, float]) -> bool:
+    return any(signals.get(name, 0.0) >= threshold for name, threshold in tier.enter.items())
+
+
+def _exit_holds(tier: Tier, signals: dict[str, float]) -> bool:
+    return all(signals.get(name, 0.0) < threshold for name, threshold in tier.exit.items())
+
+
+def _entered_because(tier: Tier, signals: dict[str, float]) -> str:
+    hits = [f"{n}={signals.get(n, 0.0):.3g} >= {t:g}" for n, t in tier.enter.items() if signals.get(n, 0.0) >= t]
+    return f"{tier.name} enter holds: " + ", ".join(hits)
+
+
+def _exit_because(tier: Tier, signals: dict[str, float]) -> str:
+    return ", ".join(f"{n}={signals.get(n, 0.0):.3g} < {t:g}" for n, t in tier.exit.items())

@@ -1,0 +1,77 @@
+"""The policy file's data model (frozen dataclasses): filters, client classes, degradation tiers.
+
+See docs/policies.md for the TOML form of each field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# load signals a tier condition may name, and what each measures
+SIGNALS = {
+    "kv_cache_usage": "fraction of decode KV blocks in use, 0-1",
+    "waiting_requests": "requests waiting for prefill or decode admission",
+    "prefill_queue": "prompts waiting for a prefill worker",
+    "cpu_percent": "CPU utilization of the box, 0-100 (psutil)",
+    "memory_percent": "memory in use on the box, 0-100 (psutil)",
+    "ttft_p95_s": "95th percentile time to first token over the last 30 s",
+}
+ACTIONS = ("cap_max_tokens", "logprobs", "max_prompt_tokens", "shed", "kv_type")
+
+
+@dataclass(frozen=True)
+class Filters:
+    max_prompt_tokens: int = 2048
+    max_output_tokens: int = 2048
+    allowed_models: tuple[str, ...] = ()  # empty: every served model
+    blocked_words: tuple[str, ...] = ()
+    blocked_patterns: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClientClass:
+    name: str
+    priority: int = 0  # lower runs earlier
+    requests_per_minute: int = 0  # 0: unlimited
+    max_concurrent: int = 0  # 0: unlimited
+    max_output_tokens: int = 0  # 0: the filters' limit
+    degradable: tuple[str, ...] = ACTIONS  # which tier actions may touch this class
+
+
+@dataclass(frozen=True)
+class ApiKeyRule:
+    key: str
+    client_class: str
+    requests_per_minute: int = 0
+    max_concurrent: int = 0
+
+
+@dataclass(frozen=True)
+class TierActions:
+    cap_max_tokens: int = 0  # 0: no cap
+    logprobs: str = "allow"  # allow | strip | refuse
+    max_prompt_tokens: int = 0  # 0: the filters' limit
+    shed_classes: tuple[str, ...] = ()  # answered 429 with Retry-After
+    retry_after_s: int = 5
+    kv_type: str = ""  # "" keeps the configured KV type; "q4_0" halves KV handoff size again
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    enter: dict[str, float]  # enter when ANY signal >= its threshold
+    exit: dict[str, float]  # leave when ALL of these signals < their threshold (and dwell has passed)
+    min_dwell_s: float = 10.0
+    actions: TierActions = field(default_factory=TierActions)
+
+
+@dataclass(frozen=True)
+class Policy:
+    source: str  # file path, or "<built-in>"
+    filters: Filters = field(default_factory=Filters)
+    classes: dict[str, ClientClass] = field(default_factory=lambda: {"default": ClientClass("default")})
+    default_class: str = "default"
+    keys: dict[str, ApiKeyRule] = field(default_factory=dict)  # api key -> rule; empty: no auth
+    tenant_header: str = ""  # e.g. "X-Tenant": its value picks a class through tenant_classes
+    tenant_classes: dict[str, str] = field(default_factory=dict)
+    tiers: tuple[Tier, ...] = ()  # in order of severity: later tiers are heavier

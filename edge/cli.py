@@ -37,6 +37,7 @@ def main(argv=None) -> None:
     from edge.app import make_app  # after logging is set up: loading the app logs
     web.run_app(make_app(config), host=config.host, port=config.port, handler_cancellation=True,
                 shutdown_timeout=config.limits.shutdown_grace_s + 5,
+                keepalive_timeout=config.limits.header_timeout_s,  # a new or idle connection must send its headers in time
                 print=lambda msg: logging.getLogger("edge").info(msg.strip()))
 
 

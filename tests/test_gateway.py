@@ -21,6 +21,8 @@ kv_cache_tokens = 8192
 max_body_bytes = 65536
 prefill_queue_size = 4
 shutdown_grace_s = 1.0
+header_timeout_s = 2.0
+body_timeout_s = 2.0
 """
 POLICY = f"""
 version = 1
@@ -225,3 +227,28 @@ def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
     assert data[-1] == "data: [DONE]"
     assert '"code": "aborted"' in data[-2]  # 500 tokens take far longer than the 1 s grace period
     assert wait_for(lambda: not any(pid_alive(pid) for pid in children), 10)
+
+
+def _closed_within(sock, seconds: float) -> float | None:
+    """Seconds until the server closed the connection (reading EOF), or None if it stayed open."""
+    sock.settimeout(seconds)
+    started = time.monotonic()
+    try:
+        while sock.recv(4096):
+            pass
+    except (TimeoutError, OSError):
+        return None
+    return time.monotonic() - started
+
+
+def test_slow_headers_and_slow_body_are_cut_off(server):
+    import socket
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finish
+        assert _closed_within(sock, 6) is not None
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer test-key\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        sock.settimeout(6)
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout" in reply

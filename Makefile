@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
-.PHONY: install serve test bench-handoff bench-decode clean
+.PHONY: install serve test bench-handoff bench-decode bench-serving clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ bench-handoff: $(STAMP)
 
 bench-decode: $(STAMP)
 	$(PY) -m bench.decode_bench $(ARGS)
+
+bench-serving: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m bench.serving_bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

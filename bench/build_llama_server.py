@@ -1,0 +1,59 @@
+"""Build llama.cpp's own `llama-server` from the llama.cpp source inside the pinned llama-cpp-python sdist.
+
+    .venv/bin/python -m bench.build_llama_server      # prints the binary's path; cached after the first build
+
+Same llama.cpp version as our prefill workers, so the comparison is engine against engine, not
+version against version. The build takes several minutes on 2 cores, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+VERSION = "0.3.36"
+CACHE = Path(os.environ.get("EDGE_LLM_CACHE") or Path.home() / ".cache" / "edge-llm") / f"llama-server-{VERSION}"
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+               "-DGGML_NATIVE=ON"]
+
+
+def binary_path() -> Path:
+    return CACHE / "build" / "bin" / "llama-server"
+
+
+def source_dir() -> Path:
+    extracted = CACHE / "src" / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    if extracted.is_dir():
+        return extracted
+    (CACHE / "src").mkdir(parents=True, exist_ok=True)
+    print(f"fetching the llama-cpp-python {VERSION} sdist (pip's cache is used when it has it)", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={VERSION}", "-d", str(CACHE / "src")], check=True)
+    with tarfile.open(next((CACHE / "src").glob("llama_cpp_python-*.tar.gz"))) as tar:
+        tar.extractall(CACHE / "src", filter="data")
+    return extracted
+
+
+def build(jobs: int) -> Path:
+    if binary_path().exists():
+        return binary_path()
+    src = source_dir()
+    print(f"building llama-server in {CACHE / 'build'} (several minutes on 2 cores, once)", flush=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(CACHE / "build"), *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "--build", str(CACHE / "build"), "--target", "llama-server", "-j", str(jobs)], check=True)
+    return binary_path()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    print(build(parser.parse_args().jobs))
+
+
+if __name__ == "__main__":
+    main()

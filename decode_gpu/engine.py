@@ -48,6 +48,7 @@ class TokenEvent:
 class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_capacity_tokens: int
     num_waiting: int
     num_running: int
     num_swapped: int
@@ -130,6 +131,7 @@ class DecodeEngine:
         swapped = sum(1 for s in self.sequences.values() if s.state is SeqState.SWAPPED)
         return EngineStats(
             kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
+            kv_capacity_tokens=self.blocks.num_blocks * self.blocks.block_size,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running, num_swapped=swapped,
             num_preemptions=self.scheduler.num_preemptions, last_step_ms=self._throughput.last_step_ms,
             tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated)

@@ -28,6 +28,7 @@ from policies.signals import TTFTWindow, box_signals
 log = logging.getLogger("edge.gateway")
 PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, code)
     "prompt_too_long": (413, "invalid_request_error", "context_length_exceeded"),
+    "context_exceeded": (400, "invalid_request_error", "context_length_exceeded"),
     "bad_prompt": (400, "invalid_request_error", "invalid_prompt"),
     "worker_died": (503, "server_error", "prefill_worker_died"),
     "internal": (500, "server_error", "prefill_failed"),
@@ -103,7 +104,8 @@ class Gateway:
         job = PrefillJob(inflight.request_id, sampling, priority, prompt=request.prompt,
                          messages=list(request.messages) if request.messages else None,
                          prompt_tokens=list(request.prompt_tokens) if request.prompt_tokens else None,
-                         max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type)
+                         max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
+                         max_total_tokens=self._context_tokens())
         self.registry.add(inflight)
         try:
             self.pool.submit(job)
@@ -112,6 +114,11 @@ class Gateway:
             raise ApiError(429, str(err), error_type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "2"}) from None
         return Run(inflight, request, decision, time.monotonic() + self.config.limits.request_timeout_s)
+
+    def _context_tokens(self) -> int:
+        """What one request may hold in the decode engine: the model length, or the whole KV pool if smaller."""
+        pool = (self.engine.stats or {}).get("kv_capacity_tokens") or self.config.max_model_len
+        return min(self.config.max_model_len, pool)
 
     def update_policy_signals(self) -> None:
         stats = self.engine.stats or {}
@@ -153,7 +160,8 @@ class Gateway:
         message = failed.message
         if failed.kind == "prompt_too_long":
             message = (f"the prompt has {failed.num_prompt_tokens} tokens, more than the limit of {failed.limit}")
-        return ApiError(status, message, "messages" if status == 413 else None, code, error_type)
+        param = {"prompt_too_long": "messages", "context_exceeded": "max_tokens"}.get(failed.kind)
+        return ApiError(status, message, param, code, error_type)
 
     def _token(self, run: Run, event: dict) -> dict:
         now = time.perf_counter()

@@ -36,6 +36,7 @@ class PrefillJob:  # gateway -> prefill worker
     prompt_tokens: list | None = None  # already tokenized prompt
     max_prompt_tokens: int = 2048
     kv_type: str = ""  # "" -> the worker's configured KV type; a degradation tier may ask for "q4_0"
+    max_total_tokens: int = 0  # prompt + max_tokens must fit this (the decode side's context); 0: unchecked
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class PrefillDone:  # prefill worker -> gateway, after the handoff went to the e
 @dataclass(frozen=True)
 class PrefillFailed:  # prefill worker -> gateway
     request_id: str
-    kind: str  # "prompt_too_long", "bad_prompt", "cancelled", "internal"
+    kind: str  # "prompt_too_long", "context_exceeded", "bad_prompt", "cancelled", "worker_died", "internal"
     message: str
     num_prompt_tokens: int = 0
     limit: int = 0

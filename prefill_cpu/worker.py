@@ -76,6 +76,12 @@ class PrefillWorker:
             if len(tokens) > limit:
                 return PrefillFailed(job.request_id, "prompt_too_long",
                                      f"the prompt has {len(tokens)} tokens; the limit is {limit}", len(tokens), limit)
+            max_tokens = job.sampling.get("max_tokens", 0)
+            if job.max_total_tokens and len(tokens) + max_tokens > job.max_total_tokens:
+                return PrefillFailed(job.request_id, "context_exceeded",
+                                     f"the prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                     f"context of {job.max_total_tokens} tokens; lower max_tokens",
+                                     len(tokens), job.max_total_tokens)
             request = PrefillRequest(job.request_id, tuple(tokens), SamplingParams(**_tuples(job.sampling)),
                                      job.priority)
             outcome = self._prefiller_for(job.kv_type).prefill(

@@ -17,6 +17,7 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 KEY, LIMITED_KEY = "test-key", "limited-key"
 CONFIG = """
 kv_cache_tokens = 8192
+max_model_len = 1200
 [limits]
 max_body_bytes = 65536
 prefill_queue_size = 4
@@ -123,6 +124,8 @@ BAD_INPUTS = [
     ("stream not bool", dict(body={"model": MODEL, "prompt": "hi", "stream": "yes"}), 400, "invalid_type"),
     ("body too large", dict(body={"model": MODEL, "prompt": "x" * 70000}), 413, "body_too_large"),
     ("prompt over token limit", dict(body={"model": MODEL, "prompt": LONG_TEXT * 6}), 413, "context_length_exceeded"),
+    ("prompt plus max_tokens over the context", dict(body={"model": MODEL, "prompt": LONG_TEXT * 4, "max_tokens": 512}),
+     400, "context_length_exceeded"),
     ("blocked content", dict(body={"model": MODEL, "prompt": "say F O R\u200bB I D D E N"}), 403, "content_blocked"),
     ("blocked full-width", dict(body={"model": MODEL, "prompt": "ｆｏｒｂｉｄｄｅｎ words"}), 403, "content_blocked"),
     ("missing key", dict(body={"model": MODEL, "prompt": "hi"}, key=None), 401, "invalid_api_key"),

@@ -28,7 +28,6 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort"
-    text_offset: int = 0  # characters of detokenized output already reported
     meta: dict = field(default_factory=dict)  # timing and logprob bookkeeping filled by the engine
 
     @property

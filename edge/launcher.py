@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -24,6 +25,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: shutdown() still stops the children
+
+
+def child_environment() -> dict[str, str]:
+    """OpenMP threads that busy-wait between parallel regions (torch's and ggml's) starve each other when
+    prefill and CPU decode share cores; passive waiting keeps both fast. An operator's setting wins."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 @dataclass
@@ -50,7 +59,7 @@ class Supervisor:
         return child
 
     def _start(self, child: Child) -> None:
-        child.process = subprocess.Popen(child.argv, preexec_fn=_die_with_parent)
+        child.process = subprocess.Popen(child.argv, preexec_fn=_die_with_parent, env=child_environment())
         child.started_at = time.monotonic()
         child.state = "starting" if child.restarts == 0 else "restarting"
         log.info("started %s (pid %d)", child.name, child.process.pid)

@@ -31,18 +31,15 @@ class WorkerClient:
     state: str = "connecting"  # connecting | ready | down
     current: str | None = None  # request id being prefilled
     info: WorkerStatus | None = None
-    completed: int = 0
 
 
 class PrefillPool:
-    def __init__(self, addresses: dict[str, str], registry: InFlightRegistry, queue_limit: int,
-                 on_done=None) -> None:
+    def __init__(self, addresses: dict[str, str], registry: InFlightRegistry, queue_limit: int) -> None:
         self.workers = {name: WorkerClient(name, address) for name, address in addresses.items()}
         self.registry = registry
         self.queue_limit = queue_limit
         self.queue: list[tuple[int, int, PrefillJob]] = []
         self.counter = itertools.count()
-        self.on_done = on_done  # callback(PrefillDone) for metrics
         self.tokens_per_s = 0.0
         self.closing = False  # set at shutdown: dropped connections are then expected
 
@@ -100,7 +97,6 @@ class PrefillPool:
             elif isinstance(message, (PrefillDone, PrefillFailed)):
                 if worker.current == message.request_id:
                     worker.current = None
-                worker.completed += 1
                 if isinstance(message, PrefillDone):
                     self._record(message)
                 self.registry.deliver(message.request_id, message)
@@ -119,8 +115,6 @@ class PrefillPool:
         if done.prefill_ms > 0:
             rate = done.num_prompt_tokens / (done.prefill_ms / 1e3)
             self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.7 * self.tokens_per_s + 0.3 * rate
-        if self.on_done:
-            self.on_done(done)
 
     def _dispatch(self) -> None:
         for worker in self.workers.values():

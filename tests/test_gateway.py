@@ -211,21 +211,24 @@ def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, cl
 
 def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
     server = ServerProcess(CONFIG, tmp_path, POLICY).start()
-    children = server.child_pids()
-    assert len(children) == 2
-    lines: list[str] = []
+    try:
+        children = server.child_pids()
+        assert len(children) == 2
+        lines: list[str] = []
 
-    def read_stream():
-        with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          json={"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 500, "stream": True},
-                          timeout=60) as response:
-            for line in response.iter_lines():
-                lines.append(line)
-    reader = threading.Thread(target=read_stream)
-    reader.start()
-    assert wait_for(lambda: len(lines) > 4, 30)
-    assert server.stop() == 0
-    reader.join(30)
+        def read_stream():
+            with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 500, "stream": True},
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        assert wait_for(lambda: len(lines) > 4, 30)
+        assert server.stop() == 0
+        reader.join(30)
+    finally:
+        server.stop()  # never leak a server, whatever failed above
     data = [line for line in lines if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
     assert '"code": "aborted"' in data[-2]  # 500 tokens take far longer than the 1 s grace period

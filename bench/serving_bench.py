@@ -53,8 +53,9 @@ async def bench_system(system, args) -> dict:
         await idle_ttft(system, interactive(1, args.seed + 99))  # warm-up
         idle = await idle_ttft(system, interactive(5, args.seed + 7))
         loads = {}
-        for rate in args.rates:
-            specs = mixed(args.requests, args.seed, args.max_tokens)
+        for i, rate in enumerate(args.rates):
+            # fresh prompts at each load (the system prompt stays shared), so no server replays a cached prompt
+            specs = mixed(args.requests, args.seed + 1000 * i, args.max_tokens)
             results, wall = await run_open_loop(system.url, system.model, specs,
                                                 arrival_times(len(specs), rate, args.seed, args.burstiness))
             loads[rate] = summarize(results, wall, args.slo)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 from pathlib import Path
 
-from bench.loadgen import RequestResult, arrival_times, percentiles, run_open_loop, send, summarize
+from bench.loadgen import arrival_times, percentiles, run_open_loop, send, summarize
 from bench.systems import make_systems
 from bench.workloads import background, interactive, mixed
 from prefill_cpu.embedded_model import embedded_model_path

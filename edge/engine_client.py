@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from edge.lifecycle import InFlightRegistry, RequestStatus
-from edge.protocol import Abort, Hello, Stats, Token, open_connection, read_message, send_message
+from edge.protocol import Abort, Hello, Stats, Token, connect_when_listening, read_message, send_message
 
 log = logging.getLogger("edge.engine_client")
 
@@ -22,12 +22,7 @@ class EngineClient:
 
     async def run(self) -> None:
         while True:
-            try:
-                reader, writer = await open_connection(self.address)
-            except (FileNotFoundError, ConnectionError, OSError):
-                await asyncio.sleep(0.2)
-                continue
-            await send_message(writer, Hello("gateway"))
+            reader, writer = await connect_when_listening(self.address, Hello("gateway"))
             self.writer, self.state = writer, "ready"
             log.info("connected to the decode engine at %s", self.address)
             try:

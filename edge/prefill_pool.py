@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from edge.lifecycle import InFlightRegistry, RequestStatus
 from edge.protocol import (CancelPrefill, Hello, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus,
-                           open_connection, read_message, send_message)
+                           connect_when_listening, read_message, send_message)
 
 log = logging.getLogger("edge.prefill_pool")
 
@@ -75,12 +75,7 @@ class PrefillPool:
 
     async def _maintain(self, worker: WorkerClient) -> None:
         while True:
-            try:
-                reader, writer = await open_connection(worker.address)
-            except (FileNotFoundError, ConnectionError, OSError):
-                await asyncio.sleep(0.2)
-                continue
-            await send_message(writer, Hello("gateway"))
+            reader, writer = await connect_when_listening(worker.address, Hello("gateway"))
             worker.writer = writer
             try:
                 await self._serve(worker, reader)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from dataclasses import asdict, dataclass, fields
 
 import msgpack
@@ -132,6 +133,21 @@ async def open_connection(address: str):
         return await asyncio.open_unix_connection(target, limit=1 << 20)
     host, port = target
     return await asyncio.open_connection(host, port, limit=1 << 20)
+
+
+async def connect_when_listening(address: str, hello: Hello, timeout_s: float | None = None):
+    """Connect once the peer listens (it may still be loading its model), then introduce ourselves."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            reader, writer = await open_connection(address)
+            break
+        except (FileNotFoundError, ConnectionError, OSError):
+            if deadline is not None and time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+    await send_message(writer, hello)
+    return reader, writer
 
 
 async def start_server(handler, address: str) -> asyncio.AbstractServer:

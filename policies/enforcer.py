@@ -76,7 +76,7 @@ class PolicyEnforcer:
         return bool(self.policy.keys)
 
     def decide(self, facts: RequestFacts, served_models: set[str]) -> Decision:
-        policy, filters = self.policy, self.policy.filters
+        filters = self.policy.filters
         key_rule = self._authenticate(facts.api_key)
         cls = self._class_for(key_rule, facts.tenant)
         if facts.model not in served_models or (filters.allowed_models and facts.model not in filters.allowed_models):

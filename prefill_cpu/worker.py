@@ -17,7 +17,7 @@ import sys
 import time
 
 from edge.protocol import (CancelPrefill, Handoff, Hello, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus,
-                           open_connection, read_message, send_message, start_server)
+                           connect_when_listening, read_message, send_message, start_server)
 from prefill_cpu.handoff import SamplingParams, encode_handoff
 from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
                                    PromptTooLongError)
@@ -118,23 +118,11 @@ def _tuples(sampling: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in sampling.items()}
 
 
-async def connect_engine(address: str, timeout_s: float = 600.0):
-    """The engine listens once its model is loaded; wait for it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return await open_connection(address)
-        except (FileNotFoundError, ConnectionError, OSError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
-
-
 async def serve(args: argparse.Namespace) -> None:
     prefiller = Prefiller(PrefillConfig(args.model, n_ctx=args.n_ctx, n_batch=args.n_batch,
                                         n_threads=args.threads, kv_type=args.kv_type))
-    reader, engine_writer = await connect_engine(args.engine)
-    await send_message(engine_writer, Hello("prefill", args.name))
+    # the engine listens once its model is loaded
+    reader, engine_writer = await connect_when_listening(args.engine, Hello("prefill", args.name), timeout_s=600)
     worker = PrefillWorker(prefiller, args.name, engine_writer)
     server = await start_server(worker.handle_gateway, args.listen)
     stop = asyncio.Event()

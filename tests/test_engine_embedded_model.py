@@ -1,7 +1,5 @@
 """The decode engine on the embedded model: batching and preemption never change greedy outputs."""
 
-import dataclasses
-
 import pytest
 import torch
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess, pid_alive
+from server_process import ServerProcess, pid_alive, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -169,15 +169,6 @@ def test_full_prefill_queue_answers_429(server):
     statuses = sorted(r.status_code for r in results)
     assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
     assert all(int(r.headers["Retry-After"]) >= 1 for r in results if r.status_code == 429)
-
-
-def wait_for(predicate, timeout_s: float, interval=0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
 
 
 def test_closing_a_stream_frees_its_kv_blocks(server, client):

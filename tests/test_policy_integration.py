@@ -4,12 +4,11 @@ tier's actions, it returns to normal when the load stops, and the policy file ho
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from server_process import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -53,15 +52,6 @@ def server(tmp_path_factory):
 def complete(server, headers=None, **body):
     return httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": "Hello there", **body},
                       headers=headers or {}, timeout=120)
-
-
-def wait_for(predicate, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def tier(server) -> str:

@@ -72,7 +72,7 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         for name, address in worker_addresses.items():
             supervisor.add(name, "prefill_cpu.worker", [
                 "--model", model_path, "--listen", address, "--engine", engine_address, "--name", name,
-                "--n-ctx", str(config.n_ctx), "--threads", str(default_threads(config)),
+                "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch), "--threads", str(default_threads(config)),
                 "--kv-type", config.kv_type, "--log-level", config.log_level])
         watcher = asyncio.create_task(supervisor.watch())
         yield

@@ -35,6 +35,7 @@ class ServeConfig:
     device: str = "auto"
     kv_type: str = "q8_0"  # llama.cpp KV cache and wire format
     n_ctx: int = 4096
+    n_batch: int = 128  # prompt tokens per llama.cpp call; a higher-priority prompt can preempt between calls
     kv_storage: str = "auto"
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 32

@@ -1,7 +1,9 @@
 """The gateway's prefill queue (ordered by priority, then arrival) and its connections to prefill workers.
 
-A worker gets one job at a time; when it answers, the best waiting job goes to it. A worker whose
-connection drops fails its current job with a clear error and is reconnected when it comes back.
+A worker gets one job at a time; when it answers, the best waiting job goes to it. When every worker
+is busy with lower-priority prompts, a higher-priority arrival preempts the worst of them: the worker
+stops between two llama.cpp chunks and that job goes back to the queue in its old place. A worker
+whose connection drops fails its current job with a clear error and is reconnected when it comes back.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class WorkerClient:
     writer: asyncio.StreamWriter | None = None
     state: str = "connecting"  # connecting | ready | down
     current: str | None = None  # request id being prefilled
+    current_entry: tuple | None = None  # its (priority, arrival, job) queue entry, to requeue it if preempted
+    preempting: bool = False  # a cancel was sent to make room for a higher-priority job
     info: WorkerStatus | None = None
 
 
@@ -56,6 +60,22 @@ class PrefillPool:
             raise QueueFullError(f"the prefill queue is full ({self.queue_limit} prompts waiting)")
         heapq.heappush(self.queue, (job.priority, next(self.counter), job))
         self._dispatch()
+        if self.queue and self.queue[0][2] is job:
+            self._preempt_for(job)
+
+    def _preempt_for(self, job: PrefillJob) -> None:
+        """Stop the lowest-priority prefill in progress if it ranks strictly below this job."""
+        busy = [w for w in self.workers.values()
+                if w.state == "ready" and w.current_entry is not None and not w.preempting]
+        if not busy:
+            return
+        victim = max(busy, key=lambda w: w.current_entry[:2])
+        if victim.current_entry[0] <= job.priority:
+            return
+        victim.preempting = True
+        log.info("preempting prefill of %s (priority %d) on %s for %s (priority %d)", victim.current,
+                 victim.current_entry[0], victim.name, job.request_id, job.priority)
+        asyncio.ensure_future(self._send(victim, CancelPrefill(victim.current)))
 
     async def cancel(self, request_id: str) -> None:
         before = len(self.queue)
@@ -90,12 +110,19 @@ class PrefillPool:
                 worker.info, worker.state = message, "ready"
                 log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)
             elif isinstance(message, (PrefillDone, PrefillFailed)):
-                if worker.current == message.request_id:
-                    worker.current = None
-                if isinstance(message, PrefillDone):
-                    self._record(message)
-                self.registry.deliver(message.request_id, message)
+                self._finished(worker, message)
             self._dispatch()
+
+    def _finished(self, worker: WorkerClient, message: PrefillDone | PrefillFailed) -> None:
+        entry, preempted = worker.current_entry, worker.preempting
+        if worker.current == message.request_id:
+            worker.current, worker.current_entry, worker.preempting = None, None, False
+        if isinstance(message, PrefillFailed) and message.kind == "cancelled" and preempted and entry:
+            heapq.heappush(self.queue, entry)  # preempted, not failed: back in its old place
+            return
+        if isinstance(message, PrefillDone):
+            self._record(message)
+        self.registry.deliver(message.request_id, message)
 
     def _lost(self, worker: WorkerClient) -> None:
         if worker.state != "down" and not self.closing:
@@ -104,7 +131,7 @@ class PrefillPool:
         if worker.current is not None:
             self.registry.deliver(worker.current, PrefillFailed(
                 worker.current, "worker_died", f"prefill worker {worker.name} died while prefilling this request"))
-            worker.current = None
+            worker.current, worker.current_entry, worker.preempting = None, None, False
 
     def _record(self, done: PrefillDone) -> None:
         if done.prefill_ms > 0:
@@ -115,26 +142,27 @@ class PrefillPool:
         for worker in self.workers.values():
             if worker.state != "ready" or worker.current is not None:
                 continue
-            job = self._next_live_job()
-            if job is None:
+            entry = self._next_live_entry()
+            if entry is None:
                 return
-            worker.current = job.request_id
+            job = entry[2]
+            worker.current, worker.current_entry = job.request_id, entry
             request = self.registry.get(job.request_id)
             request.advance(RequestStatus.PREFILLING)
             request.worker = worker.name
             asyncio.ensure_future(self._send(worker, job))
 
-    def _next_live_job(self) -> PrefillJob | None:
+    def _next_live_entry(self) -> tuple | None:
         while self.queue:
-            _, _, job = heapq.heappop(self.queue)
-            request = self.registry.get(job.request_id)
+            entry = heapq.heappop(self.queue)
+            request = self.registry.get(entry[2].request_id)
             if request is not None and not request.status.terminal:
-                return job
+                return entry
         return None
 
-    async def _send(self, worker: WorkerClient, job: PrefillJob) -> None:
+    async def _send(self, worker: WorkerClient, message) -> None:
         try:
-            await send_message(worker.writer, job)
+            await send_message(worker.writer, message)
         except (ConnectionError, AttributeError):
             self._lost(worker)
 

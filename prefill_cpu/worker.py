@@ -42,20 +42,24 @@ class PrefillWorker:
             return
         cfg = self.prefiller.config
         await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type))
-        jobs: set[asyncio.Task] = set()
+        jobs: dict[str, asyncio.Task] = {}  # request id -> its job, until it has answered
         try:
             while (message := await read_message(reader)) is not None:
                 if isinstance(message, PrefillJob):
                     task = asyncio.create_task(self.run_job(message, writer))
-                    jobs.add(task)
-                    task.add_done_callback(jobs.discard)
-                elif isinstance(message, CancelPrefill):
-                    self.cancelled.add(message.request_id)
+                    jobs[message.request_id] = task
+                    task.add_done_callback(lambda _, rid=message.request_id: self._forget(jobs, rid))
+                elif isinstance(message, CancelPrefill) and message.request_id in jobs:
+                    self.cancelled.add(message.request_id)  # seen between two llama.cpp chunks
         except asyncio.CancelledError:
             pass  # the worker is shutting down
         log.info("gateway disconnected; cancelling %d jobs", len(jobs))
-        for task in jobs:
+        for task in list(jobs.values()):
             task.cancel()
+
+    def _forget(self, jobs: dict, request_id: str) -> None:
+        jobs.pop(request_id, None)
+        self.cancelled.discard(request_id)  # a cancel that came too late to matter
 
     async def run_job(self, job: PrefillJob, writer: asyncio.StreamWriter) -> None:
         async with self.lock:

@@ -173,7 +173,7 @@ def test_full_prefill_queue_answers_429(server):
 
 def test_closing_a_stream_frees_its_kv_blocks(server, client):
     with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 400, "stream": True},
+                      json={"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 400, "temperature": 0, "stream": True},
                       timeout=60) as response:
         lines = response.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -183,6 +183,24 @@ def test_closing_a_stream_frees_its_kv_blocks(server, client):
     assert wait_for(lambda: server.metric("edge:kv_cache_blocks_used") == 0, 3)
     assert time.monotonic() - closed < 1.5  # freed within about a second (metrics refresh every 0.5 s)
     assert client.completions.create(model=MODEL, prompt="Next request", max_tokens=3).choices[0].text is not None
+
+
+def test_a_high_priority_prompt_preempts_a_low_priority_prefill(server):
+    finished = {}
+
+    def ask(name, priority, prompt):
+        response = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                                    "priority": priority})
+        finished[name] = (time.monotonic(), response.status_code)
+    low = threading.Thread(target=ask, args=("low", 10, LONG_TEXT * 4))  # seconds of prefill, in 128-token chunks
+    low.start()
+    time.sleep(0.6)
+    high = threading.Thread(target=ask, args=("high", 0, "Quick: name a fruit."))
+    high.start()
+    high.join(60)
+    low.join(60)
+    assert finished["high"][1] == 200 and finished["low"][1] == 200  # the preempted one is redone, not failed
+    assert finished["high"][0] < finished["low"][0]
 
 
 def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, client):
@@ -209,7 +227,8 @@ def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
 
         def read_stream():
             with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                              json={"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 500, "stream": True},
+                              json={"model": MODEL, "prompt": "Once upon a time, in a small village,", "max_tokens": 500,
+                                    "temperature": 0, "stream": True},
                               timeout=60) as response:
                 for line in response.iter_lines():
                     lines.append(line)

@@ -68,7 +68,7 @@ class Load:
             t.start()
 
     def _stream(self, server) -> None:
-        body = {"model": MODEL, "prompt": LOAD_PROMPT, "max_tokens": 1500, "stream": True}
+        body = {"model": MODEL, "prompt": LOAD_PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True}
         with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=300) as response:
             for _ in response.iter_lines():
                 if self.stop.is_set():

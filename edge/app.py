@@ -126,6 +126,4 @@ async def _drain(app: web.Application) -> None:
     while gateway.registry.requests and loop.time() < deadline:
         await asyncio.sleep(0.05)
     for request_id in list(gateway.registry.requests):
-        gateway.registry.deliver(request_id, {
-            "request_id": request_id, "token_ids": [], "text": "", "finish_reason": "abort", "error": None,
-            "logprobs": [], "num_prompt_tokens": 0, "num_output_tokens": 0})
+        gateway.registry.deliver_ending(request_id, "abort")

@@ -52,7 +52,4 @@ class EngineClient:
         self.state, self.writer, self.stats = "down", None, None
         for request in list(self.registry.requests.values()):
             if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING):
-                self.registry.deliver(request.request_id, {
-                    "request_id": request.request_id, "token_ids": [], "text": "", "finish_reason": "error",
-                    "error": "the decode engine went away", "logprobs": [], "num_prompt_tokens": 0,
-                    "num_output_tokens": 0})
+                self.registry.deliver_ending(request.request_id, "error", "the decode engine went away")

@@ -120,12 +120,16 @@ class Gateway:
         pool = (self.engine.stats or {}).get("kv_capacity_tokens") or self.config.max_model_len
         return min(self.config.max_model_len, pool)
 
-    def update_policy_signals(self) -> None:
+    def _load(self) -> tuple[int, int, int]:
+        """(requests waiting for prefill or decode admission, KV blocks used, KV blocks total)."""
         stats = self.engine.stats or {}
-        total = stats.get("kv_blocks_total", 0)
         waiting = self.registry.count(RequestStatus.WAITING) + self.registry.count(RequestStatus.PREFILLING)
-        signals = {"kv_cache_usage": stats.get("kv_blocks_used", 0) / total if total else 0.0,
-                   "waiting_requests": float(waiting + stats.get("num_waiting", 0)),
+        return waiting + stats.get("num_waiting", 0), stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
+
+    def update_policy_signals(self) -> None:
+        waiting, used, total = self._load()
+        signals = {"kv_cache_usage": used / total if total else 0.0,
+                   "waiting_requests": float(waiting),
                    "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
                    **box_signals()}
         if (transition := self.enforcer.update_signals(signals)) is not None:
@@ -207,10 +211,9 @@ class Gateway:
         m, stats = self.metrics, self.engine.stats or {}
         m.label(m.prefill_queue).set(self.pool.queue_length)
         m.label(m.prefill_tps).set(self.pool.tokens_per_s)
-        waiting_prefill = self.registry.count(RequestStatus.WAITING) + self.registry.count(RequestStatus.PREFILLING)
-        m.label(m.waiting).set(waiting_prefill + stats.get("num_waiting", 0))
+        waiting, used, total = self._load()
+        m.label(m.waiting).set(waiting)
         m.label(m.running).set(stats.get("num_running", 0))
-        used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
         m.label(m.kv_blocks_used).set(used)
         m.label(m.kv_blocks_total).set(total)
         m.label(m.kv_usage).set(used / total if total else 0.0)

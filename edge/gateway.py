@@ -153,8 +153,13 @@ class Gateway:
                 return self._token(run, message)
 
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
-        run.inflight.advance(RequestStatus.HANDED_OFF)
+        inflight = run.inflight
+        inflight.advance(RequestStatus.HANDED_OFF)
+        inflight.handed_off_at = time.perf_counter()
         m = self.metrics
+        if inflight.prefill_started_at is not None:
+            m.label(m.queue_time).observe(inflight.prefill_started_at - inflight.created)
+            m.label(m.prefill_time).observe(inflight.handed_off_at - inflight.prefill_started_at)
         m.label(m.prompt_tokens).inc(done.num_prompt_tokens)
         m.label(m.handoff_bytes).observe(done.handoff_bytes)
         m.label(m.handoff_seconds).observe(done.handoff_ms / 1e3)
@@ -204,8 +209,9 @@ class Gateway:
         if status is RequestStatus.FAILED:
             m.label(m.failed).inc()
         m.label(m.finished, finished_reason=reason).inc()
-        log.info("request %s %s (%s) after %.2f s", inflight.request_id, status.name.lower(), reason,
-                 time.perf_counter() - inflight.created)
+        log.info("request %s (priority %d) %s (%s) after %.2f s; %s", inflight.request_id, inflight.priority,
+                 status.name.lower(), reason, time.perf_counter() - inflight.created,
+                 inflight.ttft_breakdown() or "no first token")
 
     def refresh_metrics(self) -> None:
         m, stats = self.metrics, self.engine.stats or {}

@@ -30,8 +30,18 @@ class InFlight:
     status: RequestStatus = RequestStatus.WAITING
     created: float = field(default_factory=time.perf_counter)
     worker: str = ""  # prefill worker holding it while PREFILLING
+    prefill_started_at: float | None = None  # the last dispatch to a worker (a preempted prompt is dispatched again)
+    handed_off_at: float | None = None  # the worker reported its handoff sent
     first_token_at: float | None = None
     last_token_at: float | None = None
+
+    def ttft_breakdown(self) -> str:
+        """Where the time to first token went: queue, prefill (+handoff), engine until the first token."""
+        marks = (self.created, self.prefill_started_at, self.handed_off_at, self.first_token_at)
+        if any(m is None for m in marks):
+            return ""
+        queued, prefill, engine = (b - a for a, b in zip(marks, marks[1:]))
+        return f"queued {queued * 1e3:.0f} ms, prefill {prefill * 1e3:.0f} ms, engine {engine * 1e3:.0f} ms"
 
     def advance(self, status: RequestStatus) -> bool:
         """Move forward; a terminal state is final. Returns False if the request had already ended."""

@@ -27,6 +27,11 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time in the prefill queue", labels,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Prefill on a worker, handoff sent included (the last try if preempted)",
+                                      labels, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
         self.finished = Counter("vllm:request_success", "Finished requests by finish reason",

@@ -12,6 +12,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 from edge.lifecycle import InFlightRegistry, RequestStatus
@@ -149,6 +150,7 @@ class PrefillPool:
             worker.current, worker.current_entry = job.request_id, entry
             request = self.registry.get(job.request_id)
             request.advance(RequestStatus.PREFILLING)
+            request.prefill_started_at = time.perf_counter()
             request.worker = worker.name
             asyncio.ensure_future(self._send(worker, job))
 

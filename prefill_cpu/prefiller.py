@@ -2,6 +2,8 @@
 
 One llama.cpp context serves prompts one after another: each prompt is decoded in n_batch chunks as
 sequence 0, its KV exported with llama_state_seq_get_data and parsed, then the sequence is freed.
+A cancel is seen between chunks and also inside one: llama.cpp's abort callback asks after every graph
+node, so a preempted prompt gives the CPU back within milliseconds, not after a whole chunk.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class PrefillError(RuntimeError):
 
 
 class PrefillCancelledError(RuntimeError):
-    """The request was cancelled between two prefill chunks."""
+    """The request was cancelled while it was being prefilled."""
 
 
 class PromptTooLongError(ValueError):
@@ -80,6 +82,10 @@ class Prefiller:
                 type_k=kv.ggml_type, type_v=kv.ggml_type, flash_attn=flash_attn, verbose=False)
         self.k_rotation, self.v_rotation = _rotations_from_log("".join(lines), self.identity)
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
+        self._should_cancel = _never
+        # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
+        self._abort_callback = llama_cpp.ggml_abort_callback(lambda _data: bool(self._should_cancel()))
+        llama_cpp.llama_set_abort_callback(self.ctx, self._abort_callback, None)
         log.info("prefill worker: %s, ctx %d, batch %d, %d threads, KV %s, flash attention %s, rotation K %d V %d",
                  os.path.basename(config.model_path), config.n_ctx, config.n_batch, threads, kv.name,
                  flash_attn, self.k_rotation, self.v_rotation)
@@ -108,13 +114,16 @@ class Prefiller:
             raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds {self.config.n_ctx - 1}")
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
+        self._should_cancel = should_cancel
         try:
             started = time.perf_counter()
             self._decode_prompt(tokens, should_cancel)
+            self._should_cancel = _never  # sampling and export are short; finish them
             first_token = self._sample_first(request.sampling)
             exported = time.perf_counter()
             state = self._export_state()
         finally:
+            self._should_cancel = _never
             llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty cache
         handoff = self._handoff(request, state, first_token, self._logprobs(first_token, request.sampling))
         done = time.perf_counter()
@@ -134,6 +143,8 @@ class Prefiller:
                 batch.seq_id[i][0] = SEQ
                 batch.logits[i] = start + i == len(tokens) - 1  # only the last prompt token's logits
             rc = llama_cpp.llama_decode(self.ctx, batch)
+            if rc == 2:  # the abort callback said stop
+                raise PrefillCancelledError(f"cancelled within the chunk at {start} of {len(tokens)} prompt tokens")
             if rc != 0:
                 raise PrefillError(f"llama_decode returned {rc} at prompt token {start}")
 
@@ -183,6 +194,10 @@ class Prefiller:
             positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first_token,
             k_layers=state.k_layers, v_layers=state.v_layers, sampling=request.sampling, priority=request.priority,
             first_logprob=logprobs[0], first_top_logprobs=logprobs[1])
+
+
+def _never() -> bool:
+    return False
 
 
 def _rotations_from_log(text: str, ident: GGUFIdentity) -> tuple[int, int]:

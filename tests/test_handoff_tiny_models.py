@@ -15,7 +15,7 @@ from decode_gpu.kv_cache import DenseKVCache
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.model_loader import load_decode_model
 from prefill_cpu.handoff import SamplingParams, decode_handoff, encode_handoff
-from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
+from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest
 from tiny_gguf import N_VOCAB
 
 CPU = torch.device("cpu")
@@ -80,6 +80,29 @@ def test_second_prompt_in_the_same_context_is_independent(tiny_model):
         first, second, _ = prompts()
         alone = prefiller.prefill(PrefillRequest("b", second, GREEDY)).handoff
         prefiller.prefill(PrefillRequest("a", first, GREEDY))
+        after = prefiller.prefill(PrefillRequest("b", second, GREEDY)).handoff
+        assert after.k_layers == alone.k_layers and after.v_layers == alone.v_layers
+    finally:
+        prefiller.close()
+
+
+def test_a_cancel_inside_one_chunk_stops_it_and_the_context_stays_usable(tiny_model):
+    """llama.cpp's abort callback sees the cancel mid-chunk (the 75-token prompt is one 128-token chunk),
+    and the next prompt in the same context exports exactly what it exports alone."""
+    path, _, _ = tiny_model
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_batch=128, n_threads=2, kv_type="q8_0"))
+    try:
+        first, second, third = prompts()
+        alone = prefiller.prefill(PrefillRequest("b", second, GREEDY)).handoff
+        asked = []
+
+        def cancel_after_the_chunk_started() -> bool:
+            asked.append(True)
+            return len(asked) > 1  # the first question comes before the chunk, the rest from inside it
+
+        with pytest.raises(PrefillCancelledError, match="within the chunk"):
+            prefiller.prefill(PrefillRequest("c", third, GREEDY), should_cancel=cancel_after_the_chunk_started)
+        assert len(asked) == 2
         after = prefiller.prefill(PrefillRequest("b", second, GREEDY)).handoff
         assert after.k_layers == alone.k_layers and after.v_layers == alone.v_layers
     finally:

@@ -56,6 +56,7 @@ class EngineStats:
     last_step_ms: float
     tokens_per_s: float  # generated tokens per second, smoothed over recent steps
     generated_tokens: int
+    decode_yielded_s: float = 0.0  # time decode waited for more important prefills (decode_gpu.priority_gate)
 
 
 @dataclass
@@ -91,6 +92,15 @@ class DecodeEngine:
 
     def add(self, handoff: KVHandoff) -> list[TokenEvent]:
         """Accept a handoff; its first token (sampled by the prefill worker) is reported at once."""
+        seq, event = self.open(handoff)
+        if seq is not None:
+            self.admit(seq)
+        return [event]
+
+    def open(self, handoff: KVHandoff) -> tuple[Sequence | None, TokenEvent]:
+        """Check a handoff and report its first token, without touching the engine's state, so the engine
+        server can send the first token while a step runs. Returns the sequence for `admit`, or None when
+        the first token already ended the request (a stop token, or max_tokens 1)."""
         self._check_admissible(handoff)
         seq = Sequence(seq_id=handoff.request_id, priority=handoff.priority, arrival=next(self._arrivals),
                        prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, handoff.first_token],
@@ -100,11 +110,18 @@ class DecodeEngine:
         first_logprobs = ()
         if handoff.first_logprob is not None:
             first_logprobs = ((handoff.first_token, handoff.first_logprob, handoff.first_top_logprobs),)
+        reason, text = self._finish_reason_and_text(seq)
+        if reason is not None:
+            seq.state, seq.finish_reason = SeqState.FINISHED, reason
+        event = self._event(seq, (handoff.first_token,), text, reason, first_logprobs)
+        return (seq if reason is None else None), event
+
+    def admit(self, seq: Sequence) -> None:
+        """Start decoding an opened sequence (engine thread)."""
+        if seq.seq_id in self.sequences:
+            raise HandoffRejectedError(f"request id {seq.seq_id} is already decoding")
         self.sequences[seq.seq_id] = seq
-        event = self._after_token(seq, first_logprobs)
-        if event.finish_reason is None:
-            self.scheduler.add(seq)
-        return [event]
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> TokenEvent | None:
         seq = self.sequences.pop(request_id, None)
@@ -134,7 +151,8 @@ class DecodeEngine:
             kv_capacity_tokens=self.blocks.num_blocks * self.blocks.block_size,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running, num_swapped=swapped,
             num_preemptions=self.scheduler.num_preemptions, last_step_ms=self._throughput.last_step_ms,
-            tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated)
+            tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated,
+            decode_yielded_s=gate.waited_s if (gate := getattr(self.runner, "gate", None)) else 0.0)
 
     def _check_admissible(self, handoff: KVHandoff) -> None:
         try:
@@ -152,6 +170,14 @@ class DecodeEngine:
                 f"{self.config.max_model_len}, KV pool {capacity})")
 
     def _after_token(self, seq: Sequence, logprobs: tuple) -> TokenEvent:
+        reason, text = self._finish_reason_and_text(seq)
+        if reason is not None:
+            self.sequences.pop(seq.seq_id, None)
+            self.scheduler.finish(seq, reason)
+        return self._event(seq, (seq.tokens[-1],), text, reason, logprobs)
+
+    def _finish_reason_and_text(self, seq: Sequence) -> tuple[str | None, str]:
+        """Whether the newest token ends the request, and the text it releases."""
         token = seq.tokens[-1]
         params = seq.sampling
         text_state: IncrementalText = seq.meta["text"]
@@ -164,10 +190,7 @@ class DecodeEngine:
         text = text_state.update(seq.output_tokens[:-1] if eos else seq.output_tokens, final=reason is not None)
         if text_state.stopped:
             reason = "stop"
-        if reason is not None:
-            self.sequences.pop(seq.seq_id, None)
-            self.scheduler.finish(seq, reason)
-        return self._event(seq, (token,), text, reason, logprobs)
+        return reason, text
 
     def _fail(self, seq: Sequence, why: str) -> TokenEvent:
         self.sequences.pop(seq.seq_id, None)

@@ -1,7 +1,8 @@
 """The model runner: the only owner of device tensors (model weights and the paged KV pool).
 
 It carries out a ScheduledStep in field order: swap out, import handoffs, swap in, copy-on-write,
-then one batched forward for every decoding sequence, returning their next-token logits.
+then one batched forward for every decoding sequence, returning their next-token logits. Between two
+decoder layers the forward may wait on a PriorityGate, to give the CPU to a more important prefill.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers import PreTrainedModel
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.kv_pool import KVPool, PoolShape, bytes_per_token
 from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch
+from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import ScheduledStep
 from prefill_cpu.gguf_identity import GGUFIdentity
 
@@ -46,8 +48,13 @@ class PagedKVWriter:
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, identity: GGUFIdentity, config: RunnerConfig,
-                 device: torch.device) -> None:
+                 device: torch.device, gate: PriorityGate | None = None) -> None:
         self.model = model
+        self.gate = gate
+        self._batch_priority = 0  # the best priority in the batch being decoded
+        if gate is not None and gate.enabled:
+            for layer in model.model.layers:  # LLaMA and Qwen2 decoder stacks
+                layer.register_forward_pre_hook(self._between_layers)
         self.identity = identity
         self.device = device
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -90,8 +97,12 @@ class ModelRunner:
                                   [s.num_cached + 1 for s in seqs], [1] * len(seqs), self.device)
         input_ids = torch.tensor([[s.tokens[s.num_cached] for s in seqs]], device=self.device)  # [1, n_seqs]
         positions = torch.tensor([[s.num_cached for s in seqs]], device=self.device)  # [1, n_seqs]
+        self._batch_priority = min(s.priority for s in seqs)
         out = self.model(input_ids=input_ids, position_ids=positions, paged=paged, use_cache=False)
         return out.logits[0].float()  # [n_seqs, vocab]
+
+    def _between_layers(self, _module, _args) -> None:
+        self.gate.wait_turn(self._batch_priority)
 
 
 def _storage_name(dtype: torch.dtype) -> str:

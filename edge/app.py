@@ -44,6 +44,7 @@ def make_app(config: ServeConfig) -> web.Application:
     registry = InFlightRegistry()
     pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size)
     engine = EngineClient(engine_address, registry)
+    pool.on_best_priority = engine.prefill_priority_changed
     enforcer = PolicyEnforcer(load_policy(policy_path(config)), config.limits.default_max_tokens)
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
@@ -65,7 +66,8 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         config, supervisor = app[CONFIG], app[SUPERVISOR]
         engine_args = ["--model", model_path, "--listen", engine_address, "--device", config.device,
                        "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
-                       "--max-model-len", str(config.max_model_len), "--log-level", config.log_level]
+                       "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
+                       "--yield-to-prefill", config.decode_yields_to_prefill]
         if config.kv_cache_tokens:
             engine_args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
         supervisor.add("decode_engine", "decode_gpu.server", engine_args)

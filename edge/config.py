@@ -40,6 +40,7 @@ class ServeConfig:
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 32
     max_model_len: int = 4096
+    decode_yields_to_prefill: str = "auto"  # auto | on | off; auto: on when the engine decodes on the CPU
     launch: bool = True  # start the engine and workers here; False: connect to the addresses below
     run_dir: str = ""  # where local sockets live; "" -> a fresh temporary directory
     engine_address: str = ""  # "" -> unix socket in run_dir
@@ -49,6 +50,10 @@ class ServeConfig:
     log_level: str = "INFO"
 
 
+CHOICES = {"kv_type": ("f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda"),
+           "decode_yields_to_prefill": ("auto", "on", "off")}
+
+
 def load_config(path: str | None, overrides: dict) -> ServeConfig:
     data = _read_toml(path) if path else {}
     limits = Limits(**_section(data.pop("limits", {}), Limits, path, "limits"))
@@ -56,6 +61,9 @@ def load_config(path: str | None, overrides: dict) -> ServeConfig:
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "worker_addresses" in values:
         values["worker_addresses"] = tuple(values["worker_addresses"])
+    for key, allowed in CHOICES.items():
+        if key in values and values[key] not in allowed:
+            raise ConfigError(f"{path or 'command line'}: {key} = {values[key]!r}; expected one of {list(allowed)}")
     if path and values.get("policy") and not os.path.isabs(values["policy"]):
         values["policy"] = os.path.join(os.path.dirname(os.path.abspath(path)), values["policy"])
     return ServeConfig(**values, limits=limits)

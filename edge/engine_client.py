@@ -6,7 +6,8 @@ import asyncio
 import logging
 
 from edge.lifecycle import InFlightRegistry, RequestStatus
-from edge.protocol import Abort, Hello, Stats, Token, connect_when_listening, read_message, send_message
+from edge.protocol import (Abort, DecodeYield, Hello, Stats, Token, connect_when_listening, read_message,
+                           send_message)
 
 log = logging.getLogger("edge.engine_client")
 
@@ -19,12 +20,14 @@ class EngineClient:
         self.state = "connecting"  # connecting | ready | down
         self.stats: dict | None = None
         self.closing = False  # set at shutdown: a dropped connection is then expected
+        self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
 
     async def run(self) -> None:
         while True:
             reader, writer = await connect_when_listening(self.address, Hello("gateway"))
             self.writer, self.state = writer, "ready"
             log.info("connected to the decode engine at %s", self.address)
+            await self._send_yield()  # a restarted engine must hear what is in prefill now
             try:
                 await self._serve(reader)
             finally:
@@ -36,6 +39,18 @@ class EngineClient:
         if self.writer is not None:
             try:
                 await send_message(self.writer, Abort(request_id))
+            except ConnectionError:
+                pass
+
+    def prefill_priority_changed(self, priority: int | None) -> None:
+        """The prefill pool's best priority changed; the engine's less important decode yields to it."""
+        self.yield_to = priority
+        asyncio.ensure_future(self._send_yield())
+
+    async def _send_yield(self) -> None:
+        if self.writer is not None:
+            try:
+                await send_message(self.writer, DecodeYield(self.yield_to))
             except ConnectionError:
                 pass
 

@@ -225,6 +225,7 @@ class Gateway:
         m.label(m.kv_usage).set(used / total if total else 0.0)
         m.label(m.preemptions).set(stats.get("num_preemptions", 0))
         m.label(m.decode_tps).set(stats.get("tokens_per_s", 0.0))
+        m.label(m.decode_yielded).set(stats.get("decode_yielded_s", 0.0))
         m.label(m.tier).set(self.enforcer.evaluator.state.index + 1)
 
 

@@ -40,6 +40,8 @@ class InFlight:
         marks = (self.created, self.prefill_started_at, self.handed_off_at, self.first_token_at)
         if any(m is None for m in marks):
             return ""
+        # the engine sends the first token as the handoff lands, so it may overtake the worker's report
+        marks = (*marks[:2], min(self.handed_off_at, self.first_token_at), self.first_token_at)
         queued, prefill, engine = (b - a for a, b in zip(marks, marks[1:]))
         return f"queued {queued * 1e3:.0f} ms, prefill {prefill * 1e3:.0f} ms, engine {engine * 1e3:.0f} ms"
 

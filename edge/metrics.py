@@ -53,6 +53,9 @@ class Metrics:
                                         labels + ["before", "after"], registry=r)
         self.policy_reload_failures = Counter("edge:policy_reload_failures", "Policy files refused on reload",
                                               labels, registry=r)
+        self.decode_yielded = Gauge("edge:decode_yielded_seconds",
+                                    "Time decode paused for more important prompts in prefill (CPU boxes)",
+                                    labels, registry=r)
         self.decode_tps = Gauge("edge:decode_tokens_per_second", "Recent decode throughput", labels, registry=r)
 
     def label(self, metric, **extra):

@@ -4,6 +4,8 @@ A worker gets one job at a time; when it answers, the best waiting job goes to i
 is busy with lower-priority prompts, a higher-priority arrival preempts the worst of them: the worker
 stops between two llama.cpp chunks and that job goes back to the queue in its old place. A worker
 whose connection drops fails its current job with a clear error and is reconnected when it comes back.
+Whenever the best priority among queued and prefilling prompts changes, `on_best_priority` hears it (the
+gateway passes it on to the engine, whose lower-priority decode then yields the CPU on a CPU-only box).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class PrefillPool:
         self.counter = itertools.count()
         self.tokens_per_s = 0.0
         self.closing = False  # set at shutdown: dropped connections are then expected
+        self.on_best_priority = lambda priority: None  # called with int | None on every change
+        self.best_priority: int | None = None
 
     @property
     def queue_length(self) -> int:
@@ -63,6 +67,7 @@ class PrefillPool:
         self._dispatch()
         if self.queue and self.queue[0][2] is job:
             self._preempt_for(job)
+        self._announce()
 
     def _preempt_for(self, job: PrefillJob) -> None:
         """Stop the lowest-priority prefill in progress if it ranks strictly below this job."""
@@ -83,6 +88,7 @@ class PrefillPool:
         self.queue = [item for item in self.queue if item[2].request_id != request_id]
         if len(self.queue) != before:
             heapq.heapify(self.queue)
+            self._announce()
             return
         for worker in self.workers.values():
             if worker.current == request_id and worker.writer is not None:
@@ -113,6 +119,7 @@ class PrefillPool:
             elif isinstance(message, (PrefillDone, PrefillFailed)):
                 self._finished(worker, message)
             self._dispatch()
+            self._announce()
 
     def _finished(self, worker: WorkerClient, message: PrefillDone | PrefillFailed) -> None:
         entry, preempted = worker.current_entry, worker.preempting
@@ -133,6 +140,16 @@ class PrefillPool:
             self.registry.deliver(worker.current, PrefillFailed(
                 worker.current, "worker_died", f"prefill worker {worker.name} died while prefilling this request"))
             worker.current, worker.current_entry, worker.preempting = None, None, False
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell the listener the best priority among prompts queued or prefilling, when it changes."""
+        ranks = [entry[0] for entry in self.queue]
+        ranks += [w.current_entry[0] for w in self.workers.values() if w.current_entry is not None]
+        best = min(ranks, default=None)
+        if best != self.best_priority:
+            self.best_priority = best
+            self.on_best_priority(best)
 
     def _record(self, done: PrefillDone) -> None:
         if done.prefill_ms > 0:

@@ -74,6 +74,11 @@ class Abort:  # gateway -> decode engine
 
 
 @dataclass(frozen=True)
+class DecodeYield:  # gateway -> decode engine: best priority among prompts queued or prefilling (None: none)
+    priority: int | None
+
+
+@dataclass(frozen=True)
 class Token:  # decode engine -> gateway: decode_gpu.engine.TokenEvent fields
     event: dict
 
@@ -92,7 +97,7 @@ class WorkerStatus:  # prefill worker -> gateway, on connect
 
 
 MESSAGES = {cls.__name__: cls for cls in (Hello, PrefillJob, PrefillDone, PrefillFailed, CancelPrefill, Handoff,
-                                          Abort, Token, Stats, WorkerStatus)}
+                                          Abort, DecodeYield, Token, Stats, WorkerStatus)}
 
 
 def pack(message) -> bytes:

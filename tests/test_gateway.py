@@ -203,6 +203,20 @@ def test_a_high_priority_prompt_preempts_a_low_priority_prefill(server):
     assert finished["high"][0] < finished["low"][0]
 
 
+def test_low_priority_decode_yields_while_a_high_priority_prompt_is_prefilled(server):
+    """On the CPU, decode of a priority-10 stream pauses while a priority-0 prompt is in prefill."""
+    before = server.metric("edge:decode_yielded_seconds")
+    with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": "Once upon a time, in a small village by the sea,",
+                            "max_tokens": 300, "temperature": 0, "stream": True, "priority": 10}, timeout=60) as response:
+        lines = response.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(4))  # the background stream is decoding
+        high = post(server, "/v1/completions", {"model": MODEL, "prompt": LONG_TEXT * 2, "max_tokens": 1,
+                                                "priority": 0})
+        assert high.status_code == 200
+    assert wait_for(lambda: server.metric("edge:decode_yielded_seconds") - before > 0.2, 3)
+
+
 def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, client):
     worker_pid = server.health()["processes"]["prefill-0"]["pid"]
     results = []

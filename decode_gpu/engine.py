@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -14,7 +15,7 @@ from decode_gpu.detokenizer import IncrementalText
 from decode_gpu.kv_import import check_handoff_matches
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.sampler import make_generator, sample_token
-from decode_gpu.scheduler import Scheduler, SchedulerConfig
+from decode_gpu.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
 from prefill_cpu.handoff import KVHandoff
 
@@ -133,7 +134,7 @@ class DecodeEngine:
 
     def step(self) -> list[TokenEvent]:
         started = time.perf_counter()
-        step = self.scheduler.schedule()
+        step = self._yielding(self.scheduler.schedule())
         events = [self._fail(seq, why) for seq, why in step.failed]
         logits = self.runner.execute(step, self.blocks.block_tables)  # [len(step.decode), vocab]
         for seq, row in zip(step.decode, logits):
@@ -143,6 +144,17 @@ class DecodeEngine:
             events.append(self._after_token(seq, self._logprobs(row, token, seq)))
         self._throughput.record(len(step.decode), time.perf_counter() - started)
         return events
+
+    def _yielding(self, step: ScheduledStep) -> ScheduledStep:
+        """While a more important prompt is in prefill (CPU boxes), the sequences it outranks sit this step
+        out, keeping their blocks; if it outranks all of them, the forward itself waits between layers."""
+        gate = getattr(self.runner, "gate", None)
+        if gate is None:
+            return step
+        urgent = [seq for seq in step.decode if not gate.outranks(seq.priority)]
+        if not urgent or len(urgent) == len(step.decode):
+            return step
+        return dataclasses.replace(step, decode=urgent)
 
     def stats(self) -> EngineStats:
         swapped = sum(1 for s in self.sequences.values() if s.state is SeqState.SWAPPED)

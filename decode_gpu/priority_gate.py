@@ -3,7 +3,8 @@
 On a CPU-only box, llama.cpp prefill and torch decode share the same cores, so a background batch that
 keeps decoding slows an interactive prompt's prefill, and the interactive first token with it. The
 gateway tells the engine the best (lowest) priority among prompts queued or prefilling; while that ranks
-strictly above every sequence of the batch being decoded, the engine waits between two decoder layers
+strictly above a sequence, that sequence sits out decode steps (the engine decodes only the sequences
+that rank as high), and a step already under way with none of them waits between two decoder layers
 (milliseconds, not a whole step). A hold never stalls decode for longer than max_hold_s at a stretch, so a
 lost release or a stream of important prompts cannot starve the rest.
 """
@@ -30,9 +31,15 @@ class PriorityGate:
                 self._held_for, self._held_since = priority, time.monotonic()
                 self._changed.notify_all()
 
+    def outranks(self, priority: int) -> bool:
+        """Whether a sequence of this priority should yield now."""
+        held_for = self._held_for
+        return (self.enabled and held_for is not None and held_for < priority
+                and time.monotonic() < self._held_since + self.max_hold_s)
+
     def wait_turn(self, batch_priority: int) -> None:
         """Engine thread: block while a strictly more important prompt is in prefill (up to max_hold_s)."""
-        if not self.enabled or self._held_for is None or self._held_for >= batch_priority:
+        if not self.outranks(batch_priority):
             return
         started = time.monotonic()
         with self._changed:

@@ -149,3 +149,25 @@ def test_random_traffic_keeps_integrity_and_exact_outputs(num_blocks, ops):
         want = expected_tokens(prompt, len(prompt))
         got = outputs.get(rid, [])
         assert got == want[:len(got)] if rid in aborted else got == want, rid
+
+
+def test_outranked_sequences_sit_out_steps_while_a_more_important_prompt_is_prefilled():
+    from decode_gpu.priority_gate import PriorityGate
+    engine, runner = make_engine()
+    runner.gate = gate = PriorityGate(enabled=True)
+    outputs = {}
+    prompts = {"bg-1": [4, 5, 6], "bg-2": [7, 8], "fg": [9, 9, 9, 9]}
+    for rid, priority in (("bg-1", 10), ("bg-2", 10), ("fg", 0)):
+        add(engine, outputs, rid, prompts[rid], max_tokens=8, priority=priority)
+    step(engine, outputs)
+    assert {rid: len(out) for rid, out in outputs.items()} == {"bg-1": 2, "bg-2": 2, "fg": 2}
+    gate.hold(0)  # a priority-0 prompt is in prefill: the priority-10 streams wait, the priority-0 one goes on
+    step(engine, outputs)
+    step(engine, outputs)
+    assert {rid: len(out) for rid, out in outputs.items()} == {"bg-1": 2, "bg-2": 2, "fg": 4}
+    gate.hold(None)
+    step(engine, outputs)
+    assert {rid: len(out) for rid, out in outputs.items()} == {"bg-1": 3, "bg-2": 3, "fg": 5}
+    for rid, more in run_to_completion(engine).items():
+        outputs[rid].extend(more)
+    assert outputs == {rid: expected_tokens(prompt, 8) for rid, prompt in prompts.items()}

@@ -6,8 +6,8 @@ transformers baseline, on the same GGUF, threads and workload, in one run.
 
 Per system: idle TTFT of a short interactive request (sequential), then the mixed workload (prompts
 64/256/1024 in 6:3:1 under a shared system prompt) at each offered load, open loop, then the priority
-scenario (--background low-priority streams at once, --interactive high-priority requests arriving
-Poisson on top). Prints one table per part, writes JSON and a PNG of latency against offered load.
+scenario: --interactive high-priority requests arriving Poisson, first alone, then on top of
+--background low-priority streams started at once. Prints one table per part, writes JSON and a PNG of latency against offered load.
 """
 
 from __future__ import annotations
@@ -31,19 +31,24 @@ async def idle_ttft(system, specs) -> list[float]:
 
 
 async def priority_scenario(system, args) -> dict:
-    """Background streams all at t=0; interactive requests arrive Poisson from t=warmup on. Background
-    streams still running when the last interactive request ends are cancelled (not counted as errors)."""
-    bg = background(args.background, args.seed, args.background_tokens)
+    """The interactive requests twice, with the same Poisson arrivals: alone (what they cost each other on
+    one box), then on top of the background streams, which all start at t=0 (the interactive ones from
+    t=warmup on). Background streams still running when the last interactive request ends are cancelled
+    (not counted as errors)."""
     fg = interactive(args.interactive, args.seed)
-    fg_offsets = arrival_times(len(fg), args.interactive_rate, args.seed) + args.background_warmup_s
-    fg_task = asyncio.create_task(run_open_loop(system.url, system.model, fg, fg_offsets, args.scenario_timeout_s))
+    fg_offsets = arrival_times(len(fg), args.interactive_rate, args.seed)
+    alone, _ = await run_open_loop(system.url, system.model, fg, fg_offsets, args.scenario_timeout_s)
+    bg = background(args.background, args.seed, args.background_tokens)
+    fg_task = asyncio.create_task(run_open_loop(system.url, system.model, fg, fg_offsets + args.background_warmup_s,
+                                                args.scenario_timeout_s))
     bg_task = asyncio.create_task(run_open_loop(system.url, system.model, bg, [0.0] * len(bg),
                                                 args.scenario_timeout_s))
     fg_results, _ = await fg_task
     bg_task.cancel()
-    return {"interactive_ttft": percentiles([r.ttft_s for r in fg_results if r.ok]),
-            "interactive_errors": sum(1 for r in fg_results if not r.ok),
-            "interactive_statuses": sorted({r.status for r in fg_results})}
+    return {"interactive_alone_ttft": percentiles([r.ttft_s for r in alone if r.ok]),
+            "interactive_ttft": percentiles([r.ttft_s for r in fg_results if r.ok]),
+            "interactive_errors": sum(1 for r in fg_results + alone if not r.ok),
+            "interactive_statuses": sorted({r.status for r in fg_results + alone})}
 
 
 async def bench_system(system, args) -> dict:
@@ -80,13 +85,14 @@ def print_tables(all_results: dict, args) -> None:
     if args.background:
         print(f"\nPriority scenario: {args.background} background streams (priority 10, {args.background_tokens} "
               f"tokens) + {args.interactive} interactive requests (priority 0) at {args.interactive_rate} req/s")
-        print("| system | idle TTFT p50 s | loaded TTFT p50 s | loaded TTFT p99 s | p99 / idle | errors |")
-        print("|---|---|---|---|---|---|")
+        print("| system | idle TTFT p50 s | alone TTFT p50/p99 s | loaded TTFT p50 s | loaded TTFT p99 s | "
+              "p99 / idle | p99 / alone p99 | errors |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, res in all_results.items():
             idle, sc = res["idle_ttft"][50], res["priority"]
-            loaded = sc["interactive_ttft"]
-            print(f"| {name} | {idle:.2f} | {loaded[50]:.2f} | {loaded[99]:.2f} | {loaded[99] / idle:.1f}x | "
-                  f"{sc['interactive_errors'] or '-'} |")
+            alone, loaded = sc["interactive_alone_ttft"], sc["interactive_ttft"]
+            print(f"| {name} | {idle:.2f} | {alone[50]:.2f}/{alone[99]:.2f} | {loaded[50]:.2f} | {loaded[99]:.2f} | "
+                  f"{loaded[99] / idle:.1f}x | {loaded[99] / alone[99]:.1f}x | {sc['interactive_errors'] or '-'} |")
 
 
 def _p(values: dict) -> str:

@@ -75,7 +75,8 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
             supervisor.add(name, "prefill_cpu.worker", [
                 "--model", model_path, "--listen", address, "--engine", engine_address, "--name", name,
                 "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch), "--threads", str(default_threads(config)),
-                "--kv-type", config.kv_type, "--log-level", config.log_level])
+                "--kv-type", config.kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
+                "--log-level", config.log_level])
         watcher = asyncio.create_task(supervisor.watch())
         yield
         watcher.cancel()

@@ -35,7 +35,8 @@ class ServeConfig:
     device: str = "auto"
     kv_type: str = "q8_0"  # llama.cpp KV cache and wire format
     n_ctx: int = 4096
-    n_batch: int = 128  # prompt tokens per llama.cpp call; a higher-priority prompt can preempt between calls
+    n_batch: int = 128  # prompt tokens per llama.cpp call
+    prefix_cache_tokens: int = 2048  # per worker: KV of recent prompts kept for reuse (shared prefixes); 0: off
     kv_storage: str = "auto"
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 32

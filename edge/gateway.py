@@ -161,6 +161,8 @@ class Gateway:
             m.label(m.queue_time).observe(inflight.prefill_started_at - inflight.created)
             m.label(m.prefill_time).observe(inflight.handed_off_at - inflight.prefill_started_at)
         m.label(m.prompt_tokens).inc(done.num_prompt_tokens)
+        m.label(m.prefix_cache_queries).inc(done.num_prompt_tokens)
+        m.label(m.prefix_cache_hits).inc(done.cached_tokens)
         m.label(m.handoff_bytes).observe(done.handoff_bytes)
         m.label(m.handoff_seconds).observe(done.handoff_ms / 1e3)
 

@@ -32,6 +32,10 @@ class Metrics:
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
                                       "Prefill on a worker, handoff sent included (the last try if preempted)",
                                       labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prompt cache",
+                                            labels, registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prompt cache",
+                                         labels, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
         self.finished = Counter("vllm:request_success", "Finished requests by finish reason",

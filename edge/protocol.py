@@ -47,6 +47,7 @@ class PrefillDone:  # prefill worker -> gateway, after the handoff went to the e
     prefill_ms: float
     handoff_bytes: int
     handoff_ms: float  # export + encode + send
+    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prompt cache
 
 
 @dataclass(frozen=True)

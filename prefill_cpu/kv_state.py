@@ -7,13 +7,17 @@ Layout (vendor/llama.cpp/src/llama-context.cpp and llama-kv-cache.cpp, `state_wr
       n_layer x (i32 k_type, u64 k_row_bytes, cell_count rows of K),
       if v_trans == 0: n_layer x (i32 v_type, u64 v_row_bytes, cell_count rows of V)
       else:            n_layer x (i32 v_type, u32 elem_bytes, u32 n_embd_v, n_embd_v x cell_count elements)
-Any deviation raises KVStateFormatError: we never hand garbage to the decoder.
+Cells come in cell order, which is position order for a fresh prompt but not for one that reused cached
+cells (prefill_cpu.prefix_cache); the parser puts them in position order. Any other deviation raises
+KVStateFormatError: we never hand garbage to the decoder.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+
+import numpy as np
 
 from prefill_cpu.kv_dtypes import KVDType, kv_dtype_for_ggml_type
 
@@ -27,7 +31,7 @@ class KVStateFormatError(ValueError):
 @dataclass(frozen=True)
 class SeqKVState:
     seq_id: int
-    positions: tuple[int, ...]  # position of each exported cell, in cell order
+    positions: tuple[int, ...]  # position of each exported cell: 0..n-1 (cells are put in position order)
     v_transposed: bool  # True: V stored [n_embd_v, n_cells] (flash attention off)
     k_dtype: KVDType
     v_dtype: KVDType
@@ -86,7 +90,7 @@ def parse_seq_state(buf: bytes, n_layer: int, n_embd_k: int, n_embd_v: int) -> S
 
 
 def _parse_stream(r: _Reader, seq_id: int, cell_count: int, n_layer: int, n_embd_k: int, n_embd_v: int) -> SeqKVState:
-    positions = _parse_cells(r, seq_id, cell_count)
+    order = _parse_cells(r, seq_id, cell_count)  # cell indices in position order
     v_trans, layers_in_state = r.unpack("<II", "v_trans and n_layer")
     if v_trans not in (0, 1):
         raise KVStateFormatError(f"v_trans is {v_trans}, expected 0 or 1")
@@ -97,10 +101,25 @@ def _parse_stream(r: _Reader, seq_id: int, cell_count: int, n_layer: int, n_embd
         v_dtype, v_layers = _parse_transposed_layers(r, cell_count, n_layer, n_embd_v)
     else:
         v_dtype, v_layers = _parse_row_layers(r, "V", cell_count, n_layer, n_embd_v)
-    return SeqKVState(seq_id, positions, bool(v_trans), k_dtype, v_dtype, k_layers, v_layers)
+    if order is not None:
+        k_layers = tuple(_reorder_rows(layer, order) for layer in k_layers)
+        v_layers = tuple(_reorder_columns(layer, order, n_embd_v) if v_trans else _reorder_rows(layer, order)
+                         for layer in v_layers)
+    return SeqKVState(seq_id, tuple(range(cell_count)), bool(v_trans), k_dtype, v_dtype, k_layers, v_layers)
 
 
-def _parse_cells(r: _Reader, seq_id: int, cell_count: int) -> tuple[int, ...]:
+def _reorder_rows(layer: bytes, order: np.ndarray) -> bytes:
+    rows = np.frombuffer(layer, dtype=np.uint8).reshape(len(order), -1)
+    return rows[order].tobytes()
+
+
+def _reorder_columns(layer: bytes, order: np.ndarray, n_embd: int) -> bytes:
+    columns = np.frombuffer(layer, dtype=np.uint8).reshape(n_embd, len(order), -1)
+    return columns[:, order, :].tobytes()
+
+
+def _parse_cells(r: _Reader, seq_id: int, cell_count: int) -> np.ndarray | None:
+    """None when the cells are already in position order 0..n-1, else the cell order that makes them so."""
     positions = []
     for i in range(cell_count):
         pos, n_seq = r.unpack("<iI", f"cell {i}")
@@ -110,9 +129,11 @@ def _parse_cells(r: _Reader, seq_id: int, cell_count: int) -> tuple[int, ...]:
         if owner != seq_id:
             raise KVStateFormatError(f"cell {i} belongs to sequence {owner}, expected {seq_id}")
         positions.append(pos)
-    if positions != list(range(cell_count)):
-        raise KVStateFormatError("cell positions are not 0..n-1 in order; the sequence was not a fresh prompt")
-    return tuple(positions)
+    if positions == list(range(cell_count)):
+        return None
+    if sorted(positions) != list(range(cell_count)):
+        raise KVStateFormatError("cell positions are not a permutation of 0..n-1; the sequence is not one prompt")
+    return np.argsort(np.asarray(positions), kind="stable")
 
 
 def _parse_row_layers(r: _Reader, name: str, cell_count: int, n_layer: int, n_embd: int):

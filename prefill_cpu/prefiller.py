@@ -2,6 +2,9 @@
 
 One llama.cpp context serves prompts one after another: each prompt is decoded in n_batch chunks as
 sequence 0, its KV exported with llama_state_seq_get_data and parsed, then the sequence is freed.
+With a prompt cache (prefix_cache_tokens > 0), the context also keeps recent prompts under other
+sequence ids (prefill_cpu.prefix_cache): a prompt that starts like one of them reuses those cells and
+prefills only the rest, and a preempted prompt resumes where it stopped.
 A cancel is seen between chunks and also inside one: llama.cpp's abort callback asks after every graph
 node, so a preempted prompt gives the CPU back within milliseconds, not after a whole chunk.
 """
@@ -17,15 +20,18 @@ from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
+from llama_cpp._internals import LlamaContext
 
 from prefill_cpu.gguf_identity import GGUFIdentity, read_gguf_identity
 from prefill_cpu.handoff import KVHandoff, KVLayout, SamplingParams
 from prefill_cpu.kv_dtypes import kv_dtype
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
+from prefill_cpu.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
-SEQ = 0  # the one llama.cpp sequence a prompt occupies while it is prefilled
+SEQ = 0  # the llama.cpp sequence a prompt occupies while it is prefilled (cached prompts use 1, 2, ...)
+MIN_LLAMA_CTX = 256  # the Llama object's own context, unused for prefill
 
 
 class PrefillError(RuntimeError):
@@ -48,6 +54,8 @@ class PrefillConfig:
     n_threads: int = 0  # 0: all cores
     kv_type: str = "q8_0"  # KV cache storage in llama.cpp and on the wire: f16, q8_0, q4_0
     flash_attn: bool | None = None  # None: on when the KV is quantized (llama.cpp requires it for V)
+    prefix_cache_tokens: int = 0  # KV cells kept for earlier prompts, on top of n_ctx; 0: no prompt cache
+    prefix_cache_entries: int = 8  # earlier prompts kept at most (one llama.cpp sequence each)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class PrefillOutcome:
     handoff: KVHandoff
     prefill_s: float  # llama_decode over the prompt, and sampling the first token
     export_s: float  # llama_state_seq_get_data, parsing, building the handoff
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache (not computed)
 
 
 class Prefiller:
@@ -74,31 +83,43 @@ class Prefiller:
         self.config = config
         self.identity: GGUFIdentity = read_gguf_identity(config.model_path)
         threads = config.n_threads or os.cpu_count() or 1
+        cache_entries = config.prefix_cache_entries if config.prefix_cache_tokens > 0 else 0
+        # the Llama object gives us the model, tokenizer and metadata; its own context stays minimal because
+        # the prompt cache needs several sequences in one unified KV buffer, which Llama() cannot ask for
+        self.llm = llama_cpp.Llama(
+            model_path=config.model_path, n_ctx=MIN_LLAMA_CTX, n_batch=min(config.n_batch, MIN_LLAMA_CTX),
+            n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
+            flash_attn=flash_attn, verbose=False)
+        params = llama_cpp.llama_context_params.from_buffer_copy(self.llm.context_params)
+        params.n_ctx = config.n_ctx + (config.prefix_cache_tokens if cache_entries else 0)
+        params.n_batch = params.n_ubatch = config.n_batch
+        params.n_seq_max = 1 + cache_entries
+        params.kv_unified = True
         lines: list[str] = []
         with captured_llama_log(lines):
-            self.llm = llama_cpp.Llama(
-                model_path=config.model_path, n_ctx=config.n_ctx, n_batch=config.n_batch,
-                n_ubatch=config.n_batch, n_threads=threads, n_threads_batch=threads,
-                type_k=kv.ggml_type, type_v=kv.ggml_type, flash_attn=flash_attn, verbose=False)
+            self._context = LlamaContext(model=self.llm._model, params=params, verbose=False)
         self.k_rotation, self.v_rotation = _rotations_from_log("".join(lines), self.identity)
+        self.cache = PrefixCache(list(range(1, 1 + cache_entries)), config.prefix_cache_tokens)
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
         self._should_cancel = _never
         # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
         self._abort_callback = llama_cpp.ggml_abort_callback(lambda _data: bool(self._should_cancel()))
         llama_cpp.llama_set_abort_callback(self.ctx, self._abort_callback, None)
-        log.info("prefill worker: %s, ctx %d, batch %d, %d threads, KV %s, flash attention %s, rotation K %d V %d",
-                 os.path.basename(config.model_path), config.n_ctx, config.n_batch, threads, kv.name,
-                 flash_attn, self.k_rotation, self.v_rotation)
+        log.info("prefill worker: %s, ctx %d, batch %d, %d threads, KV %s, flash attention %s, rotation K %d V %d, "
+                 "prompt cache %d tokens in %d entries", os.path.basename(config.model_path), config.n_ctx,
+                 config.n_batch, threads, kv.name, flash_attn, self.k_rotation, self.v_rotation,
+                 config.prefix_cache_tokens if cache_entries else 0, cache_entries)
 
     def close(self) -> None:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
+        self._context.close()
         self.llm.close()
 
     @property
     def ctx(self):
-        return self.llm.ctx
+        return self._context.ctx
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
@@ -114,39 +135,68 @@ class Prefiller:
             raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds {self.config.n_ctx - 1}")
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
+        cached = self._reuse_cached_prefix(memory, tokens)
         self._should_cancel = should_cancel
         try:
             started = time.perf_counter()
-            self._decode_prompt(tokens, should_cancel)
+            self._decode_prompt(tokens, should_cancel, cached)
             self._should_cancel = _never  # sampling and export are short; finish them
             first_token = self._sample_first(request.sampling)
             exported = time.perf_counter()
             state = self._export_state()
+            self._remember(memory, tokens)
+        except PrefillCancelledError:
+            done = llama_cpp.llama_memory_seq_pos_max(memory, SEQ) + 1  # the chunks finished before the cancel
+            self._remember(memory, tokens[:done])  # so the requeued prompt resumes from here
+            raise
         finally:
             self._should_cancel = _never
-            llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty cache
+            llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty sequence
         handoff = self._handoff(request, state, first_token, self._logprobs(first_token, request.sampling))
         done = time.perf_counter()
-        return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported)
+        return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached)
 
-    def _decode_prompt(self, tokens: list[int], should_cancel) -> None:
+    def _reuse_cached_prefix(self, memory, tokens: list[int]) -> int:
+        """Share the cells of the longest cached prefix into SEQ; returns how many prompt tokens that covers.
+        The last prompt token is always computed again: its logits give the first token."""
+        seq_id, shared = self.cache.match(tokens)
+        shared = min(shared, len(tokens) - 1)
+        if seq_id is None or shared <= 0:
+            return 0
+        llama_cpp.llama_memory_seq_cp(memory, seq_id, SEQ, 0, shared)
+        return shared
+
+    def _remember(self, memory, tokens: list[int]) -> None:
+        seq_id, evicted = self.cache.place(tuple(tokens))
+        for old in evicted:
+            llama_cpp.llama_memory_seq_rm(memory, old, -1, -1)
+        if seq_id is not None:
+            llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+            llama_cpp.llama_memory_seq_cp(memory, SEQ, seq_id, -1, -1)
+
+    def _decode_prompt(self, tokens: list[int], should_cancel, start: int = 0) -> None:
         batch, n_batch = self._batch, self.config.n_batch
-        for start in range(0, len(tokens), n_batch):
+        for begin in range(start, len(tokens), n_batch):
             if should_cancel():
-                raise PrefillCancelledError(f"cancelled after {start} of {len(tokens)} prompt tokens")
-            chunk = tokens[start:start + n_batch]
+                raise PrefillCancelledError(f"cancelled after {begin} of {len(tokens)} prompt tokens")
+            chunk = tokens[begin:begin + n_batch]
             batch.n_tokens = len(chunk)
             for i, token in enumerate(chunk):
                 batch.token[i] = token
-                batch.pos[i] = start + i
+                batch.pos[i] = begin + i
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = SEQ
-                batch.logits[i] = start + i == len(tokens) - 1  # only the last prompt token's logits
+                batch.logits[i] = begin + i == len(tokens) - 1  # only the last prompt token's logits
             rc = llama_cpp.llama_decode(self.ctx, batch)
+            if rc == 1 and self.cache.entries:  # no room for this chunk: the cached prompts make room
+                memory = llama_cpp.llama_get_memory(self.ctx)
+                for seq_id in self.cache.clear():
+                    llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+                rc = llama_cpp.llama_decode(self.ctx, batch)
             if rc == 2:  # the abort callback said stop
-                raise PrefillCancelledError(f"cancelled within the chunk at {start} of {len(tokens)} prompt tokens")
+                raise PrefillCancelledError(f"cancelled within the chunk at {begin} of {len(tokens)} prompt tokens")
             if rc != 0:
-                raise PrefillError(f"llama_decode returned {rc} at prompt token {start}")
+                raise PrefillError(f"llama_decode returned {rc} at prompt token {begin}")
 
     def _sample_first(self, params: SamplingParams) -> int:
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())

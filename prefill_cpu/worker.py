@@ -93,7 +93,8 @@ class PrefillWorker:
             started = time.perf_counter()
             data = encode_handoff(outcome.handoff)
             handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
-            return data, PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data), handoff_ms)
+            return data, PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data), handoff_ms,
+                                     cached_tokens=outcome.cached_tokens)
         except PrefillCancelledError as err:
             return PrefillFailed(job.request_id, "cancelled", str(err))
         except (BadPromptError, PromptTooLongError) as err:
@@ -124,7 +125,8 @@ def _tuples(sampling: dict) -> dict:
 
 async def serve(args: argparse.Namespace) -> None:
     prefiller = Prefiller(PrefillConfig(args.model, n_ctx=args.n_ctx, n_batch=args.n_batch,
-                                        n_threads=args.threads, kv_type=args.kv_type))
+                                        n_threads=args.threads, kv_type=args.kv_type,
+                                        prefix_cache_tokens=args.prefix_cache_tokens))
     # the engine listens once its model is loaded
     reader, engine_writer = await connect_when_listening(args.engine, Hello("prefill", args.name), timeout_s=600)
     worker = PrefillWorker(prefiller, args.name, engine_writer)
@@ -152,6 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--kv-type", default="q8_0", choices=["f16", "q8_0", "q4_0"])
+    parser.add_argument("--prefix-cache-tokens", type=int, default=2048,
+                        help="KV cells kept for recent prompts, so a shared prefix is not prefilled again (0: off)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 

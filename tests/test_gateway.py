@@ -47,6 +47,11 @@ requests_per_minute = 2
 LONG_TEXT = "The appliance serves many users behind a firewall, and every one of them expects answers. " * 12
 
 
+def fresh_text(tag: str, n_words: int) -> str:
+    """About 3 tokens per word, starting with a tag no other prompt shares, so the prompt cache cannot help."""
+    return " ".join(f"{tag}{i}" for i in range(n_words))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     server = ServerProcess(CONFIG, tmp_path_factory.mktemp("serve"), POLICY).start()
@@ -192,7 +197,7 @@ def test_a_high_priority_prompt_preempts_a_low_priority_prefill(server):
         response = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
                                                     "priority": priority})
         finished[name] = (time.monotonic(), response.status_code)
-    low = threading.Thread(target=ask, args=("low", 10, LONG_TEXT * 4))  # seconds of prefill, in 128-token chunks
+    low = threading.Thread(target=ask, args=("low", 10, fresh_text("low", 260)))  # seconds of prefill
     low.start()
     time.sleep(0.6)
     high = threading.Thread(target=ask, args=("high", 0, "Quick: name a fruit."))
@@ -211,17 +216,24 @@ def test_low_priority_decode_yields_while_a_high_priority_prompt_is_prefilled(se
                             "max_tokens": 300, "temperature": 0, "stream": True, "priority": 10}, timeout=60) as response:
         lines = response.iter_lines()
         assert any(next(lines).startswith("data: {") for _ in range(4))  # the background stream is decoding
-        high = post(server, "/v1/completions", {"model": MODEL, "prompt": LONG_TEXT * 2, "max_tokens": 1,
+        high = post(server, "/v1/completions", {"model": MODEL, "prompt": fresh_text("high", 130), "max_tokens": 1,
                                                 "priority": 0})
         assert high.status_code == 200
     assert wait_for(lambda: server.metric("edge:decode_yielded_seconds") - before > 0.2, 3)
+
+
+def test_a_shared_prompt_prefix_comes_from_the_prompt_cache(server, client):
+    before = server.metric("vllm:prefix_cache_hits_total")
+    for question in ("What is the first point?", "What is the second point?"):
+        client.completions.create(model=MODEL, prompt=LONG_TEXT + question, max_tokens=2, temperature=0)
+    assert server.metric("vllm:prefix_cache_hits_total") - before > 150  # LONG_TEXT is ~200 tokens
 
 
 def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, client):
     worker_pid = server.health()["processes"]["prefill-0"]["pid"]
     results = []
     thread = threading.Thread(target=lambda: results.append(post(server, "/v1/completions", {
-        "model": MODEL, "prompt": LONG_TEXT * 4, "max_tokens": 4})))
+        "model": MODEL, "prompt": fresh_text("killed", 260), "max_tokens": 4})))
     thread.start()
     time.sleep(0.8)  # the ~800-token prompt takes seconds to prefill on two cores
     os.kill(worker_pid, signal.SIGKILL)

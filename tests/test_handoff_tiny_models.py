@@ -6,6 +6,7 @@ KV layer by layer, and greedy continuations from the two must be identical.
 
 import dataclasses
 
+import llama_cpp
 import numpy as np
 import pytest
 import torch
@@ -68,6 +69,44 @@ def test_import_matches_torch_prompt_kv(tiny_model, kv_type, flash_attn, bound):
             want = decode(model, reference, handoff.first_token, 32)
             got = decode(model, imported.cache, handoff.first_token, 32)
             assert got == want
+    finally:
+        prefiller.close()
+
+
+@pytest.mark.parametrize("kv_type,flash_attn,bound", [KV_CASES[0], KV_CASES[2]], ids=["f16-fa0", "q8_0-fa1"])
+def test_prompts_that_reuse_cached_cells_still_match_torch(tiny_model, kv_type, flash_attn, bound):
+    """With the prompt cache, a prompt sharing 50 tokens with an earlier one copies those cells and
+    prefills 25; a prompt preempted after its first chunk resumes from it. Both exports match torch."""
+    path, identity, model = tiny_model
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_batch=32, n_threads=2, kv_type=kv_type,
+                                        flash_attn=flash_attn, prefix_cache_tokens=512, prefix_cache_entries=2))
+    try:
+        _, other, base = prompts()
+        first = prefiller.prefill(PrefillRequest("base", base, GREEDY))
+        assert first.cached_tokens == 0
+        branch = base[:50] + other[:25]
+        outcomes = [prefiller.prefill(PrefillRequest("branch", branch, GREEDY))]
+        assert outcomes[0].cached_tokens == 50
+        resumed = other[:20] + base[:60]
+        memory = llama_cpp.llama_get_memory(prefiller.ctx)
+        # cancelled while the second chunk computes (its cells are placed by then): the first chunk is kept
+        with pytest.raises(PrefillCancelledError, match="within the chunk at 32 of 80"):
+            prefiller.prefill(PrefillRequest("resumed", resumed, GREEDY),
+                              should_cancel=lambda: llama_cpp.llama_memory_seq_pos_max(memory, 0) >= 63)
+        outcomes.append(prefiller.prefill(PrefillRequest("resumed", resumed, GREEDY)))
+        assert outcomes[1].cached_tokens == 32
+        for tokens, outcome in zip((branch, resumed), outcomes):
+            handoff = decode_handoff(encode_handoff(outcome.handoff))
+            imported = DenseKVCache(model.config, torch.float32)
+            import_handoff(handoff, identity, imported, CPU)
+            reference, last_logits = prompt_cache(model, list(tokens))
+            for layer in range(identity.n_layer):
+                ref, got = reference.layers[layer], imported.cache.layers[layer]
+                assert relative_error(got.keys, ref.keys) < bound, f"K of layer {layer}"
+                assert relative_error(got.values, ref.values) < bound, f"V of layer {layer}"
+            assert handoff.first_token == int(last_logits.argmax())
+            assert decode(model, imported.cache, handoff.first_token, 16) == \
+                decode(model, reference, handoff.first_token, 16)
     finally:
         prefiller.close()
 

@@ -27,13 +27,35 @@ def test_parses_q8_0_rows():
     assert len(state.k_layers[0]) == 2 * 68
 
 
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_cells_out_of_position_order_are_put_in_order(v_trans):
+    """A prompt that reused cached cells can be exported with its cells in any order."""
+    plain = parse_seq_state(state_bytes(n_tokens=3, numbered_cells=True, v_trans=v_trans), 2, 64, 64)
+    shuffled = parse_seq_state(state_bytes(n_tokens=3, numbered_cells=True, v_trans=v_trans, positions=[2, 0, 1]),
+                               2, 64, 64)
+    assert shuffled.positions == (0, 1, 2)
+    # cell c of the shuffled state holds position positions[c]: position 0 is cell 1, 1 is cell 2, 2 is cell 0
+    for plain_layer, shuffled_layer in zip(plain.k_layers + plain.v_layers, shuffled.k_layers + shuffled.v_layers):
+        cell_size = len(plain_layer) // 3
+        if v_trans and plain_layer in plain.v_layers:
+            continue  # checked below, column-wise
+        cells = [shuffled_layer[i * cell_size:(i + 1) * cell_size] for i in range(3)]
+        want = [plain_layer[i * cell_size:(i + 1) * cell_size] for i in (1, 2, 0)]
+        assert cells == want
+    if v_trans:
+        row = shuffled.v_layers[0][:3 * 2]  # the first embedding row: one 2-byte element per position
+        plain_row = plain.v_layers[0][:3 * 2]
+        assert row == plain_row[2:4] + plain_row[4:6] + plain_row[0:2]
+
+
 BAD_STATES = [
     (dict(magic=0xDEADBEEF), "bad magic"),
     (dict(layers_in_state=3), "state has 3 layers, the model has 2"),
     (dict(row_bytes=100), "row of layer 0 is 100 bytes, expected 128"),
     (dict(ggml_type=23), "ggml type 23"),
     (dict(n_seq=2), "belongs to 2 sequences"),
-    (dict(positions=[0, 2, 3]), "positions are not 0..n-1"),
+    (dict(positions=[0, 2, 3]), "positions are not a permutation of 0..n-1"),
+    (dict(positions=[0, 1, 1]), "positions are not a permutation of 0..n-1"),
     (dict(n_tokens=0), "has no cells"),
     (dict(ggml_type=8, type_size=34, row_bytes=68, v_trans=True), "transposed V of layer 0"),
 ]

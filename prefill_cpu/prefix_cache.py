@@ -1,0 +1,83 @@
+"""Bookkeeping of the prefill worker's prompt cache: which llama.cpp sequence holds which earlier prompt.
+
+After a prompt is prefilled (or preempted part way), its KV stays in the context under a cache sequence
+id. The next prompt that starts with the same tokens (a shared system prompt, a chat's earlier turns, a
+preempted prompt coming back) copies that prefix's cells (llama.cpp shares them, nothing is recomputed)
+and prefills only the rest. This class only decides; the Prefiller moves the cells. The token budget
+counts each entry whole, so cells two entries share are counted twice: conservative, never over.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass
+class CachedPrompt:
+    seq_id: int  # the llama.cpp sequence holding this prompt's cells
+    tokens: tuple[int, ...]
+    last_used: int
+
+
+class PrefixCache:
+    def __init__(self, seq_ids: list[int], max_tokens: int) -> None:
+        self.free_ids = list(seq_ids)
+        self.max_tokens = max_tokens
+        self.entries: dict[int, CachedPrompt] = {}
+        self._clock = itertools.count()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0 and bool(self.free_ids or self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.entries.values())
+
+    def match(self, tokens: tuple[int, ...] | list[int]) -> tuple[int | None, int]:
+        """The entry sharing the longest prefix with tokens: (its seq id, the shared length), or (None, 0)."""
+        best_id, best_len = None, 0
+        for entry in self.entries.values():
+            n = _common_prefix(entry.tokens, tokens)
+            if n > best_len:
+                best_id, best_len = entry.seq_id, n
+        if best_id is not None:
+            self.entries[best_id].last_used = next(self._clock)
+        return best_id, best_len
+
+    def place(self, tokens: tuple[int, ...]) -> tuple[int | None, list[int]]:
+        """Where to keep this prompt: (seq id to store it under, or None if it does not fit, seq ids whose
+        cells must be removed first). An entry this prompt extends is replaced; otherwise the least
+        recently used entries go until the budget holds."""
+        if not self.enabled or not tokens or len(tokens) > self.max_tokens:
+            return None, []
+        evicted = [e.seq_id for e in self.entries.values() if tokens[:len(e.tokens)] == e.tokens]
+        for seq_id in evicted:
+            self._drop(seq_id)
+        while self.entries and (not self.free_ids or self.num_tokens + len(tokens) > self.max_tokens):
+            oldest = min(self.entries.values(), key=lambda e: e.last_used).seq_id
+            self._drop(oldest)
+            evicted.append(oldest)
+        seq_id = self.free_ids.pop()
+        self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock))
+        return seq_id, evicted
+
+    def clear(self) -> list[int]:
+        """Forget every entry; returns their seq ids (whose cells the caller removes)."""
+        ids = list(self.entries)
+        for seq_id in ids:
+            self._drop(seq_id)
+        return ids
+
+    def _drop(self, seq_id: int) -> None:
+        del self.entries[seq_id]
+        self.free_ids.append(seq_id)
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -91,8 +91,14 @@ def print_tables(all_results: dict, args) -> None:
         for name, res in all_results.items():
             idle, sc = res["idle_ttft"][50], res["priority"]
             alone, loaded = sc["interactive_alone_ttft"], sc["interactive_ttft"]
-            print(f"| {name} | {idle:.2f} | {alone[50]:.2f}/{alone[99]:.2f} | {loaded[50]:.2f} | {loaded[99]:.2f} | "
-                  f"{loaded[99] / idle:.1f}x | {loaded[99] / alone[99]:.1f}x | {sc['interactive_errors'] or '-'} |")
+            print(f"| {name} | {_s(idle)} | {_s(alone[50])}/{_s(alone[99])} | {_s(loaded[50])} | {_s(loaded[99])} | "
+                  f"{_s(loaded[99] / idle, 'x', 1)} | {_s(loaded[99] / alone[99], 'x', 1)} | "
+                  f"{sc['interactive_errors'] or '-'} |")
+
+
+def _s(value: float, unit: str = "", digits: int = 2) -> str:
+    """A number for the table; '-' where nothing completed (NaN)."""
+    return "-" if value != value else f"{value:.{digits}f}{unit}"
 
 
 def _p(values: dict) -> str:

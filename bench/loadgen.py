@@ -56,7 +56,8 @@ def arrival_times(n: int, rate: float, seed: int, burstiness: float = 1.0) -> np
 
 
 async def send(session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec,
-               extra: dict | None = None) -> RequestResult:
+               extra: dict | None = None, on_token=None) -> RequestResult:
+    """One streamed request; on_token(), if given, is called at every content chunk as it arrives."""
     result = RequestResult(spec.label)
     body = {"model": model, "messages": list(spec.messages), "max_tokens": spec.max_tokens, "stream": True,
             "temperature": 0, "stream_options": {"include_usage": True}, **(extra or {})}
@@ -89,6 +90,8 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, spec: Reque
                             result.itl_s.append(now - last)
                         last = now
                         result.output_tokens = max(result.output_tokens, len(result.itl_s) + 1)
+                        if on_token is not None:
+                            on_token()
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         result.error = f"{type(err).__name__}: {err}"
     result.e2e_s = time.perf_counter() - started
@@ -96,7 +99,8 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, spec: Reque
 
 
 async def run_open_loop(url: str, model: str, specs: list[RequestSpec], offsets: np.ndarray,
-                        timeout_s: float = 600.0, extra: dict | None = None) -> tuple[list[RequestResult], float]:
+                        timeout_s: float = 600.0, extra: dict | None = None,
+                        on_token=None) -> tuple[list[RequestResult], float]:
     """Fire specs[i] at offsets[i] seconds after start; returns results and the wall time."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -105,7 +109,7 @@ async def run_open_loop(url: str, model: str, specs: list[RequestSpec], offsets:
 
         async def fire(spec: RequestSpec, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
-            return await send(session, url, model, spec, extra)
+            return await send(session, url, model, spec, extra, on_token)
 
         results = await asyncio.gather(*(fire(s, float(o)) for s, o in zip(specs, offsets)))
         return list(results), time.perf_counter() - started

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from pathlib import Path
 
 from bench.loadgen import arrival_times, percentiles, run_open_loop, send, summarize
@@ -31,21 +32,28 @@ async def idle_ttft(system, specs) -> list[float]:
 
 
 async def priority_scenario(system, args) -> dict:
-    """The interactive requests twice, with the same Poisson arrivals: alone (what they cost each other on
-    one box), then on top of the background streams, which all start at t=0 (the interactive ones from
+    """Interactive requests twice, with the same Poisson arrivals: alone (what they cost each other on
+    one box), then, with other prompts, on top of the background streams, which all start at t=0 (the interactive ones from
     t=warmup on). Background streams still running when the last interactive request ends are cancelled
-    (not counted as errors)."""
+    (not counted as errors); what they streamed until then gives the background's throughput."""
     fg = interactive(args.interactive, args.seed)
     fg_offsets = arrival_times(len(fg), args.interactive_rate, args.seed)
-    alone, _ = await run_open_loop(system.url, system.model, fg, fg_offsets, args.scenario_timeout_s)
+    # other prompts of the same kind: no server may replay the loaded run's prompts from a cache
+    alone, _ = await run_open_loop(system.url, system.model, interactive(args.interactive, args.seed + 500),
+                                   fg_offsets, args.scenario_timeout_s)
     bg = background(args.background, args.seed, args.background_tokens)
+    bg_chunks = []  # arrival times of background content chunks (about one token each)
+    started = time.perf_counter()
     fg_task = asyncio.create_task(run_open_loop(system.url, system.model, fg, fg_offsets + args.background_warmup_s,
                                                 args.scenario_timeout_s))
     bg_task = asyncio.create_task(run_open_loop(system.url, system.model, bg, [0.0] * len(bg),
-                                                args.scenario_timeout_s))
+                                                args.scenario_timeout_s,
+                                                on_token=lambda: bg_chunks.append(time.perf_counter())))
     fg_results, _ = await fg_task
     bg_task.cancel()
-    return {"interactive_alone_ttft": percentiles([r.ttft_s for r in alone if r.ok]),
+    window = time.perf_counter() - started
+    return {"background_tok_s": len(bg_chunks) / window, "scenario_s": window,
+            "interactive_alone_ttft": percentiles([r.ttft_s for r in alone if r.ok]),
             "interactive_ttft": percentiles([r.ttft_s for r in fg_results if r.ok]),
             "interactive_errors": sum(1 for r in fg_results + alone if not r.ok),
             "interactive_statuses": sorted({r.status for r in fg_results + alone})}
@@ -86,14 +94,14 @@ def print_tables(all_results: dict, args) -> None:
         print(f"\nPriority scenario: {args.background} background streams (priority 10, {args.background_tokens} "
               f"tokens) + {args.interactive} interactive requests (priority 0) at {args.interactive_rate} req/s")
         print("| system | idle TTFT p50 s | alone TTFT p50/p99 s | loaded TTFT p50 s | loaded TTFT p99 s | "
-              "p99 / idle | p99 / alone p99 | errors |")
-        print("|---|---|---|---|---|---|---|---|")
+              "p99 / idle | p99 / alone p99 | background out tok/s | errors |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, res in all_results.items():
             idle, sc = res["idle_ttft"][50], res["priority"]
             alone, loaded = sc["interactive_alone_ttft"], sc["interactive_ttft"]
             print(f"| {name} | {_s(idle)} | {_s(alone[50])}/{_s(alone[99])} | {_s(loaded[50])} | {_s(loaded[99])} | "
                   f"{_s(loaded[99] / idle, 'x', 1)} | {_s(loaded[99] / alone[99], 'x', 1)} | "
-                  f"{sc['interactive_errors'] or '-'} |")
+                  f"{_s(sc['background_tok_s'], '', 1)} | {sc['interactive_errors'] or '-'} |")
 
 
 def _s(value: float, unit: str = "", digits: int = 2) -> str:

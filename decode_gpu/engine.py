@@ -148,7 +148,7 @@ class DecodeEngine:
     def _yielding(self, step: ScheduledStep) -> ScheduledStep:
         """While a more important prompt is in prefill (CPU boxes), the sequences it outranks sit this step
         out, keeping their blocks; if it outranks all of them, the forward itself waits between layers."""
-        gate = getattr(self.runner, "gate", None)
+        gate = self._gate
         if gate is None:
             return step
         urgent = [seq for seq in step.decode if not gate.outranks(seq.priority)]
@@ -164,7 +164,12 @@ class DecodeEngine:
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running, num_swapped=swapped,
             num_preemptions=self.scheduler.num_preemptions, last_step_ms=self._throughput.last_step_ms,
             tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated,
-            decode_yielded_s=gate.waited_s if (gate := getattr(self.runner, "gate", None)) else 0.0)
+            decode_yielded_s=self._gate.waited_s if self._gate else 0.0)
+
+    @property
+    def _gate(self):
+        """The runner's PriorityGate, if it has one (test runners may not)."""
+        return getattr(self.runner, "gate", None)
 
     def _check_admissible(self, handoff: KVHandoff) -> None:
         try:

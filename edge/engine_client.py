@@ -27,7 +27,7 @@ class EngineClient:
             reader, writer = await connect_when_listening(self.address, Hello("gateway"))
             self.writer, self.state = writer, "ready"
             log.info("connected to the decode engine at %s", self.address)
-            await self._send_yield()  # a restarted engine must hear what is in prefill now
+            await self._send(DecodeYield(self.yield_to))  # a restarted engine must hear what is in prefill now
             try:
                 await self._serve(reader)
             finally:
@@ -36,21 +36,18 @@ class EngineClient:
             await asyncio.sleep(0.2)
 
     async def abort(self, request_id: str) -> None:
-        if self.writer is not None:
-            try:
-                await send_message(self.writer, Abort(request_id))
-            except ConnectionError:
-                pass
+        await self._send(Abort(request_id))
 
     def prefill_priority_changed(self, priority: int | None) -> None:
         """The prefill pool's best priority changed; the engine's less important decode yields to it."""
         self.yield_to = priority
-        asyncio.ensure_future(self._send_yield())
+        asyncio.ensure_future(self._send(DecodeYield(priority)))
 
-    async def _send_yield(self) -> None:
+    async def _send(self, message) -> None:
+        """Best effort: a lost connection is handled by run(), which reconnects and resends the yield."""
         if self.writer is not None:
             try:
-                await send_message(self.writer, DecodeYield(self.yield_to))
+                await send_message(self.writer, message)
             except ConnectionError:
                 pass
 

@@ -2,7 +2,8 @@
 
 A worker gets one job at a time; when it answers, the best waiting job goes to it. When every worker
 is busy with lower-priority prompts, a higher-priority arrival preempts the worst of them: the worker
-stops between two llama.cpp chunks and that job goes back to the queue in its old place. A worker
+stops at once (within a llama.cpp chunk) and that job goes back to the queue in its old place, to resume
+from the worker's prompt cache. A worker
 whose connection drops fails its current job with a clear error and is reconnected when it comes back.
 Whenever the best priority among queued and prefilling prompts changes, `on_best_priority` hears it (the
 gateway passes it on to the engine, whose lower-priority decode then yields the CPU on a CPU-only box).

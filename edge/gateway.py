@@ -155,7 +155,8 @@ class Gateway:
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
         inflight = run.inflight
         inflight.advance(RequestStatus.HANDED_OFF)
-        inflight.handed_off_at = time.perf_counter()
+        # the engine sends the first token as the handoff lands, so it may overtake the worker's report
+        inflight.handed_off_at = min(time.perf_counter(), inflight.first_token_at or float("inf"))
         m = self.metrics
         if inflight.prefill_started_at is not None:
             m.label(m.queue_time).observe(inflight.prefill_started_at - inflight.created)

@@ -31,7 +31,7 @@ class InFlight:
     created: float = field(default_factory=time.perf_counter)
     worker: str = ""  # prefill worker holding it while PREFILLING
     prefill_started_at: float | None = None  # the last dispatch to a worker (a preempted prompt is dispatched again)
-    handed_off_at: float | None = None  # the worker reported its handoff sent
+    handed_off_at: float | None = None  # the worker reported its handoff sent (or the first token came, if sooner)
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -40,8 +40,6 @@ class InFlight:
         marks = (self.created, self.prefill_started_at, self.handed_off_at, self.first_token_at)
         if any(m is None for m in marks):
             return ""
-        # the engine sends the first token as the handoff lands, so it may overtake the worker's report
-        marks = (*marks[:2], min(self.handed_off_at, self.first_token_at), self.first_token_at)
         queued, prefill, engine = (b - a for a, b in zip(marks, marks[1:]))
         return f"queued {queued * 1e3:.0f} ms, prefill {prefill * 1e3:.0f} ms, engine {engine * 1e3:.0f} ms"
 

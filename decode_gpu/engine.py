@@ -112,8 +112,6 @@ class DecodeEngine:
         if handoff.first_logprob is not None:
             first_logprobs = ((handoff.first_token, handoff.first_logprob, handoff.first_top_logprobs),)
         reason, text = self._finish_reason_and_text(seq)
-        if reason is not None:
-            seq.state, seq.finish_reason = SeqState.FINISHED, reason
         event = self._event(seq, (handoff.first_token,), text, reason, first_logprobs)
         return (seq if reason is None else None), event
 

@@ -168,8 +168,7 @@ class Prefiller:
 
     def _remember(self, memory, tokens: list[int]) -> None:
         seq_id, evicted = self.cache.place(tuple(tokens))
-        for old in evicted:
-            llama_cpp.llama_memory_seq_rm(memory, old, -1, -1)
+        _free_sequences(memory, evicted)
         if seq_id is not None:
             llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
             llama_cpp.llama_memory_seq_cp(memory, SEQ, seq_id, -1, -1)
@@ -189,9 +188,7 @@ class Prefiller:
                 batch.logits[i] = begin + i == len(tokens) - 1  # only the last prompt token's logits
             rc = llama_cpp.llama_decode(self.ctx, batch)
             if rc == 1 and self.cache.entries:  # no room for this chunk: the cached prompts make room
-                memory = llama_cpp.llama_get_memory(self.ctx)
-                for seq_id in self.cache.clear():
-                    llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+                _free_sequences(llama_cpp.llama_get_memory(self.ctx), self.cache.clear())
                 rc = llama_cpp.llama_decode(self.ctx, batch)
             if rc == 2:  # the abort callback said stop
                 raise PrefillCancelledError(f"cancelled within the chunk at {begin} of {len(tokens)} prompt tokens")
@@ -244,6 +241,11 @@ class Prefiller:
             positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first_token,
             k_layers=state.k_layers, v_layers=state.v_layers, sampling=request.sampling, priority=request.priority,
             first_logprob=logprobs[0], first_top_logprobs=logprobs[1])
+
+
+def _free_sequences(memory, seq_ids: list[int]) -> None:
+    for seq_id in seq_ids:
+        llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
 
 
 def _never() -> bool:

@@ -29,7 +29,7 @@ from decode_gpu.kv_pool import bytes_per_token
 from decode_gpu.model_loader import load_decode_model
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from prefill_cpu.embedded_model import embedded_model_path
-from prefill_cpu.handoff import SamplingParams
+from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 TEXT = ("Operators of on-prem appliances care about predictable latency, honest errors and simple configuration. "
@@ -160,7 +160,7 @@ def main() -> None:
     requests = workload(prefiller, [int(n) for n in args.outputs.split(",")])
     useful = sum(n for _, n in requests)
     ident = prefiller.identity
-    per_token = bytes_per_token(ident.n_layer, ident.n_kv_head, ident.head_dim_k, str(dtype).split(".")[-1])
+    per_token = bytes_per_token(ident.n_layer, ident.num_kv_heads, ident.head_dim_k, str(dtype).split(".")[-1])
     results = {"ours (llama.cpp prefill + paged engine)": run_ours(prefiller, load_decode_model(ident, device, dtype),
                                                                    device, requests)}
     if "static" not in args.skip:

@@ -25,7 +25,7 @@ from decode_gpu.kv_cache import DenseKVCache
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.model_loader import load_decode_model
 from prefill_cpu.embedded_model import embedded_model_path
-from prefill_cpu.handoff import SamplingParams, decode_handoff, encode_handoff
+from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 TEXT = ("The history of computing is a story of people, machines and ideas. Early mechanical calculators gave way "

@@ -20,7 +20,7 @@ from transformers import TextIteratorStreamer
 
 from decode_gpu.device import resolve_device, resolve_dtype
 from decode_gpu.model_loader import load_decode_model, load_tokenizer
-from prefill_cpu.gguf_identity import read_gguf_identity
+from contracts.identity import read_gguf_identity
 
 MODEL = web.AppKey("model", object)
 TOKENIZER = web.AppKey("tokenizer", object)

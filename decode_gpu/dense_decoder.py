@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from decode_gpu.sampler import make_generator, sample_token
-from prefill_cpu.handoff import SamplingParams
+from contracts.handoff import SamplingParams
 
 
 @torch.inference_mode()

@@ -17,7 +17,8 @@ from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.sampler import make_generator, sample_token
 from decode_gpu.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
-from prefill_cpu.handoff import KVHandoff
+from contracts.events import EngineStats, FinishReason, Logprob, TokenEvent, TopLogprob
+from contracts.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -31,33 +32,6 @@ class EngineConfig:
     runner: RunnerConfig = RunnerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     max_model_len: int = 4096  # prompt + output tokens of one request
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    request_id: str
-    token_ids: tuple[int, ...]  # tokens generated since the last event of this request
-    text: str  # final text since the last event (held back while it may become a stop string)
-    finish_reason: str | None = None  # "stop", "length", "abort", "error", or None while running
-    error: str | None = None
-    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()  # (token, logprob, top alternatives)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_capacity_tokens: int
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    num_preemptions: int
-    last_step_ms: float
-    tokens_per_s: float  # generated tokens per second, smoothed over recent steps
-    generated_tokens: int
-    decode_yielded_s: float = 0.0  # time decode waited for more important prefills (decode_gpu.priority_gate)
 
 
 @dataclass
@@ -110,7 +84,8 @@ class DecodeEngine:
         seq.meta["generator"] = make_generator(handoff.sampling, self.runner.device)
         first_logprobs = ()
         if handoff.first_logprob is not None:
-            first_logprobs = ((handoff.first_token, handoff.first_logprob, handoff.first_top_logprobs),)
+            top = tuple(TopLogprob(token_id, logprob) for token_id, logprob in handoff.first_top_logprobs)
+            first_logprobs = (Logprob(handoff.first_token, handoff.first_logprob, top=top),)
         reason, text = self._finish_reason_and_text(seq)
         event = self._event(seq, (handoff.first_token,), text, reason, first_logprobs)
         return (seq if reason is None else None), event
@@ -215,6 +190,7 @@ class DecodeEngine:
 
     def _event(self, seq: Sequence, tokens: tuple, text: str, reason: str | None, logprobs: tuple = (),
                error: str | None = None) -> TokenEvent:
+        reason = FinishReason(reason) if reason is not None else None
         return TokenEvent(seq.seq_id, tokens, text, reason, error, logprobs, seq.prompt_len, len(seq.output_tokens))
 
     @staticmethod
@@ -224,5 +200,6 @@ class DecodeEngine:
             return ()
         logprobs = torch.log_softmax(row, dim=-1)  # [vocab]
         top = torch.topk(logprobs, n_top) if n_top > 0 else None
-        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-        return ((token, float(logprobs[token]), alternatives),)
+        alternatives = tuple(TopLogprob(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist())) \
+            if top is not None else ()
+        return (Logprob(token, float(logprobs[token]), top=alternatives),)

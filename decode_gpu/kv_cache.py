@@ -13,7 +13,7 @@ from transformers import DynamicCache, PretrainedConfig
 
 class KVWriter(Protocol):
     def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values: [n_tokens, n_kv_heads, head_dim] in the Hugging Face layout, after RoPE."""
+        """keys, values: [n_tokens, num_kv_heads, head_dim] in the Hugging Face layout, after RoPE."""
 
 
 class DenseKVCache:
@@ -27,7 +27,7 @@ class DenseKVCache:
     def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if layer != self._next_layer:  # DynamicCache fills layers in order
             raise ValueError(f"layer {layer} written out of order, expected {self._next_layer}")
-        # [n_tokens, n_kv_heads, head_dim] -> [1, n_kv_heads, n_tokens, head_dim]
+        # [n_tokens, num_kv_heads, head_dim] -> [1, num_kv_heads, n_tokens, head_dim]
         self.cache.update(keys.transpose(0, 1)[None].to(self.dtype), values.transpose(0, 1)[None].to(self.dtype), layer)
         self._next_layer += 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from prefill_cpu.kv_dtypes import kv_dtype
+from contracts.kv_dtypes import kv_dtype
 
 
 def dequantize(raw: bytes, dtype_name: str, n_elems_per_row: int, device: torch.device) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 
 from decode_gpu.kv_cache import KVWriter
 from decode_gpu.kv_dequant import dequantize
-from prefill_cpu.gguf_identity import GGUFIdentity
-from prefill_cpu.handoff import KVHandoff
+from contracts.identity import GGUFIdentity
+from contracts.handoff import KVHandoff
 
 
 class HandoffMismatchError(ValueError):
@@ -26,7 +26,7 @@ def check_handoff_matches(handoff: KVHandoff, model: GGUFIdentity) -> None:
     expected = {
         "model fingerprint": (handoff.model_fingerprint, model.fingerprint),
         "layers": (lay.n_layer, model.n_layer),
-        "KV heads": (lay.n_kv_heads, model.n_kv_head),
+        "KV heads": (lay.num_kv_heads, model.num_kv_heads),
         "K head size": (lay.head_dim_k, model.head_dim_k),
         "V head size": (lay.head_dim_v, model.head_dim_v),
         "RoPE layout": (lay.rope_layout, model.rope_layout),
@@ -64,8 +64,8 @@ def import_handoff(handoff: KVHandoff, model: GGUFIdentity, writer: KVWriter, de
     lay = handoff.layout
     n_tokens = handoff.n_tokens
     for layer in range(lay.n_layer):
-        keys = dequantize(handoff.k_layers[layer], lay.k_dtype, lay.n_kv_heads * lay.head_dim_k, device)
-        keys = unrotate(keys.view(n_tokens, lay.n_kv_heads, lay.head_dim_k), lay.k_rotation)
+        keys = dequantize(handoff.k_layers[layer], lay.k_dtype, lay.num_kv_heads * lay.head_dim_k, device)
+        keys = unrotate(keys.view(n_tokens, lay.num_kv_heads, lay.head_dim_k), lay.k_rotation)
         if lay.rope_layout == "interleaved":
             keys = unpermute_interleaved(keys)
         values = _values(handoff.v_layers[layer], lay, n_tokens, device)
@@ -73,10 +73,10 @@ def import_handoff(handoff: KVHandoff, model: GGUFIdentity, writer: KVWriter, de
 
 
 def _values(raw: bytes, lay, n_tokens: int, device: torch.device) -> torch.Tensor:
-    """V as [n_tokens, n_kv_heads, head_dim_v]; llama.cpp without flash attention stores it transposed."""
-    n_embd_v = lay.n_kv_heads * lay.head_dim_v
+    """V as [n_tokens, num_kv_heads, head_dim_v]; llama.cpp without flash attention stores it transposed."""
+    n_embd_v = lay.num_kv_heads * lay.head_dim_v
     if lay.v_transposed:
         values = dequantize(raw, lay.v_dtype, n_tokens, device).t()  # [n_embd_v, n_tokens] -> [n_tokens, n_embd_v]
     else:
         values = dequantize(raw, lay.v_dtype, n_embd_v, device)  # [n_tokens, n_embd_v]
-    return values.reshape(n_tokens, lay.n_kv_heads, lay.head_dim_v)
+    return values.reshape(n_tokens, lay.num_kv_heads, lay.head_dim_v)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from prefill_cpu.gguf_identity import GGUFIdentity
+from contracts.identity import GGUFIdentity
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from decode_gpu.kv_pool import KVPool, PoolShape, bytes_per_token
 from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import ScheduledStep
-from prefill_cpu.gguf_identity import GGUFIdentity
+from contracts.identity import GGUFIdentity
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,9 @@ class ModelRunner:
         self.device = device
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         storage = _storage_name(model.dtype) if config.kv_storage == "auto" else config.kv_storage
-        per_token = bytes_per_token(identity.n_layer, identity.n_kv_head, identity.head_dim_k, storage)
+        per_token = bytes_per_token(identity.n_layer, identity.num_kv_heads, identity.head_dim_k, storage)
         num_blocks = _num_blocks(config, per_token, device)
-        self.pool = KVPool(PoolShape(identity.n_layer, num_blocks, config.block_size, identity.n_kv_head,
+        self.pool = KVPool(PoolShape(identity.n_layer, num_blocks, config.block_size, identity.num_kv_heads,
                                      identity.head_dim_k, storage), device)
         self.swap_space: dict[str, list[torch.Tensor]] = {}  # host copies of preempted sequences' blocks
 

@@ -59,15 +59,15 @@ def build_paged_batch(pool: KVPool, block_tables: list[list[int]], context_lens:
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     paged: PagedBatch | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """query: [1, n_heads, n_new, head_dim]; key/value: [1, n_kv_heads, n_new, head_dim] (after RoPE).
+    """query: [1, n_heads, n_new, head_dim]; key/value: [1, num_kv_heads, n_new, head_dim] (after RoPE).
     Returns [1, n_new, n_heads, head_dim] as transformers expects."""
     if paged is None:
         raise RuntimeError("edge_paged attention needs a PagedBatch passed as `paged=` to the model forward")
     layer = module.layer_idx
-    new_k = key[0].transpose(0, 1)  # [n_new, n_kv_heads, head_dim]
+    new_k = key[0].transpose(0, 1)  # [n_new, num_kv_heads, head_dim]
     new_v = value[0].transpose(0, 1)
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
-    k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, query.dtype)  # [n_seqs, max_ctx, n_kv_heads, head_dim]
+    k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, query.dtype)  # [n_seqs, max_ctx, num_kv_heads, head_dim]
     q = query[0].transpose(0, 1)[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),  # [n_seqs, heads, len, head_dim]

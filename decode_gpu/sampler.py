@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from prefill_cpu.handoff import SamplingParams
+from contracts.handoff import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

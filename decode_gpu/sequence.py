@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from prefill_cpu.handoff import KVHandoff, SamplingParams
+from contracts.handoff import KVHandoff, SamplingParams
 
 
 class SeqState(enum.Enum):

@@ -20,30 +20,39 @@ import signal
 import threading
 
 from decode_gpu.device import resolve_device, resolve_dtype
-from decode_gpu.engine import DecodeEngine, EngineConfig, HandoffRejectedError, TokenEvent
+from decode_gpu.engine import DecodeEngine, EngineConfig, HandoffRejectedError
 from decode_gpu.model_loader import load_decode_model, load_tokenizer
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import SchedulerConfig
-from edge.protocol import (Abort, DecodeYield, Handoff, Hello, Stats, Token, read_message, send_message,
-                           start_server)
-from prefill_cpu.gguf_identity import read_gguf_identity
-from prefill_cpu.handoff import HandoffFormatError, decode_handoff
+from contracts.events import FinishReason, TokenEvent
+from contracts.framing import (CONTROL_FRAME_BYTES, ProtocolError, accept_peer, control_secret, read_message,
+                               send_message, start_server)
+from contracts.handoff import HandoffFormatError, decode_handoff, max_handoff_bytes
+from contracts.identity import read_gguf_identity
+from contracts.messages import Abort, DecodeYield, Handoff, Stats, Token
 
 log = logging.getLogger("decode_gpu.server")
 STATS_INTERVAL_S = 0.5
 
 
 class EngineService:
-    def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop, secret: bytes = b"",
+                 max_handoff_frame: int = CONTROL_FRAME_BYTES) -> None:
         self.engine = engine
         self.gate: PriorityGate = engine.runner.gate or PriorityGate(enabled=False)
         self.loop = loop
+        self.secret = secret
+        self.max_handoff_frame = max_handoff_frame  # the model's largest possible handoff, framed
         self.inbox: queue.Queue = queue.Queue()  # ("admit", Sequence) or ("abort", request id), in arrival order
         self.gateways: set[asyncio.StreamWriter] = set()
-        self.pending_events: collections.deque = collections.deque(maxlen=100_000)  # while no gateway is connected
+        # terminal events of requests that ended while no gateway was connected; the gateway may still be
+        # waiting for them (a prompt in prefill during a reconnect). Bounded: a gateway gone for good
+        # ends its own requests, and the oldest endings go first.
+        self.pending_endings: collections.OrderedDict[str, Token] = collections.OrderedDict()
         self.live: set[str] = set()  # opened and not yet ended (asyncio side)
         self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # aborts seen before the handoff
+        self.snapshot = engine.stats()  # published by the engine thread; other threads never read engine state
         self.stopping = threading.Event()
 
     # --- engine thread -------------------------------------------------------------------------
@@ -57,6 +66,7 @@ class EngineService:
                     log.exception("decode step failed")
                     events = self._fail_all(f"decode step failed: {err}")
                 self._publish(events)
+            self.snapshot = self.engine.stats()
         self._drain_inbox(block=False)  # opened sequences still in the inbox end with the rest
         self._publish(self._abort_all())
 
@@ -78,7 +88,7 @@ class EngineService:
             self.engine.admit(seq)
             return []
         except HandoffRejectedError as err:
-            return [TokenEvent(seq.seq_id, (), "", "error", error=str(err), num_prompt_tokens=seq.prompt_len)]
+            return [TokenEvent.ending(seq.seq_id, FinishReason.ERROR, str(err), seq.prompt_len)]
 
     def _abort(self, request_id: str) -> list[TokenEvent]:
         event = self.engine.abort(request_id)
@@ -88,7 +98,7 @@ class EngineService:
         events = []
         for request_id in list(self.engine.sequences):
             event = self.engine.abort(request_id)
-            events.append(dataclasses.replace(event, finish_reason="error", error=why))
+            events.append(dataclasses.replace(event, finish_reason=FinishReason.ERROR, error=why))
         return events
 
     def _abort_all(self) -> list[TokenEvent]:
@@ -99,16 +109,19 @@ class EngineService:
             self.loop.call_soon_threadsafe(self._send_events, events)
 
     # --- asyncio side ------------------------------------------------------------------------
-    def _on_handoff(self, data: bytes) -> None:
+    def _on_handoff(self, message: Handoff) -> None:
+        request_id = message.request_id
         try:
-            handoff = decode_handoff(data)
+            handoff = decode_handoff(message.data)
+            if handoff.request_id != request_id:
+                raise HandoffFormatError(f"the frame says request {request_id}, the handoff {handoff.request_id}")
         except HandoffFormatError as err:
-            log.error("dropped a malformed handoff: %s", err)
+            log.error("handoff %s is malformed: %s", request_id, err)
+            self._send_events([TokenEvent.ending(request_id, FinishReason.ERROR, f"malformed KV handoff: {err}")])
             return
-        request_id = handoff.request_id
         if request_id in self.aborted:  # the client went away while it was being prefilled
             del self.aborted[request_id]
-            self._send_events([TokenEvent(request_id, (), "", "abort", num_prompt_tokens=handoff.n_tokens)])
+            self._send_events([TokenEvent.ending(request_id, FinishReason.ABORT, num_prompt_tokens=handoff.n_tokens)])
             return
         try:
             if request_id in self.live:
@@ -116,8 +129,7 @@ class EngineService:
             seq, first = self.engine.open(handoff)
         except HandoffRejectedError as err:
             log.error("handoff %s rejected: %s", request_id, err)
-            self._send_events([TokenEvent(request_id, (), "", "error", error=str(err),
-                                          num_prompt_tokens=handoff.n_tokens)])
+            self._send_events([TokenEvent.ending(request_id, FinishReason.ERROR, str(err), handoff.n_tokens)])
             return
         self._send_events([first])
         if seq is not None:
@@ -136,11 +148,21 @@ class EngineService:
         for event in events:
             if event.finish_reason is not None:
                 self.live.discard(event.request_id)
-            message = Token(event_for_gateway(event, self.engine.tokenizer))
+            message = Token(with_token_text(event, self.engine.tokenizer))
             if not self.gateways:
-                self.pending_events.append(message)
+                self._keep_ending(message)
             for writer in list(self.gateways):
                 asyncio.ensure_future(self._send(writer, message))
+
+    def _keep_ending(self, message: Token) -> None:
+        """No gateway to tell: keep terminal events for its return; a live sequence has nobody to stream to."""
+        event = message.event
+        if event.finish_reason is None:
+            self._on_abort(event.request_id)
+            return
+        self.pending_endings[event.request_id] = message
+        while len(self.pending_endings) > 10_000:
+            self.pending_endings.popitem(last=False)
 
     async def _send(self, writer: asyncio.StreamWriter, message) -> None:
         try:
@@ -149,48 +171,57 @@ class EngineService:
             self.gateways.discard(writer)
 
     async def handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hello = await read_message(reader)
-        if not isinstance(hello, Hello):
-            writer.close()
+        hello = await accept_peer(reader, writer, self.secret)
+        if hello is None:
+            log.warning("refused a control connection that failed the handshake")
             return
+        limit = self.max_handoff_frame if hello.role == "prefill" else CONTROL_FRAME_BYTES
         if hello.role == "gateway":
             self.gateways.add(writer)
-            while self.pending_events:
-                await self._send(writer, self.pending_events.popleft())
+            while self.pending_endings:
+                await self._send(writer, self.pending_endings.popitem(last=False)[1])
         try:
-            while (message := await read_message(reader)) is not None:
-                if isinstance(message, Handoff):
-                    self._on_handoff(message.data)
-                elif isinstance(message, Abort):
-                    self._on_abort(message.request_id)
-                elif isinstance(message, DecodeYield):
-                    log.debug("best priority in prefill: %s", message.priority)
-                    self.gate.hold(message.priority)
+            while (message := await read_message(reader, limit)) is not None:
+                self._dispatch(message)
+        except ProtocolError as err:  # drop this peer; it reconnects
+            log.error("dropping %s %s after a bad frame: %s", hello.role, hello.name, err)
         finally:
             if hello.role == "gateway":
                 self.gate.hold(None)  # whatever it asked for no longer holds
             self.gateways.discard(writer)
             writer.close()
 
+    def _dispatch(self, message) -> None:
+        if isinstance(message, Handoff):
+            self._on_handoff(message)
+        elif isinstance(message, Abort):
+            self._on_abort(message.request_id)
+        elif isinstance(message, DecodeYield):
+            log.debug("best priority in prefill: %s", message.priority)
+            self.gate.hold(message.priority)
+        else:
+            log.warning("ignoring an unexpected %s frame", type(message).__name__)
+
     async def publish_stats(self) -> None:
         while not self.stopping.is_set():
             await asyncio.sleep(STATS_INTERVAL_S)
-            message = Stats(dataclasses.asdict(self.engine.stats()))
+            message = Stats(self.snapshot)
             for writer in list(self.gateways):
                 await self._send(writer, message)
 
 
-def event_for_gateway(event: TokenEvent, tokenizer) -> dict:
-    """The event as the gateway needs it: logprobs carry token text, which only this process can decode."""
+def with_token_text(event: TokenEvent, tokenizer) -> TokenEvent:
+    """Logprobs carry token text, which only this process can decode."""
+    if not event.logprobs:
+        return event
+
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
-    body = dataclasses.asdict(event)
-    body["logprobs"] = [
-        {"id": tid, "token": text(tid), "logprob": lp,
-         "top": [{"id": alt, "token": text(alt), "logprob": alt_lp} for alt, alt_lp in top]}
-        for tid, lp, top in event.logprobs]
-    return body
+    logprobs = tuple(dataclasses.replace(lp, token=text(lp.token_id),
+                                         top=tuple(dataclasses.replace(t, token=text(t.token_id)) for t in lp.top))
+                     for lp in event.logprobs)
+    return dataclasses.replace(event, logprobs=logprobs)
 
 
 def build_engine(args: argparse.Namespace) -> DecodeEngine:
@@ -216,7 +247,10 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
 async def serve(args: argparse.Namespace) -> None:
     engine = build_engine(args)
     loop = asyncio.get_running_loop()
-    service = EngineService(engine, loop)
+    identity = engine.runner.identity
+    max_frame = max_handoff_bytes(identity.n_layer, identity.num_kv_heads, identity.head_dim_k,
+                                  identity.head_dim_v, args.max_model_len)
+    service = EngineService(engine, loop, control_secret(args.listen), max_frame)
     thread = threading.Thread(target=service.run_engine, name="engine", daemon=True)
     thread.start()
     server = await start_server(service.handle_connection, args.listen)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
 
 from aiohttp import web
 
+from contracts.events import FinishReason
+from contracts.framing import SECRET_ENV, control_secret, new_secret
 from edge.config import ServeConfig, default_threads, policy_path
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
@@ -28,22 +31,65 @@ from prefill_cpu.embedded_model import embedded_model_path
 log = logging.getLogger("edge.app")
 
 
-def resolve_addresses(config: ServeConfig) -> tuple[str, dict[str, str]]:
-    run_dir = config.run_dir or tempfile.mkdtemp(prefix="edge-")
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
+def resolve_addresses(config: ServeConfig, run_dir: str) -> tuple[str, dict[str, str]]:
     engine = config.engine_address or f"unix:{os.path.join(run_dir, 'engine.sock')}"
     workers = list(config.worker_addresses) or [f"unix:{os.path.join(run_dir, f'prefill-{i}.sock')}"
                                                 for i in range(config.prefill_workers)]
     return engine, {f"prefill-{i}": address for i, address in enumerate(workers)}
 
 
+def _make_run_dir(config: ServeConfig) -> str:
+    """Where local sockets live: private to this user (0700), a fresh temporary one unless configured."""
+    if not config.run_dir:
+        return tempfile.mkdtemp(prefix="edge-")  # created 0700
+    Path(config.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(config.run_dir, 0o700)
+    return config.run_dir
+
+
+def _kill_stuck(supervisor: Supervisor, name: str) -> bool:
+    """A stuck worker is killed (SIGKILL works on a stopped process too) and restarted by the supervisor."""
+    child = supervisor.children.get(name)
+    if child is None or child.process is None or child.process.poll() is not None:
+        return False
+    log.error("killing stuck %s (pid %d); the supervisor restarts it", name, child.process.pid)
+    child.process.kill()
+    return True
+
+
+async def _remove_run_dir(run_dir: str) -> None:
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
+    """One shared secret for every control connection: the operator's file (required for TCP peers), or one
+    made for this launch; the children inherit it through the environment."""
+    secret_file = getattr(config, "control_secret_file", "")
+    if secret_file:
+        try:
+            value = Path(secret_file).read_text().strip()
+        except OSError as err:
+            raise ValueError(f"control_secret_file {secret_file}: {err.strerror}") from None
+        if len(value) < 16:
+            raise ValueError(f"control_secret_file {secret_file}: the secret is shorter than 16 "
+                             f"characters")
+        os.environ[SECRET_ENV] = value
+    elif config.launch and not os.environ.get(SECRET_ENV):
+        os.environ[SECRET_ENV] = new_secret()
+    for address in addresses:
+        control_secret(address)  # TCP without a secret: refused here, with the reason
+    return os.environ.get(SECRET_ENV, "").encode()
+
+
 def make_app(config: ServeConfig) -> web.Application:
     model_path = config.model or embedded_model_path()
     model_name = config.model_name or Path(model_path).name.removesuffix(".gguf")
-    engine_address, worker_addresses = resolve_addresses(config)
+    run_dir = _make_run_dir(config)
+    engine_address, worker_addresses = resolve_addresses(config, run_dir)
+    secret = _control_secret(config, [engine_address, *worker_addresses.values()])
     registry = InFlightRegistry()
-    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size)
-    engine = EngineClient(engine_address, registry)
+    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret)
+    engine = EngineClient(engine_address, registry, secret)
     pool.on_best_priority = engine.prefill_priority_changed
     enforcer = PolicyEnforcer(load_policy(policy_path(config)), config.limits.default_max_tokens)
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
@@ -52,8 +98,11 @@ def make_app(config: ServeConfig) -> web.Application:
     app[GATEWAY] = gateway
     app[RELOADER] = PolicyReloader(policy_path(config), enforcer)
     if config.launch:
-        app[SUPERVISOR] = Supervisor()
+        app[SUPERVISOR] = supervisor = Supervisor()
+        pool.on_stuck = lambda name: _kill_stuck(supervisor, name)
         app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses))
+    if not config.run_dir:
+        app.on_cleanup.append(lambda _: _remove_run_dir(run_dir))
     app.cleanup_ctx.append(_connections)
     app.cleanup_ctx.append(_policy_loop)
     app.on_shutdown.append(_drain)
@@ -129,4 +178,4 @@ async def _drain(app: web.Application) -> None:
     while gateway.registry.requests and loop.time() < deadline:
         await asyncio.sleep(0.05)
     for request_id in list(gateway.registry.requests):
-        gateway.registry.deliver_ending(request_id, "abort")
+        gateway.registry.deliver_ending(request_id, FinishReason.ABORT)

@@ -35,7 +35,11 @@ def main(argv=None) -> None:
         sys.exit(f"edge: {err}")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
     from edge.app import make_app  # after logging is set up: loading the app logs
-    web.run_app(make_app(config), host=config.host, port=config.port, handler_cancellation=True,
+    try:
+        app = make_app(config)
+    except (ValueError, FileNotFoundError) as err:  # a bad secret file, TCP without a secret, no model
+        sys.exit(f"edge: {err}")
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
                 shutdown_timeout=config.limits.shutdown_grace_s + 5,
                 keepalive_timeout=config.limits.header_timeout_s,  # a new or idle connection must send its headers in time
                 print=lambda msg: logging.getLogger("edge").info(msg.strip()))

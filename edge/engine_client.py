@@ -1,39 +1,66 @@
-"""The gateway's connection to the decode engine: token events in, aborts out, stats kept for policies."""
+"""The gateway's connection to the decode engine: token events in, aborts out, stats kept for policies.
+
+The connection survives anything a peer can send: a bad frame or a refused handshake is logged, the
+connection dropped and made again (with backoff), and the requests it carried end with a clear error.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from contracts.events import EngineStats, FinishReason
+from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, read_message, send_message
+from contracts.messages import Abort, DecodeYield, Stats, Token
+from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
-from edge.protocol import (Abort, DecodeYield, Hello, Stats, Token, connect_when_listening, read_message,
-                           send_message)
 
 log = logging.getLogger("edge.engine_client")
+RETRY_S = (0.2, 5.0)  # reconnect backoff: first and longest wait
 
 
 class EngineClient:
-    def __init__(self, address: str, registry: InFlightRegistry) -> None:
+    def __init__(self, address: str, registry: InFlightRegistry, secret: bytes = b"") -> None:
         self.address = address
         self.registry = registry
+        self.secret = secret
         self.writer: asyncio.StreamWriter | None = None
-        self.state = "connecting"  # connecting | ready | down
-        self.stats: dict | None = None
+        self.state = "connecting"  # connecting | ready | down | refused
+        self.last_error: str | None = None
+        self.stats: EngineStats | None = None
         self.closing = False  # set at shutdown: a dropped connection is then expected
         self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
 
     async def run(self) -> None:
+        wait = RETRY_S[0]
         while True:
-            reader, writer = await connect_when_listening(self.address, Hello("gateway"))
-            self.writer, self.state = writer, "ready"
-            log.info("connected to the decode engine at %s", self.address)
-            await self._send(DecodeYield(self.yield_to))  # a restarted engine must hear what is in prefill now
             try:
-                await self._serve(reader)
-            finally:
-                self._lost()
-                writer.close()
-            await asyncio.sleep(0.2)
+                reader, writer = await connect_when_listening(self.address, "gateway", "gateway", self.secret)
+            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError) as err:
+                self._refused(err)
+                await asyncio.sleep(wait)
+                wait = min(RETRY_S[1], wait * 2)
+                continue
+            wait = RETRY_S[0]
+            await self._session(reader, writer)
+            await asyncio.sleep(wait)
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer, self.state, self.last_error = writer, "ready", None
+        log.info("connected to the decode engine at %s", self.address)
+        await self._send(DecodeYield(self.yield_to))  # a restarted engine must hear what is in prefill now
+        try:
+            await self._serve(reader)
+        except ProtocolError as err:
+            self.last_error = str(err)
+            log.error("dropping the decode engine connection after a bad frame: %s", err)
+        finally:
+            self._lost()
+            writer.close()
+
+    def _refused(self, err: Exception) -> None:
+        self.state, self.last_error = ("refused" if isinstance(err, PeerRefusedError) else "down"), str(err)
+        log.error("cannot connect to the decode engine at %s: %s", self.address, err)
 
     async def abort(self, request_id: str) -> None:
         await self._send(Abort(request_id))
@@ -41,7 +68,7 @@ class EngineClient:
     def prefill_priority_changed(self, priority: int | None) -> None:
         """The prefill pool's best priority changed; the engine's less important decode yields to it."""
         self.yield_to = priority
-        asyncio.ensure_future(self._send(DecodeYield(priority)))
+        spawn(self._send(DecodeYield(priority)), "telling the engine the best priority in prefill", log)
 
     async def _send(self, message) -> None:
         """Best effort: a lost connection is handled by run(), which reconnects and resends the yield."""
@@ -54,9 +81,11 @@ class EngineClient:
     async def _serve(self, reader: asyncio.StreamReader) -> None:
         while (message := await read_message(reader)) is not None:
             if isinstance(message, Token):
-                self.registry.deliver(message.event["request_id"], message.event)
+                self.registry.deliver(message.event.request_id, message.event)
             elif isinstance(message, Stats):
                 self.stats = message.stats
+            else:
+                log.warning("ignoring an unexpected %s frame from the engine", type(message).__name__)
 
     def _lost(self) -> None:
         if not self.closing:
@@ -64,4 +93,4 @@ class EngineClient:
         self.state, self.writer, self.stats = "down", None, None
         for request in list(self.registry.requests.values()):
             if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING):
-                self.registry.deliver_ending(request.request_id, "error", "the decode engine went away")
+                self.registry.deliver_ending(request.request_id, FinishReason.ERROR, "the decode engine went away")

@@ -20,8 +20,10 @@ from edge.engine_client import EngineClient
 from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
 from edge.metrics import Metrics
 from edge.openai_api import ApiError, GenerateRequest
-from edge.prefill_pool import PrefillPool, QueueFullError
-from edge.protocol import PrefillDone, PrefillFailed, PrefillJob
+from contracts.events import EngineStats, FinishReason, TokenEvent
+from contracts.handoff import SamplingParams
+from contracts.messages import ChatMessage, PrefillDone, PrefillFailed, PrefillJob
+from edge.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.signals import TTFTWindow, box_signals
 
@@ -31,6 +33,8 @@ PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, 
     "context_exceeded": (400, "invalid_request_error", "context_length_exceeded"),
     "bad_prompt": (400, "invalid_request_error", "invalid_prompt"),
     "worker_died": (503, "server_error", "prefill_worker_died"),
+    "worker_stuck": (503, "server_error", "prefill_worker_stuck"),
+    "engine_unavailable": (503, "server_error", "engine_unavailable"),
     "internal": (500, "server_error", "prefill_failed"),
     "cancelled": (499, "server_error", "cancelled"),
 }
@@ -101,9 +105,9 @@ class Gateway:
         request = dataclasses.replace(request, sampling=sampling)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
         inflight = InFlight(prefix + uuid.uuid4().hex, priority)
-        job = PrefillJob(inflight.request_id, sampling, priority, prompt=request.prompt,
-                         messages=list(request.messages) if request.messages else None,
-                         prompt_tokens=list(request.prompt_tokens) if request.prompt_tokens else None,
+        messages = tuple(ChatMessage(m["role"], m["content"]) for m in request.messages) if request.messages else None
+        job = PrefillJob(inflight.request_id, SamplingParams(**sampling), priority, prompt=request.prompt,
+                         messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
                          max_total_tokens=self._context_tokens())
         self.registry.add(inflight)
@@ -113,18 +117,26 @@ class Gateway:
             self.registry.remove(inflight.request_id)
             raise ApiError(429, str(err), error_type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "2"}) from None
+        except UnsendableJobError as err:
+            self.registry.remove(inflight.request_id)
+            raise ApiError(400, str(err), code="invalid_value") from None
         return Run(inflight, request, decision, time.monotonic() + self.config.limits.request_timeout_s)
 
     def _context_tokens(self) -> int:
         """What one request may hold in the decode engine: the model length, or the whole KV pool if smaller."""
-        pool = (self.engine.stats or {}).get("kv_capacity_tokens") or self.config.max_model_len
+        pool = self.engine.stats.kv_capacity_tokens if self.engine.stats else self.config.max_model_len
         return min(self.config.max_model_len, pool)
 
     def _load(self) -> tuple[int, int, int]:
         """(requests waiting for prefill or decode admission, KV blocks used, KV blocks total)."""
-        stats = self.engine.stats or {}
+        stats = self.engine_stats
         waiting = self.registry.count(RequestStatus.WAITING) + self.registry.count(RequestStatus.PREFILLING)
-        return waiting + stats.get("num_waiting", 0), stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
+        return waiting + stats.num_waiting, stats.kv_blocks_used, stats.kv_blocks_total
+
+    @property
+    def engine_stats(self) -> EngineStats:
+        """The engine's last stats, or zeros while it is not connected."""
+        return self.engine.stats or EMPTY_STATS
 
     def update_policy_signals(self) -> None:
         waiting, used, total = self._load()
@@ -136,7 +148,7 @@ class Gateway:
             m = self.metrics
             m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
 
-    async def next_event(self, run: Run) -> dict:
+    async def next_event(self, run: Run) -> TokenEvent:
         """The next engine event for this run. Prefill outcomes are absorbed; failures raise ApiError."""
         while True:
             remaining = run.deadline - time.monotonic()
@@ -175,10 +187,10 @@ class Gateway:
         param = {"prompt_too_long": "messages", "context_exceeded": "max_tokens"}.get(failed.kind)
         return ApiError(status, message, param, code, error_type)
 
-    def _token(self, run: Run, event: dict) -> dict:
+    def _token(self, run: Run, event: TokenEvent) -> TokenEvent:
         now = time.perf_counter()
         inflight, m = run.inflight, self.metrics
-        if event["token_ids"]:
+        if event.token_ids:
             if inflight.first_token_at is None:
                 inflight.first_token_at = now
                 m.label(m.ttft).observe(now - inflight.created)
@@ -186,11 +198,11 @@ class Gateway:
             elif inflight.last_token_at is not None:
                 m.label(m.itl).observe(now - inflight.last_token_at)
             inflight.last_token_at = now
-            m.label(m.generation_tokens).inc(len(event["token_ids"]))
+            m.label(m.generation_tokens).inc(len(event.token_ids))
         inflight.advance(RequestStatus.DECODING)
-        if event["finish_reason"] == "error":
-            raise ApiError(500, f"decoding failed: {event['error']}", error_type="server_error", code="decode_failed")
-        if event["finish_reason"] == "abort":
+        if event.finish_reason is FinishReason.ERROR:
+            raise ApiError(500, f"decoding failed: {event.error}", error_type="server_error", code="decode_failed")
+        if event.finish_reason is FinishReason.ABORT:
             raise ApiError(503, "the request was aborted by the server (shutting down or restarting)",
                            error_type="server_error", code="aborted")
         return event
@@ -217,19 +229,28 @@ class Gateway:
                  inflight.ttft_breakdown() or "no first token")
 
     def refresh_metrics(self) -> None:
-        m, stats = self.metrics, self.engine.stats or {}
+        m, stats = self.metrics, self.engine_stats
         m.label(m.prefill_queue).set(self.pool.queue_length)
         m.label(m.prefill_tps).set(self.pool.tokens_per_s)
         waiting, used, total = self._load()
         m.label(m.waiting).set(waiting)
-        m.label(m.running).set(stats.get("num_running", 0))
+        m.label(m.running).set(stats.num_running)
         m.label(m.kv_blocks_used).set(used)
         m.label(m.kv_blocks_total).set(total)
         m.label(m.kv_usage).set(used / total if total else 0.0)
-        m.label(m.preemptions).set(stats.get("num_preemptions", 0))
-        m.label(m.decode_tps).set(stats.get("tokens_per_s", 0.0))
-        m.label(m.decode_yielded).set(stats.get("decode_yielded_s", 0.0))
+        m.preemptions_seen = _advance_counter(m.label(m.preemptions), m.preemptions_seen, stats.num_preemptions)
+        m.label(m.decode_tps).set(stats.tokens_per_s)
+        m.label(m.decode_yielded).set(stats.decode_yielded_s)
         m.label(m.tier).set(self.enforcer.evaluator.state.index + 1)
+
+
+EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+
+
+def _advance_counter(counter, seen: int, total: int) -> int:
+    """Mirror an engine-side running total into a Prometheus counter (a restarted engine starts again at 0)."""
+    counter.inc(max(0, total - seen) if total >= seen else total)
+    return total
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -7,6 +7,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from contracts.events import FinishReason, TokenEvent
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # in the gateway's prefill queue
@@ -71,10 +73,9 @@ class InFlightRegistry:
         if request is not None:
             request.events.put_nowait(message)
 
-    def deliver_ending(self, request_id: str, reason: str, error: str | None = None) -> None:
+    def deliver_ending(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         """An engine-style terminal event made by the gateway itself (shutdown, a lost engine)."""
-        self.deliver(request_id, {"request_id": request_id, "token_ids": [], "text": "", "finish_reason": reason,
-                                  "error": error, "logprobs": [], "num_prompt_tokens": 0, "num_output_tokens": 0})
+        self.deliver(request_id, TokenEvent.ending(request_id, reason, error))
 
     def count(self, status: RequestStatus) -> int:
         return sum(1 for r in self.requests.values() if r.status == status)

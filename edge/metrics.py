@@ -19,8 +19,9 @@ class Metrics:
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", labels, registry=r)
         self.kv_blocks_used = Gauge("edge:kv_cache_blocks_used", "KV cache blocks in use", labels, registry=r)
         self.kv_blocks_total = Gauge("edge:kv_cache_blocks_total", "KV cache blocks in the pool", labels, registry=r)
-        self.preemptions = Gauge("vllm:num_preemptions_total", "Preemptions since the engine started", labels,
-                                 registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted in the decode engine", labels,
+                                   registry=r)
+        self.preemptions_seen = 0  # the engine's running total when last mirrored into the counter
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a stream", labels,

@@ -3,10 +3,15 @@
 A worker gets one job at a time; when it answers, the best waiting job goes to it. When every worker
 is busy with lower-priority prompts, a higher-priority arrival preempts the worst of them: the worker
 stops at once (within a llama.cpp chunk) and that job goes back to the queue in its old place, to resume
-from the worker's prompt cache. A worker
-whose connection drops fails its current job with a clear error and is reconnected when it comes back.
-Whenever the best priority among queued and prefilling prompts changes, `on_best_priority` hears it (the
-gateway passes it on to the engine, whose lower-priority decode then yields the CPU on a CPU-only box).
+from the worker's prompt cache. Whenever the best priority among queued and prefilling prompts changes,
+`on_best_priority` hears it (the gateway passes it on to the engine, whose lower-priority decode then
+yields the CPU on a CPU-only box).
+
+Nothing a worker does can stall the queue: a job is encoded when it is submitted (a value that cannot
+travel is refused then, for that request alone); a worker whose connection drops or sends a bad frame
+fails its current job with a clear error and is reconnected; a worker silent for longer than the heartbeat
+timeout (frozen, stuck in a call) is declared stuck, its job goes back to the queue when the supervisor
+can kill it (or fails when it cannot), and it is reconnected once it is back.
 """
 
 from __future__ import annotations
@@ -18,15 +23,32 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
+
+from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, pack, read_message
+from contracts.messages import CancelPrefill, Heartbeat, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus
+from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
-from edge.protocol import (CancelPrefill, Hello, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus,
-                           connect_when_listening, read_message, send_message)
 
 log = logging.getLogger("edge.prefill_pool")
+HEARTBEAT_TIMEOUT_S = 5.0  # workers send a heartbeat every second, busy or not
+RETRY_S = (0.2, 5.0)  # reconnect backoff: first and longest wait
 
 
 class QueueFullError(RuntimeError):
     """The prefill queue is at its limit."""
+
+
+class UnsendableJobError(ValueError):
+    """A job holds a value that cannot be encoded for the wire (the gateway's validation missed it)."""
+
+
+@dataclass(order=True, frozen=True)
+class Entry:
+    priority: int
+    arrival: int
+    job: PrefillJob = None  # type: ignore[assignment]  (never compared: arrival is unique)
+    frame: bytes = b""  # the job, encoded once at submit
 
 
 @dataclass
@@ -34,23 +56,32 @@ class WorkerClient:
     name: str
     address: str
     writer: asyncio.StreamWriter | None = None
-    state: str = "connecting"  # connecting | ready | down
-    current: str | None = None  # request id being prefilled
-    current_entry: tuple | None = None  # its (priority, arrival, job) queue entry, to requeue it if preempted
+    state: str = "connecting"  # connecting | ready | down | stuck | refused
+    current: Entry | None = None  # the job being prefilled
     preempting: bool = False  # a cancel was sent to make room for a higher-priority job
     info: WorkerStatus | None = None
+    last_error: str | None = None
+    stuck_count: int = 0
+
+    @property
+    def current_id(self) -> str | None:
+        return self.current.job.request_id if self.current is not None else None
 
 
 class PrefillPool:
-    def __init__(self, addresses: dict[str, str], registry: InFlightRegistry, queue_limit: int) -> None:
+    def __init__(self, addresses: dict[str, str], registry: InFlightRegistry, queue_limit: int,
+                 secret: bytes = b"", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.workers = {name: WorkerClient(name, address) for name, address in addresses.items()}
         self.registry = registry
         self.queue_limit = queue_limit
-        self.queue: list[tuple[int, int, PrefillJob]] = []
+        self.secret = secret
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.queue: list[Entry] = []
         self.counter = itertools.count()
         self.tokens_per_s = 0.0
         self.closing = False  # set at shutdown: dropped connections are then expected
         self.on_best_priority = lambda priority: None  # called with int | None on every change
+        self.on_stuck = lambda name: False  # kill a stuck worker (the supervisor); True if it will be restarted
         self.best_priority: int | None = None
 
     @property
@@ -61,71 +92,118 @@ class PrefillPool:
     def num_ready(self) -> int:
         return sum(1 for w in self.workers.values() if w.state == "ready")
 
+    @property
+    def vocab_size(self) -> int | None:
+        sizes = [w.info.vocab_size for w in self.workers.values() if w.info is not None]
+        return min(sizes) if sizes else None
+
     def submit(self, job: PrefillJob) -> None:
         if len(self.queue) >= self.queue_limit:
             raise QueueFullError(f"the prefill queue is full ({self.queue_limit} prompts waiting)")
-        heapq.heappush(self.queue, (job.priority, next(self.counter), job))
+        try:
+            frame = pack(job)
+        except (msgspec.EncodeError, ValueError, TypeError, OverflowError) as err:
+            raise UnsendableJobError(f"the request holds a value that cannot be sent to a worker: {err}") from None
+        entry = Entry(job.priority, next(self.counter), job, frame)
+        heapq.heappush(self.queue, entry)
         self._dispatch()
-        if self.queue and self.queue[0][2] is job:
-            self._preempt_for(job)
+        if self.queue and self.queue[0] is entry:
+            self._preempt_for(entry)
         self._announce()
 
-    def _preempt_for(self, job: PrefillJob) -> None:
+    def _preempt_for(self, entry: Entry) -> None:
         """Stop the lowest-priority prefill in progress if it ranks strictly below this job."""
-        busy = [w for w in self.workers.values()
-                if w.state == "ready" and w.current_entry is not None and not w.preempting]
+        busy = [w for w in self.workers.values() if w.state == "ready" and w.current is not None and not w.preempting]
         if not busy:
             return
-        victim = max(busy, key=lambda w: w.current_entry[:2])
-        if victim.current_entry[0] <= job.priority:
+        victim = max(busy, key=lambda w: (w.current.priority, w.current.arrival))
+        if victim.current.priority <= entry.priority:
             return
         victim.preempting = True
-        log.info("preempting prefill of %s (priority %d) on %s for %s (priority %d)", victim.current,
-                 victim.current_entry[0], victim.name, job.request_id, job.priority)
-        asyncio.ensure_future(self._send(victim, CancelPrefill(victim.current)))
+        log.info("preempting prefill of %s (priority %d) on %s for %s (priority %d)", victim.current_id,
+                 victim.current.priority, victim.name, entry.job.request_id, entry.priority)
+        spawn(self._send(victim, CancelPrefill(victim.current_id)), f"cancel on {victim.name}", log)
 
     async def cancel(self, request_id: str) -> None:
         before = len(self.queue)
-        self.queue = [item for item in self.queue if item[2].request_id != request_id]
+        self.queue = [entry for entry in self.queue if entry.job.request_id != request_id]
         if len(self.queue) != before:
             heapq.heapify(self.queue)
             self._announce()
             return
         for worker in self.workers.values():
-            if worker.current == request_id and worker.writer is not None:
-                try:
-                    await send_message(worker.writer, CancelPrefill(request_id))
-                except ConnectionError:
-                    pass
+            if worker.current_id == request_id:
+                await self._send(worker, CancelPrefill(request_id))
 
     async def run(self) -> None:
         await asyncio.gather(*(self._maintain(w) for w in self.workers.values()))
 
     async def _maintain(self, worker: WorkerClient) -> None:
+        wait = RETRY_S[0]
         while True:
-            reader, writer = await connect_when_listening(worker.address, Hello("gateway"))
-            worker.writer = writer
+            try:
+                reader, writer = await connect_when_listening(worker.address, "gateway", "gateway", self.secret)
+            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError) as err:
+                worker.state = "refused" if isinstance(err, PeerRefusedError) else "down"
+                worker.last_error = str(err)
+                log.error("cannot connect to prefill worker %s at %s: %s", worker.name, worker.address, err)
+                await asyncio.sleep(wait)
+                wait = min(RETRY_S[1], wait * 2)
+                continue
+            wait = RETRY_S[0]
+            worker.writer, worker.last_error = writer, None
             try:
                 await self._serve(worker, reader)
+            except ProtocolError as err:
+                worker.last_error = str(err)
+                log.error("dropping prefill worker %s after a bad frame: %s", worker.name, err)
             finally:
                 self._lost(worker)
                 writer.close()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(wait)
 
     async def _serve(self, worker: WorkerClient, reader: asyncio.StreamReader) -> None:
-        while (message := await read_message(reader)) is not None:
-            if isinstance(message, WorkerStatus):
-                worker.info, worker.state = message, "ready"
-                log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)
-            elif isinstance(message, (PrefillDone, PrefillFailed)):
-                self._finished(worker, message)
-            self._dispatch()
-            self._announce()
+        while True:
+            try:
+                message = await asyncio.wait_for(read_message(reader), self.heartbeat_timeout_s)
+            except asyncio.TimeoutError:
+                self._stuck(worker)
+                return
+            if message is None:
+                return
+            self._on_message(worker, message)
+
+    def _on_message(self, worker: WorkerClient, message) -> None:
+        if isinstance(message, WorkerStatus):
+            worker.info, worker.state = message, "ready"
+            log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)
+        elif isinstance(message, (PrefillDone, PrefillFailed)):
+            self._finished(worker, message)
+        elif not isinstance(message, Heartbeat):
+            log.warning("ignoring an unexpected %s frame from %s", type(message).__name__, worker.name)
+        self._dispatch()
+        self._announce()
+
+    def _stuck(self, worker: WorkerClient) -> None:
+        """Silent past the heartbeat timeout: its job must not wait for it."""
+        worker.stuck_count += 1
+        worker.last_error = f"no heartbeat for {self.heartbeat_timeout_s:.0f} s"
+        log.error("prefill worker %s is stuck (%s); holding %s", worker.name, worker.last_error, worker.current_id)
+        entry, worker.current, worker.preempting = worker.current, None, False
+        restarted = self.on_stuck(worker.name)
+        request = self.registry.get(entry.job.request_id) if entry is not None else None
+        if request is not None and request.status == RequestStatus.PREFILLING:
+            if restarted:  # it is killed, so it cannot hand this prompt off as well: another worker takes it
+                heapq.heappush(self.queue, entry)
+            else:
+                self.registry.deliver(entry.job.request_id, PrefillFailed(
+                    entry.job.request_id, "worker_stuck", f"prefill worker {worker.name} stopped responding"))
+        worker.state = "stuck"
 
     def _finished(self, worker: WorkerClient, message: PrefillDone | PrefillFailed) -> None:
-        entry, preempted = worker.current_entry, worker.preempting
-        if worker.current == message.request_id:
-            worker.current, worker.current_entry, worker.preempting = None, None, False
+        entry, preempted = worker.current, worker.preempting
+        if worker.current_id == message.request_id:
+            worker.current, worker.preempting = None, False
         if isinstance(message, PrefillFailed) and message.kind == "cancelled" and preempted and entry:
             heapq.heappush(self.queue, entry)  # preempted, not failed: back in its old place
             return
@@ -134,19 +212,22 @@ class PrefillPool:
         self.registry.deliver(message.request_id, message)
 
     def _lost(self, worker: WorkerClient) -> None:
-        if worker.state != "down" and not self.closing:
+        if worker.state not in ("down", "stuck") and not self.closing:
             log.error("lost prefill worker %s", worker.name)
-        worker.state, worker.writer = "down", None
+        worker.state = "down" if worker.state != "stuck" else "stuck"
+        worker.writer, worker.info = None, None
         if worker.current is not None:
-            self.registry.deliver(worker.current, PrefillFailed(
-                worker.current, "worker_died", f"prefill worker {worker.name} died while prefilling this request"))
-            worker.current, worker.current_entry, worker.preempting = None, None, False
+            request_id = worker.current_id
+            self.registry.deliver(request_id, PrefillFailed(
+                request_id, "worker_died", f"prefill worker {worker.name} died while prefilling this request"))
+            worker.current, worker.preempting = None, False
+        self._dispatch()
         self._announce()
 
     def _announce(self) -> None:
         """Tell the listener the best priority among prompts queued or prefilling, when it changes."""
-        ranks = [entry[0] for entry in self.queue]
-        ranks += [w.current_entry[0] for w in self.workers.values() if w.current_entry is not None]
+        ranks = [entry.priority for entry in self.queue]
+        ranks += [w.current.priority for w in self.workers.values() if w.current is not None]
         best = min(ranks, default=None)
         if best != self.best_priority:
             self.best_priority = best
@@ -164,26 +245,32 @@ class PrefillPool:
             entry = self._next_live_entry()
             if entry is None:
                 return
-            job = entry[2]
-            worker.current, worker.current_entry = job.request_id, entry
-            request = self.registry.get(job.request_id)
+            worker.current = entry
+            request = self.registry.get(entry.job.request_id)
             request.advance(RequestStatus.PREFILLING)
             request.prefill_started_at = time.perf_counter()
             request.worker = worker.name
-            asyncio.ensure_future(self._send(worker, job))
+            spawn(self._send_frame(worker, entry.frame), f"sending a job to {worker.name}", log)
 
-    def _next_live_entry(self) -> tuple | None:
+    def _next_live_entry(self) -> Entry | None:
         while self.queue:
             entry = heapq.heappop(self.queue)
-            request = self.registry.get(entry[2].request_id)
+            request = self.registry.get(entry.job.request_id)
             if request is not None and not request.status.terminal:
                 return entry
         return None
 
     async def _send(self, worker: WorkerClient, message) -> None:
+        await self._send_frame(worker, pack(message))
+
+    async def _send_frame(self, worker: WorkerClient, frame: bytes) -> None:
+        """A lost connection is the maintain loop's to handle: it fails the job and reconnects."""
+        writer = worker.writer
+        if writer is None:
+            return
         try:
-            await send_message(worker.writer, message)
-        except (ConnectionError, AttributeError):
-            self._lost(worker)
-
-
+            writer.write(frame)
+            await writer.drain()
+        except (ConnectionError, RuntimeError) as err:
+            log.warning("sending to prefill worker %s failed: %s", worker.name, err)
+            writer.close()

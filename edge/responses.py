@@ -6,9 +6,9 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from contracts.events import FinishReason, TokenEvent
 from edge.openai_api import GenerateRequest
 
-OPENAI_FINISH = {"stop": "stop", "length": "length"}
 
 
 @dataclass
@@ -22,16 +22,17 @@ class Completion:
     logprobs: list[dict] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # a FinishReason value
     sent_role: bool = False
     error: object = None  # the ApiError that ended the request, if one did
 
-    def add(self, event: dict) -> None:
-        self.text.append(event["text"])
-        self.logprobs.extend(event["logprobs"])
-        self.num_prompt_tokens = event["num_prompt_tokens"] or self.num_prompt_tokens
-        self.num_output_tokens = event["num_output_tokens"]
-        self.finish_reason = event["finish_reason"] or self.finish_reason
+    def add(self, event: TokenEvent) -> None:
+        self.text.append(event.text)
+        self.logprobs.extend(event.logprobs)
+        self.num_prompt_tokens = event.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = event.num_output_tokens
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason.value
 
     @property
     def usage(self) -> dict:
@@ -40,7 +41,7 @@ class Completion:
 
     def body(self) -> dict:
         text = "".join(self.text)
-        reason = OPENAI_FINISH.get(self.finish_reason, self.finish_reason)
+        reason = _openai_finish(self.finish_reason)
         if self.request.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                       "logprobs": chat_logprobs(self.logprobs) if self.request.chat_logprobs else None}
@@ -53,21 +54,21 @@ class Completion:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage}
 
-    def chunk(self, event: dict) -> dict | None:
+    def chunk(self, event: TokenEvent) -> dict | None:
         """The stream chunk for one engine event; None when it carries nothing to send."""
-        reason = OPENAI_FINISH.get(event["finish_reason"], event["finish_reason"])
-        if not event["text"] and reason is None and self.sent_role:
+        reason = _openai_finish(event.finish_reason)
+        if not event.text and reason is None and self.sent_role:
             return None
         if self.request.kind == "chat":
-            delta = {"content": event["text"]}
+            delta = {"content": event.text}
             if not self.sent_role:
                 delta = {"role": "assistant", **delta}
             choice = {"index": 0, "delta": delta, "finish_reason": reason,
-                      "logprobs": chat_logprobs(event["logprobs"]) if self.request.chat_logprobs else None}
+                      "logprobs": chat_logprobs(event.logprobs) if self.request.chat_logprobs else None}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": event["text"], "finish_reason": reason,
-                      "logprobs": completion_logprobs(event["logprobs"])
+            choice = {"index": 0, "text": event.text, "finish_reason": reason,
+                      "logprobs": completion_logprobs(event.logprobs)
                       if self.request.sampling["logprobs"] is not None else None}
             obj = "text_completion"
         self.sent_role = True
@@ -80,20 +81,24 @@ class Completion:
                 "choices": [], "usage": self.usage}
 
 
-def chat_logprobs(entries: list[dict]) -> dict:
+def _openai_finish(reason: FinishReason | str | None) -> str | None:
+    return reason.value if isinstance(reason, FinishReason) else reason
+
+
+def chat_logprobs(entries) -> dict:
     def item(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-    return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t["token"], t["logprob"])
-                                                                            for t in e["top"]]} for e in entries]}
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t.token, t.logprob) for t in e.top]}
+                        for e in entries]}
 
 
-def completion_logprobs(entries: list[dict]) -> dict:
+def completion_logprobs(entries) -> dict:
     offsets, offset = [], 0
     for e in entries:
         offsets.append(offset)
-        offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for e in entries], "text_offset": offsets}
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
 
 
 def sse(data: dict | str) -> bytes:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefill_cpu.kv_dtypes import KVDType, kv_dtype_for_ggml_type
+from contracts.kv_dtypes import KVDType, kv_dtype_for_ggml_type
 
 STATE_SEQ_MAGIC = 0xAF143CD8
 

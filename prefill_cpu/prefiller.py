@@ -22,9 +22,9 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaContext
 
-from prefill_cpu.gguf_identity import GGUFIdentity, read_gguf_identity
-from prefill_cpu.handoff import KVHandoff, KVLayout, SamplingParams
-from prefill_cpu.kv_dtypes import kv_dtype
+from contracts.identity import GGUFIdentity, read_gguf_identity
+from contracts.handoff import KVHandoff, KVLayout, SamplingParams
+from contracts.kv_dtypes import kv_dtype
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
 from prefill_cpu.prefix_cache import PrefixCache
@@ -232,7 +232,7 @@ class Prefiller:
     def _handoff(self, request: PrefillRequest, state: SeqKVState, first_token: int, logprobs) -> KVHandoff:
         ident = self.identity
         layout = KVLayout(
-            n_layer=ident.n_layer, n_kv_heads=ident.n_kv_head, head_dim_k=ident.head_dim_k,
+            n_layer=ident.n_layer, num_kv_heads=ident.num_kv_heads, head_dim_k=ident.head_dim_k,
             head_dim_v=ident.head_dim_v, k_dtype=state.k_dtype.name, v_dtype=state.v_dtype.name,
             v_transposed=state.v_transposed, k_rotation=self.k_rotation, v_rotation=self.v_rotation,
             rope_layout=ident.rope_layout)

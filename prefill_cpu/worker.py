@@ -16,9 +16,14 @@ import signal
 import sys
 import time
 
-from edge.protocol import (CancelPrefill, Handoff, Hello, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus,
-                           connect_when_listening, read_message, send_message, start_server)
-from prefill_cpu.handoff import SamplingParams, encode_handoff
+import llama_cpp
+
+from contracts.framing import (ProtocolError, accept_peer, connect_when_listening, control_secret, read_message,
+                               send_message, start_server)
+from contracts.handoff import encode_handoff
+from contracts.messages import (HEARTBEAT_INTERVAL_S, CancelPrefill, Handoff, Heartbeat, PrefillDone, PrefillFailed,
+                                PrefillJob, WorkerStatus)
+from contracts.tasks import spawn
 from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
                                    PromptTooLongError)
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
@@ -27,22 +32,27 @@ log = logging.getLogger("prefill_cpu.worker")
 
 
 class PrefillWorker:
-    def __init__(self, prefiller: Prefiller, name: str, engine_writer: asyncio.StreamWriter) -> None:
+    def __init__(self, prefiller: Prefiller, name: str, engine_writer: asyncio.StreamWriter,
+                 secret: bytes = b"") -> None:
         self.prefiller = prefiller
         self.prefillers = {prefiller.config.kv_type: prefiller}  # a degradation tier may ask for a cheaper KV type
         self.renderer = PromptRenderer(prefiller)
         self.name = name
         self.engine_writer = engine_writer
+        self.secret = secret
         self.cancelled: set[str] = set()
         self.lock = asyncio.Lock()  # one llama.cpp context: one prompt at a time
 
     async def handle_gateway(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not isinstance(await read_message(reader), Hello):
-            writer.close()
+        if await accept_peer(reader, writer, self.secret) is None:
+            log.warning("refused a control connection that failed the handshake")
             return
         cfg = self.prefiller.config
-        await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type))
+        vocab_size = llama_cpp.llama_vocab_n_tokens(self.prefiller.llm._model.vocab)
+        await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
+                                                vocab_size))
         jobs: dict[str, asyncio.Task] = {}  # request id -> its job, until it has answered
+        heartbeat = spawn(self._heartbeat(writer, jobs), "heartbeat to the gateway", log)
         try:
             while (message := await read_message(reader)) is not None:
                 if isinstance(message, PrefillJob):
@@ -51,11 +61,23 @@ class PrefillWorker:
                     task.add_done_callback(lambda _, rid=message.request_id: self._forget(jobs, rid))
                 elif isinstance(message, CancelPrefill) and message.request_id in jobs:
                     self.cancelled.add(message.request_id)  # seen between two llama.cpp chunks
+        except ProtocolError as err:
+            log.error("dropping the gateway connection after a bad frame: %s", err)
         except asyncio.CancelledError:
             pass  # the worker is shutting down
+        heartbeat.cancel()
         log.info("gateway disconnected; cancelling %d jobs", len(jobs))
         for task in list(jobs.values()):
             task.cancel()
+
+    async def _heartbeat(self, writer: asyncio.StreamWriter, jobs: dict) -> None:
+        """The gateway declares a worker stuck when these stop (a frozen process, a wedged event loop)."""
+        try:
+            while not writer.is_closing():
+                await send_message(writer, Heartbeat(next(iter(jobs), None)))
+                await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+        except ConnectionError:
+            pass  # the gateway went away; handle_gateway cleans up
 
     def _forget(self, jobs: dict, request_id: str) -> None:
         jobs.pop(request_id, None)
@@ -69,7 +91,7 @@ class PrefillWorker:
             if isinstance(reply, tuple):
                 data, done = reply
                 started = time.perf_counter()
-                await send_message(self.engine_writer, Handoff(data))
+                await send_message(self.engine_writer, Handoff(job.request_id, data))
                 reply = PrefillDone(**{**done.__dict__, "handoff_ms": done.handoff_ms + (time.perf_counter() - started) * 1e3})
             await send_message(writer, reply)
 
@@ -80,14 +102,13 @@ class PrefillWorker:
             if len(tokens) > limit:
                 return PrefillFailed(job.request_id, "prompt_too_long",
                                      f"the prompt has {len(tokens)} tokens; the limit is {limit}", len(tokens), limit)
-            max_tokens = job.sampling.get("max_tokens", 0)
+            max_tokens = job.sampling.max_tokens
             if job.max_total_tokens and len(tokens) + max_tokens > job.max_total_tokens:
                 return PrefillFailed(job.request_id, "context_exceeded",
                                      f"the prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                      f"context of {job.max_total_tokens} tokens; lower max_tokens",
                                      len(tokens), job.max_total_tokens)
-            request = PrefillRequest(job.request_id, tuple(tokens), SamplingParams(**_tuples(job.sampling)),
-                                     job.priority)
+            request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority)
             outcome = self._prefiller_for(job.kv_type).prefill(
                 request, should_cancel=lambda: job.request_id in self.cancelled)
             started = time.perf_counter()
@@ -115,12 +136,8 @@ class PrefillWorker:
         if job.prompt_tokens is not None:
             return list(job.prompt_tokens)
         if job.messages is not None:
-            return self.renderer.chat_tokens(job.messages)
+            return self.renderer.chat_tokens([{"role": m.role, "content": m.content} for m in job.messages])
         return self.renderer.completion_tokens(job.prompt or "")
-
-
-def _tuples(sampling: dict) -> dict:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in sampling.items()}
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -128,8 +145,10 @@ async def serve(args: argparse.Namespace) -> None:
                                         n_threads=args.threads, kv_type=args.kv_type,
                                         prefix_cache_tokens=args.prefix_cache_tokens))
     # the engine listens once its model is loaded
-    reader, engine_writer = await connect_when_listening(args.engine, Hello("prefill", args.name), timeout_s=600)
-    worker = PrefillWorker(prefiller, args.name, engine_writer)
+    secret = control_secret(args.engine)
+    control_secret(args.listen)  # a TCP listener refuses to start without a secret
+    reader, engine_writer = await connect_when_listening(args.engine, "prefill", args.name, secret, timeout_s=600)
+    worker = PrefillWorker(prefiller, args.name, engine_writer, secret)
     server = await start_server(worker.handle_gateway, args.listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

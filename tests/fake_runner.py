@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from decode_gpu.scheduler import ScheduledStep
-from prefill_cpu.gguf_identity import GGUFIdentity
-from prefill_cpu.handoff import KVHandoff, KVLayout, SamplingParams
+from contracts.identity import GGUFIdentity
+from contracts.handoff import KVHandoff, KVLayout, SamplingParams
 
 VOCAB = 1000
 IDENTITY = GGUFIdentity(path="fake.gguf", fingerprint="sha256:fake", arch="llama", n_layer=1, n_head=1,
-                        n_kv_head=1, head_dim_k=32, head_dim_v=32, rope_layout="interleaved")
-LAYOUT = KVLayout(n_layer=1, n_kv_heads=1, head_dim_k=32, head_dim_v=32, k_dtype="f16", v_dtype="f16",
+                        num_kv_heads=1, head_dim_k=32, head_dim_v=32, rope_layout="interleaved")
+LAYOUT = KVLayout(n_layer=1, num_kv_heads=1, head_dim_k=32, head_dim_v=32, k_dtype="f16", v_dtype="f16",
                   v_transposed=False, k_rotation=0, v_rotation=0, rope_layout="interleaved")
 
 

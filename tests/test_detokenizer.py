@@ -5,7 +5,7 @@ import pytest
 
 from decode_gpu.detokenizer import IncrementalText
 from decode_gpu.model_loader import load_tokenizer
-from prefill_cpu.gguf_identity import read_gguf_identity
+from contracts.identity import read_gguf_identity
 
 
 @pytest.fixture(scope="module")

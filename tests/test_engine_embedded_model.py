@@ -6,7 +6,7 @@ import torch
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model_loader import load_decode_model
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
-from prefill_cpu.handoff import SamplingParams
+from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 pytestmark = pytest.mark.slow

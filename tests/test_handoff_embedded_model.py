@@ -12,7 +12,7 @@ from decode_gpu.dense_decoder import decode, prompt_cache, teacher_forced_logits
 from decode_gpu.kv_cache import DenseKVCache
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.model_loader import load_decode_model
-from prefill_cpu.handoff import SamplingParams
+from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def decode_model(embedded_model_path):
-    from prefill_cpu.gguf_identity import read_gguf_identity
+    from contracts.identity import read_gguf_identity
     identity = read_gguf_identity(embedded_model_path)
     return identity, load_decode_model(identity, CPU, torch.float32)
 

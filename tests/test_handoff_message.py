@@ -2,18 +2,18 @@
 
 import dataclasses
 
-import msgpack
+import msgspec
 import pytest
 
 from decode_gpu.kv_import import HandoffMismatchError, check_handoff_matches
-from prefill_cpu.gguf_identity import GGUFIdentity
-from prefill_cpu.handoff import (HandoffFormatError, KVHandoff, KVLayout, SamplingParams, decode_handoff,
+from contracts.identity import GGUFIdentity
+from contracts.handoff import (HandoffFormatError, KVHandoff, KVLayout, SamplingParams, decode_handoff,
                                  encode_handoff)
 
-LAYOUT = KVLayout(n_layer=2, n_kv_heads=2, head_dim_k=64, head_dim_v=64, k_dtype="q8_0", v_dtype="q8_0",
+LAYOUT = KVLayout(n_layer=2, num_kv_heads=2, head_dim_k=64, head_dim_v=64, k_dtype="q8_0", v_dtype="q8_0",
                   v_transposed=False, k_rotation=64, v_rotation=64, rope_layout="interleaved")
 IDENTITY = GGUFIdentity(path="/models/a.gguf", fingerprint="sha256:aa", arch="llama", n_layer=2, n_head=4,
-                        n_kv_head=2, head_dim_k=64, head_dim_v=64, rope_layout="interleaved")
+                        num_kv_heads=2, head_dim_k=64, head_dim_v=64, rope_layout="interleaved")
 
 
 def make_handoff(n_tokens=3, **changes) -> KVHandoff:
@@ -38,10 +38,10 @@ def test_wire_carries_quantized_bytes_not_floats():
 
 
 def test_refuses_other_version():
-    body = msgpack.unpackb(encode_handoff(make_handoff()), raw=False)
+    body = msgspec.msgpack.decode(encode_handoff(make_handoff()))
     body["version"] = 99
     with pytest.raises(HandoffFormatError, match="version 99"):
-        decode_handoff(msgpack.packb(body, use_bin_type=True))
+        decode_handoff(msgspec.msgpack.encode(body))
 
 
 def test_refuses_garbage_and_truncation():
@@ -59,10 +59,17 @@ def test_refuses_layer_bytes_that_do_not_match_the_layout():
 
 
 def test_refuses_missing_fields():
-    body = msgpack.unpackb(encode_handoff(make_handoff()), raw=False)
-    del body["first_token"]
+    body = msgspec.msgpack.decode(encode_handoff(make_handoff()))
+    del body["handoff"]["first_token"]
     with pytest.raises(HandoffFormatError, match="first_token"):
-        decode_handoff(msgpack.packb(body, use_bin_type=True))
+        decode_handoff(msgspec.msgpack.encode(body))
+
+
+def test_refuses_fields_of_the_wrong_type():
+    body = msgspec.msgpack.decode(encode_handoff(make_handoff()))
+    body["handoff"]["sampling"]["max_tokens"] = "many"
+    with pytest.raises(HandoffFormatError, match="max_tokens"):
+        decode_handoff(msgspec.msgpack.encode(body))
 
 
 def test_accepts_matching_model():
@@ -72,7 +79,7 @@ def test_accepts_matching_model():
 @pytest.mark.parametrize("change,message", [
     (dict(fingerprint="sha256:bb"), "model fingerprint: handoff 'sha256:aa', decode model 'sha256:bb'"),
     (dict(n_layer=3), "layers: handoff 2, decode model 3"),
-    (dict(n_kv_head=4), "KV heads: handoff 2, decode model 4"),
+    (dict(num_kv_heads=4), "KV heads: handoff 2, decode model 4"),
     (dict(head_dim_k=128, head_dim_v=128), "K head size: handoff 64, decode model 128"),
     (dict(rope_layout="neox"), "RoPE layout"),
 ])

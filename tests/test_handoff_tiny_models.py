@@ -15,7 +15,7 @@ from decode_gpu.dense_decoder import decode, prompt_cache
 from decode_gpu.kv_cache import DenseKVCache
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.model_loader import load_decode_model
-from prefill_cpu.handoff import SamplingParams, decode_handoff, encode_handoff
+from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest
 from tiny_gguf import N_VOCAB
 
@@ -35,7 +35,7 @@ def prompts(n_prompts=3, seed=0):
 def tiny_model(request, tiny_gguf, conversion_cache):
     arch, weights = request.param
     path = tiny_gguf(arch, weights)
-    from prefill_cpu.gguf_identity import read_gguf_identity
+    from contracts.identity import read_gguf_identity
     identity = read_gguf_identity(str(path))
     return path, identity, load_decode_model(identity, CPU, torch.float32, conversion_cache)
 

@@ -4,7 +4,8 @@ import asyncio
 
 from edge.lifecycle import InFlight, InFlightRegistry
 from edge.prefill_pool import PrefillPool
-from edge.protocol import PrefillJob
+from contracts.handoff import SamplingParams
+from contracts.messages import PrefillJob
 
 
 def test_best_priority_is_announced_on_every_change():
@@ -15,7 +16,7 @@ def test_best_priority_is_announced_on_every_change():
         pool.on_best_priority = heard.append
         for request_id, priority in (("bg-1", 10), ("bg-2", 10), ("fg", 0)):
             registry.add(InFlight(request_id, priority))
-            pool.submit(PrefillJob(request_id, {}, priority))
+            pool.submit(PrefillJob(request_id, SamplingParams(), priority))
         await pool.cancel("fg")
         await pool.cancel("bg-1")
         await pool.cancel("bg-2")

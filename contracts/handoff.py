@@ -6,13 +6,13 @@ never floats; the metadata says how to read them (dtype, rotation, RoPE layout, 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-import msgpack
+import msgspec
 
-from prefill_cpu.kv_dtypes import kv_dtype
+from contracts.kv_dtypes import kv_dtype
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2  # 2: num_kv_heads (was n_kv_heads)
 
 
 class HandoffFormatError(ValueError):
@@ -34,7 +34,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class KVLayout:
     n_layer: int
-    n_kv_heads: int
+    num_kv_heads: int
     head_dim_k: int
     head_dim_v: int
     k_dtype: str  # "f16", "q8_0", "q4_0"
@@ -70,29 +70,45 @@ class KVHandoff:
 
 
 def encode_handoff(handoff: KVHandoff) -> bytes:
-    body = asdict(handoff)
-    body["version"] = HANDOFF_VERSION
-    return msgpack.packb(body, use_bin_type=True)
+    return _ENCODER.encode(_Envelope(HANDOFF_VERSION, handoff))
 
 
 def decode_handoff(data: bytes) -> KVHandoff:
+    """Typed decode: every field is checked against its declared type, then the payload sizes."""
     try:
-        body = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)
-    except (msgpack.UnpackException, ValueError) as err:
-        raise HandoffFormatError(f"handoff is not valid msgpack: {err}") from None
-    if not isinstance(body, dict):
-        raise HandoffFormatError("handoff is not a msgpack map")
-    version = body.pop("version", None)
+        version = msgspec.msgpack.decode(data, type=_VersionOnly).version
+    except msgspec.DecodeError as err:
+        raise HandoffFormatError(f"handoff is not a valid versioned msgpack map: {err}") from None
     if version != HANDOFF_VERSION:
         raise HandoffFormatError(f"handoff version {version!r}, this build reads version {HANDOFF_VERSION}")
     try:
-        handoff = KVHandoff(**{**body,
-                               "layout": KVLayout(**body["layout"]),
-                               "sampling": SamplingParams(**body["sampling"])})
-    except (KeyError, TypeError) as err:
+        handoff = _DECODER.decode(data).handoff
+    except msgspec.DecodeError as err:  # ValidationError included: a field of the wrong type or missing
         raise HandoffFormatError(f"handoff fields do not match version {HANDOFF_VERSION}: {err}") from None
     check_payload_sizes(handoff)
     return handoff
+
+
+def max_handoff_bytes(num_layers: int, num_kv_heads: int, head_dim_k: int, head_dim_v: int, max_tokens: int) -> int:
+    """The largest handoff a model can produce: every position in f16 (the widest KV type), the token ids and
+    positions (msgpack: at most 9 bytes each), plus room for sampling params and stop strings."""
+    per_token = num_layers * kv_dtype("f16").row_bytes(num_kv_heads * (head_dim_k + head_dim_v)) + 2 * 9
+    return max_tokens * per_token + (1 << 20)
+
+
+@dataclass(frozen=True)
+class _Envelope:
+    version: int
+    handoff: KVHandoff
+
+
+@dataclass(frozen=True)
+class _VersionOnly:  # read the version first, so a skewed peer gets a version error, not a field error
+    version: int | None = None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(_Envelope)
 
 
 def check_payload_sizes(handoff: KVHandoff) -> None:
@@ -102,8 +118,8 @@ def check_payload_sizes(handoff: KVHandoff) -> None:
         raise HandoffFormatError(f"handoff has {len(handoff.k_layers)} K and {len(handoff.v_layers)} V layers, "
                                  f"layout says {lay.n_layer}")
     try:
-        k_bytes = kv_dtype(lay.k_dtype).row_bytes(lay.n_kv_heads * lay.head_dim_k) * handoff.n_tokens
-        v_bytes = kv_dtype(lay.v_dtype).row_bytes(lay.n_kv_heads * lay.head_dim_v) * handoff.n_tokens
+        k_bytes = kv_dtype(lay.k_dtype).row_bytes(lay.num_kv_heads * lay.head_dim_k) * handoff.n_tokens
+        v_bytes = kv_dtype(lay.v_dtype).row_bytes(lay.num_kv_heads * lay.head_dim_v) * handoff.n_tokens
     except ValueError as err:
         raise HandoffFormatError(str(err)) from None
     for il, (k, v) in enumerate(zip(handoff.k_layers, handoff.v_layers)):

@@ -29,18 +29,18 @@ class GGUFIdentity:
     arch: str  # general.architecture
     n_layer: int
     n_head: int
-    n_kv_head: int
+    num_kv_heads: int
     head_dim_k: int
     head_dim_v: int
     rope_layout: str  # "interleaved" or "neox"
 
     @property
     def n_embd_k(self) -> int:
-        return self.n_kv_head * self.head_dim_k
+        return self.num_kv_heads * self.head_dim_k
 
     @property
     def n_embd_v(self) -> int:
-        return self.n_kv_head * self.head_dim_v
+        return self.num_kv_heads * self.head_dim_v
 
 
 def read_gguf_identity(path: str) -> GGUFIdentity:
@@ -63,7 +63,7 @@ def _read_identity(path: str, size: int, mtime_ns: int) -> GGUFIdentity:
         arch=arch,
         n_layer=int(_field(reader, f"{arch}.block_count", path)),
         n_head=n_head,
-        n_kv_head=int(_field(reader, f"{arch}.attention.head_count_kv", path, default=n_head)),
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, default=n_head)),
         head_dim_k=head_dim_k,
         head_dim_v=int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim_k)),
         rope_layout=ROPE_LAYOUTS[arch],

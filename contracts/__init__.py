@@ -1,0 +1,14 @@
+"""What crosses a process boundary, in one package every process imports and that imports none of them.
+
+- `framing`: frames on the control sockets, the authenticated handshake, addresses.
+- `messages`: the control frames themselves (gateway <-> prefill worker <-> decode engine).
+- `handoff`: the versioned KV handoff and `SamplingParams`.
+- `events`: token events and engine stats (engine -> gateway), finish reasons.
+- `identity`, `kv_dtypes`: what both sides must agree on about a GGUF and its KV storage types.
+
+Layering: edge on top; decode_gpu and prefill_cpu side by side, neither importing the other; contracts and
+policies at the bottom.
+"""
+
+# Bumped whenever a frame's fields change; checked at the handshake, so a skewed peer is refused by name.
+PROTOCOL_VERSION = 2

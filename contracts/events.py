@@ -1,0 +1,64 @@
+"""Engine -> gateway: token events (one per request per step) and periodic engine stats."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; a str enum, so it compares equal to its wire value ("stop" == FinishReason.STOP)."""
+    STOP = "stop"  # a stop token, stop string or EOS
+    LENGTH = "length"  # max_tokens or the model's length
+    ABORT = "abort"  # the client went away, or the server is shutting down
+    ERROR = "error"  # this request failed; `error` says why
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: str = ""  # the token's text, filled by the engine server (only it holds the tokenizer)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    token_id: int  # the sampled token
+    logprob: float
+    token: str = ""
+    top: tuple[TopLogprob, ...] = ()  # alternatives, best first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens generated since the last event of this request
+    text: str  # final text since the last event (held back while it may become a stop string)
+    finish_reason: FinishReason | None = None  # None while running
+    error: str | None = None
+    logprobs: tuple[Logprob, ...] = ()
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @classmethod
+    def ending(cls, request_id: str, reason: FinishReason, error: str | None = None,
+               num_prompt_tokens: int = 0) -> "TokenEvent":
+        """A terminal event with no tokens (abort, failure)."""
+        return cls(request_id, (), "", reason, error, num_prompt_tokens=num_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_capacity_tokens: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_preemptions: int
+    last_step_ms: float
+    tokens_per_s: float  # generated tokens per second, smoothed over recent steps
+    generated_tokens: int
+    decode_yielded_s: float = 0.0  # time decode waited for more important prefills (decode_gpu.priority_gate)
+    backlog_bytes: int = 0  # handoff bytes accepted but not yet imported into the pool (admission control)
+    backlog_limit_bytes: int = 0  # beyond this the engine refuses handoffs

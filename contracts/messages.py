@@ -1,0 +1,132 @@
+"""The control frames between the gateway, the prefill workers and the decode engine.
+
+Every connection opens with the handshake (contracts.framing): the listener sends `Challenge`, the
+connecting side answers `Hello` with an HMAC proof of the shared secret, the listener ends it with
+`Welcome` (its own proof) or `Refused` (why). After that, frames flow as below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contracts.events import EngineStats, TokenEvent
+from contracts.handoff import SamplingParams
+
+
+# --- handshake -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Challenge:  # listener -> connecting peer, first frame on every connection
+    protocol_version: int
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Hello:  # connecting peer -> listener: who is speaking, and proof that it holds the secret
+    role: str  # "gateway" or "prefill"
+    name: str
+    protocol_version: int
+    nonce: bytes  # the listener proves itself over this one
+    proof: bytes  # HMAC(secret, challenge nonce, role, name, nonce)
+
+
+@dataclass(frozen=True)
+class Welcome:  # listener -> peer: accepted
+    proof: bytes  # HMAC(secret, the peer's nonce, the challenge nonce): the listener holds the secret too
+
+
+@dataclass(frozen=True)
+class Refused:  # listener -> peer, then the connection closes
+    reason: str
+
+
+# --- gateway <-> prefill worker ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class PrefillJob:  # gateway -> prefill worker
+    request_id: str
+    sampling: SamplingParams
+    priority: int = 0
+    prompt: str | None = None  # plain completion text
+    messages: tuple[ChatMessage, ...] | None = None  # rendered with the GGUF's chat template
+    prompt_tokens: tuple[int, ...] | None = None  # already tokenized prompt
+    max_prompt_tokens: int = 2048
+    kv_type: str = ""  # "" -> the worker's configured KV type; a degradation tier may ask for "q4_0"
+    max_total_tokens: int = 0  # prompt + max_tokens must fit this (the decode side's context); 0: unchecked
+
+
+@dataclass(frozen=True)
+class PrefillDone:  # prefill worker -> gateway, after the handoff went to the engine
+    request_id: str
+    num_prompt_tokens: int
+    prefill_ms: float
+    handoff_bytes: int
+    handoff_ms: float  # export + encode + send
+    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prompt cache
+
+
+@dataclass(frozen=True)
+class PrefillFailed:  # prefill worker -> gateway (or made by the gateway for a lost worker)
+    request_id: str
+    kind: str  # "prompt_too_long", "context_exceeded", "bad_prompt", "cancelled", "worker_died", "internal", ...
+    message: str
+    num_prompt_tokens: int = 0
+    limit: int = 0
+
+
+@dataclass(frozen=True)
+class CancelPrefill:  # gateway -> prefill worker
+    request_id: str
+
+
+@dataclass(frozen=True)
+class WorkerStatus:  # prefill worker -> gateway, right after the handshake
+    name: str
+    model_fingerprint: str
+    n_ctx: int
+    kv_type: str
+    vocab_size: int  # the gateway checks token ids against it
+    engine_connected: bool = True
+
+
+@dataclass(frozen=True)
+class Heartbeat:  # prefill worker -> gateway, every HEARTBEAT_INTERVAL_S: a silent worker is stuck
+    busy_request_id: str | None = None
+    engine_connected: bool = True
+
+
+# --- prefill worker -> decode engine -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Handoff:
+    request_id: str  # outside the payload, so a payload that fails to decode still fails its own request
+    data: bytes  # contracts.handoff.encode_handoff(...)
+
+
+# --- gateway <-> decode engine -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Abort:  # gateway -> decode engine
+    request_id: str
+
+
+@dataclass(frozen=True)
+class DecodeYield:  # gateway -> decode engine: best priority among prompts queued or prefilling (None: none)
+    priority: int | None
+
+
+@dataclass(frozen=True)
+class Token:  # decode engine -> gateway
+    event: TokenEvent
+
+
+@dataclass(frozen=True)
+class Stats:  # decode engine -> gateway, periodically
+    stats: EngineStats
+
+
+MESSAGES = (Challenge, Hello, Welcome, Refused, PrefillJob, PrefillDone, PrefillFailed, CancelPrefill, WorkerStatus,
+            Heartbeat, Handoff, Abort, DecodeYield, Token, Stats)
+HEARTBEAT_INTERVAL_S = 1.0

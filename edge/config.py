@@ -1,16 +1,24 @@
-"""The gateway's configuration: defaults, overridden by a TOML file, overridden by command-line flags."""
+"""The gateway's configuration: defaults, overridden by a TOML file, overridden by command-line flags.
+
+ServeConfig and Limits below are the one list of keys and defaults; the pydantic models that check a file
+and the flags against them are derived from these dataclasses, with the bounds and choices added here."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
-from pathlib import Path
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, create_model
+
+from policies.validation import FileError, Invalid, Strict, parse_toml, read_text, validate
 
 
-class ConfigError(ValueError):
-    """A config file that cannot be used; the message names the file and key."""
+class ConfigError(FileError):
+    """A config file (or flag) that cannot be used; the message names the file, line and key."""
 
 
 @dataclass(frozen=True)
@@ -52,43 +60,64 @@ class ServeConfig:
 
 
 CHOICES = {"kv_type": ("f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda"),
-           "decode_yields_to_prefill": ("auto", "on", "off")}
+           "decode_yields_to_prefill": ("auto", "on", "off"),
+           "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8"),
+           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
+# the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
+BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads_per_worker": {"ge": 0},
+          "n_ctx": {"ge": 1}, "n_batch": {"ge": 1}, "prefix_cache_tokens": {"ge": 0}, "kv_cache_tokens": {"ge": 0},
+          "max_num_seqs": {"ge": 1}, "max_model_len": {"ge": 1}, "max_body_bytes": {"ge": 1},
+          "default_max_tokens": {"ge": 1}, "prefill_queue_size": {"ge": 1}, "header_timeout_s": {"gt": 0},
+          "body_timeout_s": {"gt": 0}, "request_timeout_s": {"gt": 0}, "shutdown_grace_s": {"ge": 0}}
+
+
+def _file_model(cls, **extra):
+    """A pydantic model with the dataclass's keys and defaults, plus the choices and bounds above."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: (_file_type(f.name, hints[f.name]), Field(_file_default(f.default), **BOUNDS.get(f.name, {})))
+              for f in dataclasses.fields(cls) if f.name not in extra}
+    return create_model(f"{cls.__name__}File", __base__=Strict, **fields, **extra)
+
+
+def _file_default(default):
+    return list(default) if isinstance(default, tuple) else default
+
+
+def _file_type(name: str, hint):
+    if name in CHOICES:
+        return Literal[CHOICES[name]]
+    if typing.get_origin(hint) is tuple:  # TOML arrays are lists; the dataclass keeps a tuple
+        return list[typing.get_args(hint)[0]]
+    return hint
+
+
+LimitsFile = _file_model(Limits)
+ServeFile = _file_model(ServeConfig, limits=(LimitsFile, LimitsFile()))
 
 
 def load_config(path: str | None, overrides: dict) -> ServeConfig:
-    data = _read_toml(path) if path else {}
-    limits = Limits(**_section(data.pop("limits", {}), Limits, path, "limits"))
-    values = _section(data, ServeConfig, path, "")
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if "worker_addresses" in values:
-        values["worker_addresses"] = tuple(values["worker_addresses"])
-    for key, allowed in CHOICES.items():
-        if key in values and values[key] not in allowed:
-            raise ConfigError(f"{path or 'command line'}: {key} = {values[key]!r}; expected one of {list(allowed)}")
-    if path and values.get("policy") and not os.path.isabs(values["policy"]):
-        values["policy"] = os.path.join(os.path.dirname(os.path.abspath(path)), values["policy"])
-    return ServeConfig(**values, limits=limits)
+    values = _file_values(path) if path else {}
+    flags = {key: value for key, value in overrides.items() if value is not None}
+    try:  # the file's values were checked already: what fails now came from a flag
+        checked = validate(ServeFile, {**values, **flags}, {})
+    except Invalid as err:
+        issues = [dataclasses.replace(i, key="--" + i.key.replace("_", "-")) for i in err.issues]
+        raise ConfigError("command line", issues) from None
+    values = checked.model_dump()
+    limits = Limits(**values.pop("limits"))
+    return ServeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}, limits=limits)
 
 
-def _read_toml(path: str) -> dict:
+def _file_values(path: str) -> dict:
+    """The keys the file sets, checked; a relative policy path is made relative to the file."""
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
-
-
-def _section(data: dict, cls, path: str | None, where: str) -> dict:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: {where or 'top level'} must be a table")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in data.items():
-        if key not in known or key == "limits":
-            raise ConfigError(f"{path}: unknown key {'.'.join(filter(None, [where, key]))!r}; "
-                              f"known: {sorted(k for k in known if k != 'limits')}")
-    return dict(data)
+        data, lines = parse_toml(read_text(path))
+        values = validate(ServeFile, data, lines).model_dump(exclude_unset=True)
+    except Invalid as err:
+        raise ConfigError(path, err.issues) from None
+    if values.get("policy") and not os.path.isabs(values["policy"]):
+        values["policy"] = os.path.join(os.path.dirname(os.path.abspath(path)), values["policy"])
+    return values
 
 
 def policy_path(config: ServeConfig) -> str:

@@ -1,5 +1,9 @@
 """Hot reload of a policy file: on change (polled) or on demand (SIGHUP). A bad new file is refused
-with its errors logged, and the policy in force stays."""
+with its errors logged, and the policy in force stays.
+
+A reload is also refused when it would remove a protection entirely (every API key, every blocked word
+and pattern, every rate or concurrency limit) and the new file does not say so in
+allow_weaker_protection: an empty or truncated file saved by mistake must not open the service up."""
 
 from __future__ import annotations
 
@@ -8,8 +12,30 @@ import os
 
 from policies.enforcer import PolicyEnforcer
 from policies.loader import PolicyError, load_policy
+from policies.schema import PROTECTIONS, Policy
+from policies.validation import Issue
 
 log = logging.getLogger("policies.reloader")
+
+_IN_FORCE = {
+    "keys": lambda policy: bool(policy.keys),
+    "blocked_content": lambda policy: bool(policy.filters.blocked_words or policy.filters.blocked_patterns),
+    "rate_limits": lambda policy: any(rule.requests_per_minute or rule.max_concurrent
+                                      for rule in (*policy.classes.values(), *policy.keys.values())),
+}
+
+
+def removed_protections(old: Policy, new: Policy) -> list[str]:
+    """The protections in force under old that new would remove entirely and does not allow to."""
+    return [name for name, in_force in _IN_FORCE.items()
+            if in_force(old) and not in_force(new) and name not in new.allow_weaker_protection]
+
+
+def refusal(removed: list[str]) -> Issue:
+    what = "; ".join(PROTECTIONS[name] for name in removed)
+    allow = ", ".join(f'"{name}"' for name in removed)
+    return Issue("allow_weaker_protection", f"this file would remove {what}; the policy in force keeps them. "
+                 f"If that is intended, add allow_weaker_protection = [{allow}] to the file")
 
 
 class PolicyReloader:
@@ -38,6 +64,8 @@ class PolicyReloader:
     def reload(self) -> bool:
         try:
             policy = load_policy(self.path)
+            if removed := removed_protections(self.enforcer.policy, policy):
+                raise PolicyError(self.path, [refusal(removed)])
         except PolicyError as err:
             self.failures += 1
             self.last_error = str(err)

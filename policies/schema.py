@@ -17,6 +17,12 @@ SIGNALS = {
     "ttft_p95_s": "95th percentile time to first token over the last 30 s",
 }
 ACTIONS = ("cap_max_tokens", "logprobs", "max_prompt_tokens", "shed", "kv_type")
+# protections a reload may not remove entirely unless the new file names them in allow_weaker_protection
+PROTECTIONS = {
+    "keys": "every API key (authentication would be off)",
+    "blocked_content": "every blocked word and pattern",
+    "rate_limits": "every requests_per_minute and max_concurrent limit (of classes and keys)",
+}
 
 
 @dataclass(frozen=True)
@@ -75,3 +81,4 @@ class Policy:
     tenant_header: str = ""  # e.g. "X-Tenant": its value picks a class through tenant_classes
     tenant_classes: dict[str, str] = field(default_factory=dict)
     tiers: tuple[Tier, ...] = ()  # in order of severity: later tiers are heavier
+    allow_weaker_protection: tuple[str, ...] = ()  # PROTECTIONS this file may remove on reload

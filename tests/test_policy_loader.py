@@ -49,6 +49,17 @@ INVALID = [
     ("bad kv type", GOOD + 'kv_type = "q2_k"\n', "tiers[0].actions.kv_type", 11, "q4_0"),
     ("unknown action in degradable", GOOD.replace("priority = 0", 'priority = 0\ndegradable = ["teleport"]'),
      "classes.a.degradable", 5, "unknown action 'teleport'"),
+    # RE2 runs the patterns in linear time; what it cannot run is refused, each item at its own line
+    ("backreference", GOOD + '[filters]\nblocked_patterns = [\n  "fine",\n  "(a)\\\\1",  # "quoted"\n]\n',
+     "filters.blocked_patterns[1]", 14, "RE2 has no backreferences"),
+    ("lookahead", GOOD + "[filters]\nblocked_patterns = ['x(?=y)']\n", "filters.blocked_patterns[0]", 12,
+     "not a valid regular expression for RE2"),
+    ("unknown protection", 'allow_weaker_protection = ["everything"]\n' + GOOD, "allow_weaker_protection[0]", 1,
+     "expected one of ['keys', 'blocked_content', 'rate_limits']"),
+    ("nan threshold", GOOD.replace("enter = { kv_cache_usage = 0.7 }", "enter = { kv_cache_usage = nan }"),
+     "tiers[0].enter.kv_cache_usage", 7, "expected a finite number"),
+    ("string for a list", GOOD + '[filters]\nblocked_words = "bad"\n', "filters.blocked_words", 12,
+     "expected a list of strings, got str 'bad'"),
 ]
 
 
@@ -68,6 +79,11 @@ def test_all_mistakes_are_reported_together():
     with pytest.raises(PolicyError) as info:
         parse_policy(text, "p.toml")
     assert {i.key for i in info.value.issues} >= {"classes.a.priority", "tiers[0].actions.logprobs"}
+
+
+def test_allow_weaker_protection_is_read():
+    policy = parse_policy('allow_weaker_protection = ["keys", "rate_limits"]\n' + GOOD, "p.toml")
+    assert policy.allow_weaker_protection == ("keys", "rate_limits")
 
 
 @pytest.mark.parametrize("path", ["policies/default.toml", "policies/presets/interactive-first.toml",

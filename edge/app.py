@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.web_runner import GracefulExit
 
 from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret
@@ -64,7 +65,7 @@ async def _remove_run_dir(run_dir: str) -> None:
 def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
     """One shared secret for every control connection: the operator's file (required for TCP peers), or one
     made for this launch; the children inherit it through the environment."""
-    secret_file = getattr(config, "control_secret_file", "")
+    secret_file = config.control_secret_file
     if secret_file:
         try:
             value = Path(secret_file).read_text().strip()
@@ -88,7 +89,8 @@ def make_app(config: ServeConfig) -> web.Application:
     engine_address, worker_addresses = resolve_addresses(config, run_dir)
     secret = _control_secret(config, [engine_address, *worker_addresses.values()])
     registry = InFlightRegistry()
-    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret)
+    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret,
+                       config.worker_heartbeat_timeout_s)
     engine = EngineClient(engine_address, registry, secret)
     pool.on_best_priority = engine.prefill_priority_changed
     enforcer = PolicyEnforcer(load_policy(policy_path(config)), config.limits.default_max_tokens)
@@ -105,6 +107,7 @@ def make_app(config: ServeConfig) -> web.Application:
         app.on_cleanup.append(lambda _: _remove_run_dir(run_dir))
     app.cleanup_ctx.append(_connections)
     app.cleanup_ctx.append(_policy_loop)
+    app.on_startup.append(_graceful_sigterm)
     app.on_shutdown.append(_drain)
     add_routes(app)
     return app
@@ -164,6 +167,25 @@ async def _policy_loop(app: web.Application):
     yield
     task.cancel()
     loop.remove_signal_handler(signal.SIGHUP)
+
+
+async def _graceful_sigterm(app: web.Application) -> None:
+    """aiohttp's own SIGTERM handler closes every keep-alive connection at once, so a request sent on one
+    just then is dropped unanswered. Instead: refuse new requests with 503 shutting_down (and Connection:
+    close) for a short while, then let aiohttp stop as usual (the drain below still applies)."""
+    gateway, loop = app[GATEWAY], asyncio.get_running_loop()
+    linger_s = min(1.0, app[CONFIG].limits.shutdown_grace_s)
+
+    def on_sigterm() -> None:
+        if not gateway.shutting_down:
+            gateway.shutting_down = True
+            log.info("SIGTERM: new requests get 503 for %.1f s, then the server stops", linger_s)
+            loop.call_later(linger_s, _raise_graceful_exit)
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+
+
+def _raise_graceful_exit() -> None:
+    raise GracefulExit()  # what aiohttp's handler raises: run_app then runs its shutdown sequence
 
 
 async def _drain(app: web.Application) -> None:

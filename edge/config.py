@@ -54,6 +54,8 @@ class ServeConfig:
     run_dir: str = ""  # where local sockets live; "" -> a fresh temporary directory
     engine_address: str = ""  # "" -> unix socket in run_dir
     worker_addresses: tuple[str, ...] = ()  # "" -> unix sockets in run_dir
+    control_secret_file: str = ""  # shared secret of the control sockets; required for TCP addresses
+    worker_heartbeat_timeout_s: float = 5.0  # a prefill worker silent this long is declared stuck and restarted
     policy: str = ""  # policy file: filters, API keys, classes, degradation tiers; "" -> policies/default.toml
     limits: Limits = field(default_factory=Limits)
     log_level: str = "INFO"
@@ -66,7 +68,7 @@ CHOICES = {"kv_type": ("f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda")
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
 BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads_per_worker": {"ge": 0},
           "n_ctx": {"ge": 1}, "n_batch": {"ge": 1}, "prefix_cache_tokens": {"ge": 0}, "kv_cache_tokens": {"ge": 0},
-          "max_num_seqs": {"ge": 1}, "max_model_len": {"ge": 1}, "max_body_bytes": {"ge": 1},
+          "max_num_seqs": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "max_body_bytes": {"ge": 1},
           "default_max_tokens": {"ge": 1}, "prefill_queue_size": {"ge": 1}, "header_timeout_s": {"gt": 0},
           "body_timeout_s": {"gt": 0}, "request_timeout_s": {"gt": 0}, "shutdown_grace_s": {"ge": 0}}
 

@@ -82,7 +82,8 @@ class Gateway:
         """The policy decides (auth, class, filters, limits, degradation), then the prompt is queued.
         Raises ApiError to refuse; nothing has touched a model yet."""
         if self.shutting_down:
-            raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down")
+            raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down",
+                           headers={"Connection": "close", "Retry-After": "5"})
         tenant = http.headers.get(self.enforcer.policy.tenant_header) if self.enforcer.policy.tenant_header else None
         facts = RequestFacts(_bearer(http), tenant, request.model, request.user_text,
                              request.sampling["max_tokens"], request.sampling["logprobs"])
@@ -100,6 +101,11 @@ class Gateway:
         if not self.ready:
             raise ApiError(503, "the model is still loading", error_type="server_error", code="loading",
                            headers={"Retry-After": "5"})
+        stats = self.engine_stats
+        if stats.backlog_limit_bytes and stats.backlog_bytes >= stats.backlog_limit_bytes:
+            raise ApiError(503, f"the decode engine's backlog is full ({stats.backlog_bytes >> 20} MiB of KV "
+                                f"handoffs waiting); retry shortly", error_type="server_error", code="engine_busy",
+                           headers={"Retry-After": "2"})
         priority = request.priority if request.priority is not None else decision.priority
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)

@@ -3,8 +3,10 @@ driven by the official openai client and by raw HTTP for every bad input."""
 
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -244,9 +246,15 @@ def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, cl
     assert client.completions.create(model=MODEL, prompt="Back again", max_tokens=3).usage.completion_tokens == 3
 
 
+def _run_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("edge-*")}
+
+
 def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
+    dirs_before = _run_dirs()
     server = ServerProcess(CONFIG, tmp_path, POLICY).start()
     try:
+        assert len(_run_dirs() - dirs_before) == 1  # the private socket dir of this launch
         children = server.child_pids()
         assert len(children) == 2
         lines: list[str] = []
@@ -261,6 +269,11 @@ def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
         reader = threading.Thread(target=read_stream)
         reader.start()
         assert wait_for(lambda: len(lines) > 4, 30)
+        with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as keep_alive:
+            assert keep_alive.get("/v1/models").status_code == 200  # the connection is now idle, kept alive
+            server.process.send_signal(signal.SIGTERM)
+            late = keep_alive.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
         assert server.stop() == 0
         reader.join(30)
     finally:
@@ -269,6 +282,7 @@ def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
     assert data[-1] == "data: [DONE]"
     assert '"code": "aborted"' in data[-2]  # 500 tokens take far longer than the 1 s grace period
     assert wait_for(lambda: not any(pid_alive(pid) for pid in children), 10)
+    assert _run_dirs() == dirs_before  # the socket dir went with the service
 
 
 def _closed_within(sock, seconds: float) -> float | None:

@@ -114,7 +114,7 @@ def test_policy_file_hot_reloads_and_a_bad_file_is_refused(server):
     server.policy.write_text(POLICY + "\nthis is not toml\n")
     assert wait_for(lambda: server.health()["policy"]["last_reload_error"] is not None, 10)
     assert complete(server, prompt="I like pineapple", max_tokens=2).status_code == 403  # old policy still in force
-    server.policy.write_text(POLICY)
+    server.policy.write_text('allow_weaker_protection = ["blocked_content"]\n' + POLICY)  # drops pineapple
     os.kill(server.process.pid, signal.SIGHUP)
     assert wait_for(lambda: complete(server, prompt="I like pineapple", max_tokens=2).status_code == 200, 10)
     assert server.health()["policy"]["last_reload_error"] is None

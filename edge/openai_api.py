@@ -11,6 +11,10 @@ from aiohttp import web
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 UNSUPPORTED_IF_SET = {"n": 1, "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
                       "suffix": None, "tools": None, "functions": None, "logit_bias": None}
+TOKEN_ID_LIMIT = 1 << 31  # without a vocabulary size: llama.cpp's llama_token is an int32_t
+MAX_TOKENS_LIMIT = (1 << 31) - 1  # llama.cpp counts tokens in int32; any real context is far smaller
+MAX_MESSAGES = 4096
+MAX_STOP_TOKEN_IDS = 256
 
 
 class ApiError(Exception):
@@ -31,7 +35,7 @@ class ApiError(Exception):
 class GenerateRequest:
     kind: str  # "chat" or "completion"
     model: str
-    sampling: dict  # prefill_cpu.handoff.SamplingParams fields (max_tokens None until the policy decides)
+    sampling: dict  # contracts.handoff.SamplingParams fields (max_tokens None until the policy decides)
     stream: bool
     include_usage: bool
     priority: int | None  # None: the API key's default
@@ -42,44 +46,74 @@ class GenerateRequest:
     user_text: str = ""  # every piece of client text, for content filters
 
 
-def parse_request(body, kind: str) -> GenerateRequest:
-    """Types and ranges only; what a client may ask for (models, token limits) is the policy's call."""
+def parse_request(body, kind: str, *, vocab_size: int | None = None) -> GenerateRequest:
+    """Types and ranges only; what a client may ask for (models, token limits) is the policy's call.
+    Every value that goes on the wire to a prefill worker is checked here, so that msgpack and the worker
+    never meet one they cannot take. vocab_size: the model's, once known (None skips that token id check)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = _field(body, "model", str, required=True)
-    for name, neutral in UNSUPPORTED_IF_SET.items():
-        if body.get(name, neutral) not in (neutral, None):
-            raise ApiError(400, f"{name}={body[name]!r} is not supported by this server", name, "unsupported_parameter")
+    model = _text(_field(body, "model", str, required=True), "model")
+    _refuse_unsupported(body)
     stream = _field(body, "stream", bool, default=False)
     stream_options = _field(body, "stream_options", dict, default=None) or {}
     include_usage = bool(stream_options.get("include_usage", False))
     if kind == "chat":
-        messages = _messages(body)
+        messages, prompt, prompt_tokens = _messages(body), None, None
         chat_logprobs = _field(body, "logprobs", bool, default=False)
         top = _int(body, "top_logprobs", 0, 20, default=0)
         logprobs = top if chat_logprobs else None
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        text = "\n".join(_content_text(m.get("content")) for m in messages)
-        prompt = prompt_tokens = None
+        text = "\n".join(m["content"] for m in messages)
     else:
         messages, chat_logprobs = None, False
-        prompt, prompt_tokens = _prompt(body)
+        prompt, prompt_tokens = _prompt(body, vocab_size)
         logprobs = _int(body, "logprobs", 0, 20, default=None)
-        max_tokens = body.get("max_tokens")
         text = prompt or ""
-    sampling = {
+    sampling = _sampling(body, kind, logprobs, vocab_size)
+    priority = _int(body, "priority", -1_000_000, 1_000_000, default=None)
+    return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
+                           prompt_tokens, messages, chat_logprobs, text)
+
+
+def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | None) -> dict:
+    return {
         "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
         "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, open_low=True),
         "top_k": max(0, _int(body, "top_k", -1, 1_000_000, default=0)),
         "seed": _int(body, "seed", -2**63, 2**63 - 1, default=None),
-        "max_tokens": _max_tokens(max_tokens),
+        "max_tokens": _max_tokens(body, kind),
         "stop": _stop(body),
-        "stop_token_ids": tuple(_int_list(body, "stop_token_ids")),
+        "stop_token_ids": _token_ids(_field(body, "stop_token_ids", list, default=[]), "stop_token_ids",
+                                     vocab_size, MAX_STOP_TOKEN_IDS),
         "logprobs": logprobs,
     }
-    priority = _int(body, "priority", -1_000_000, 1_000_000, default=None)
-    return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
-                           prompt_tokens, messages, chat_logprobs, text)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, neutral in UNSUPPORTED_IF_SET.items():
+        value = body.get(name, neutral)
+        if value not in (neutral, None):
+            raise ApiError(400, f"{name}={_show(value)} is not supported by this server (leave it out"
+                                f"{'' if neutral is None else f' or set it to {neutral!r}'})", name,
+                           "unsupported_parameter")
+
+
+def _show(value) -> str:
+    """A short rendering of a client value for an error message: never the repr of a whole nested body."""
+    if isinstance(value, (list, dict)):
+        return f"<a JSON {'array' if isinstance(value, list) else 'object'}>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(value: str, param: str) -> str:
+    """msgpack sends str as UTF-8, which has no encoding for a lone surrogate (JSON's "\\ud800"): the send to
+    a prefill worker would fail and stall it, so such text stops here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"{param} must be valid Unicode text: it holds a lone surrogate "
+                            f"U+{ord(value[err.start]):04X} at character {err.start}", param, "invalid_value") from None
+    return value
 
 
 def _field(body: dict, name: str, kind, required: bool = False, default=None):
@@ -89,34 +123,38 @@ def _field(body: dict, name: str, kind, required: bool = False, default=None):
         return default
     value = body[name]
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ApiError(400, f"{name!r} must be of type {kind.__name__}, not {type(value).__name__}", name, "invalid_type")
+        expected = kind.__name__ if isinstance(kind, type) else "number"
+        raise ApiError(400, f"{name!r} must be of type {expected}, not {type(value).__name__}", name, "invalid_type")
     return value
 
 
 def _int(body: dict, name: str, low: int, high: int, default):
     value = _field(body, name, int, default=default)
     if value is not default and not low <= value <= high:
-        raise ApiError(400, f"{name!r} must be between {low} and {high}, got {value}", name, "invalid_value")
+        raise ApiError(400, f"{name!r} must be between {low} and {high}, got {_show(value)}", name, "invalid_value")
     return value
 
 
 def _number(body: dict, name: str, low: float, high: float, default: float, open_low: bool = False) -> float:
     value = _field(body, name, (int, float), default=default)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float: refused below like infinity
+        value = math.inf
     if not math.isfinite(value) or value > high or value < low or (open_low and value == low):
         bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
         raise ApiError(400, f"{name!r} must be in {bound}, got {value}", name, "invalid_value")
     return value
 
 
-def _max_tokens(value) -> int | None:
-    if value is None:
-        return None  # the policy's default applies
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ApiError(400, f"'max_tokens' must be an integer, not {type(value).__name__}", "max_tokens", "invalid_type")
-    if value < 1:
-        raise ApiError(400, f"'max_tokens' must be at least 1, got {value}", "max_tokens", "invalid_value")
-    return value
+def _max_tokens(body: dict, kind: str) -> int | None:
+    name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    value = _field(body, name, int, default=None)
+    if value is not None and not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise ApiError(400, f"{name!r} must be between 1 and {MAX_TOKENS_LIMIT}, got {_show(value)}", name,
+                       "invalid_value")
+    return value  # None: the policy's default applies
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -127,53 +165,68 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop",
                        "invalid_value")
-    return tuple(stops)
+    names = ["stop"] if isinstance(value, str) else [f"stop[{i}]" for i in range(len(stops))]
+    return tuple(_text(s, name) for s, name in zip(stops, names))
 
 
-def _int_list(body: dict, name: str) -> list[int]:
-    value = body.get(name) or []
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ApiError(400, f"{name!r} must be a list of integers", name, "invalid_type")
-    return value
+def _token_ids(values: list, name: str, vocab_size: int | None, max_count: int | None = None) -> tuple[int, ...]:
+    if max_count is not None and len(values) > max_count:
+        raise ApiError(400, f"{name!r} may hold at most {max_count} token ids, got {len(values)}", name,
+                       "invalid_value")
+    limit = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
+    known = f"the vocabulary has {vocab_size} tokens" if vocab_size is not None else "token ids are 32-bit"
+    for i, token in enumerate(values):
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise ApiError(400, f"{name}[{i}] must be an integer token id, not {type(token).__name__}",
+                           f"{name}[{i}]", "invalid_type")
+        if not 0 <= token < limit:
+            raise ApiError(400, f"{name}[{i}] is {_show(token)}, not a token id: ids run from 0 to {limit - 1} "
+                                f"({known})", f"{name}[{i}]", "invalid_value")
+    return tuple(values)
 
 
-def _prompt(body: dict) -> tuple[str | None, tuple[int, ...] | None]:
+def _prompt(body: dict, vocab_size: int | None) -> tuple[str | None, tuple[int, ...] | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+        return _prompt_text(prompt[0], "prompt[0]"), None
     if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "'prompt' must not be empty", "prompt", "invalid_value")
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
-        return None, tuple(prompt)
+        return _prompt_text(prompt, "prompt"), None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, _token_ids(prompt, "prompt", vocab_size)
     if prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt", "missing_required_parameter")
     raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt",
                    "invalid_type")
 
 
+def _prompt_text(prompt: str, param: str) -> str:
+    if not prompt:
+        raise ApiError(400, "'prompt' must not be empty", param, "invalid_value")
+    return _text(prompt, param)
+
+
 def _messages(body: dict) -> tuple[dict, ...]:
     messages = _field(body, "messages", list, required=True)
-    if not messages:
-        raise ApiError(400, "'messages' must not be empty", "messages", "invalid_value")
+    if not 1 <= len(messages) <= MAX_MESSAGES:
+        raise ApiError(400, f"'messages' must hold 1 to {MAX_MESSAGES} messages, got {len(messages)}", "messages",
+                       "invalid_value")
     clean = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object with a role in {sorted(ROLES)}", f"messages[{i}]",
                            "invalid_value")
-        clean.append({"role": message["role"], "content": _content_text(message.get("content"), i)})
+        clean.append({"role": role, "content": _content_text(message.get("content"), i)})
     return tuple(clean)
 
 
-def _content_text(content, index: int | None = None) -> str:
+def _content_text(content, index: int) -> str:
+    """A string, or a flat list of text parts; nothing deeper is looked into."""
+    param = f"messages[{index}].content"
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                         for p in content):
-        return "".join(p["text"] for p in content)
-    if content is None and index is None:
-        return ""
-    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts",
-                   f"messages[{index}].content", "invalid_type")
+        return _text(content, param)
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(_text(p["text"], f"{param}[{j}].text") for j, p in enumerate(content))
+    raise ApiError(400, f"{param} must be a string or a list of text parts ({{\"type\": \"text\", \"text\": ...}})",
+                   param, "invalid_type")

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from edge.gateway import Gateway, Run
 from edge.lifecycle import RequestStatus
+from edge.middleware import error_middleware
 from edge.openai_api import ApiError, parse_request
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
@@ -69,8 +70,11 @@ async def _read_json(request: web.Request, gateway: Gateway):
                        code="body_too_large") from None
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer over Python's 4300 digits
         raise ApiError(400, f"the body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:  # json's C scanner bounds nesting by the recursion limit
+        raise ApiError(400, "the body nests arrays and objects too deeply to parse; send a flatter JSON body",
+                       code="invalid_json") from None
 
 
 async def _collect(gateway: Gateway, run: Run, completion: Completion) -> web.Response:
@@ -159,6 +163,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    app.middlewares.append(error_middleware)  # aiohttp's own errors (404, 405, 413) in the OpenAI shape too
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)

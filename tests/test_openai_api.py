@@ -1,0 +1,110 @@
+"""parse_request: every value that reaches the prefill worker's msgpack wire is checked at the gateway."""
+
+import pytest
+
+from edge.openai_api import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, ApiError, parse_request
+
+VOCAB = 49152  # SmolLM2's vocabulary size
+
+
+def _chat(**fields) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def _completion(**fields) -> dict:
+    return {"model": "m", "prompt": "hi", **fields}
+
+
+def _refused(body: dict, kind: str, **kwargs) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_request(body, kind, **kwargs)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize("body, kind, param", [
+    (_chat(messages=[{"role": "user", "content": "a\ud800b"}]), "chat", "messages[0].content"),
+    (_chat(messages=[{"role": "system", "content": "ok"}, {"role": "user", "content": [
+        {"type": "text", "text": "fine"}, {"type": "text", "text": "\udfff"}]}]), "chat", "messages[1].content[1].text"),
+    (_completion(prompt="\ud800"), "completion", "prompt"),
+    (_completion(prompt=["x\udc00"]), "completion", "prompt[0]"),
+    (_completion(stop="\ud800"), "completion", "stop"),
+    (_chat(stop=["ok", "\ud83d"]), "chat", "stop[1]"),
+    (_chat(model="m\ud800"), "chat", "model"),
+])
+def test_lone_surrogate_is_refused_naming_the_field(body, kind, param):
+    err = _refused(body, kind)
+    assert (err.param, err.code) == (param, "invalid_value")
+    assert "lone surrogate" in err.message and param in err.message
+
+
+def test_text_outside_the_bmp_and_text_parts_pass():
+    parts = [{"type": "text", "text": "h\u00e9llo "}, {"type": "text", "text": "\U0001f642"}]
+    request = parse_request(_chat(messages=[{"role": "user", "content": parts}], stop=["\u00e9"]), "chat")
+    assert request.messages == ({"role": "user", "content": "h\u00e9llo \U0001f642"},)
+    assert request.sampling["stop"] == ("\u00e9",)
+
+
+@pytest.mark.parametrize("prompt, vocab_size, index", [
+    ([1, VOCAB], VOCAB, 1),
+    ([2**40], None, 0),
+    ([5, -1], None, 1),
+    ([5, -1], VOCAB, 1),
+])
+def test_prompt_token_id_out_of_range_is_refused(prompt, vocab_size, index):
+    err = _refused(_completion(prompt=prompt), "completion", vocab_size=vocab_size)
+    assert (err.param, err.code) == (f"prompt[{index}]", "invalid_value")
+    assert f"prompt[{index}] is {prompt[index]}" in err.message
+
+
+def test_vocabulary_size_is_named_and_the_last_id_passes():
+    err = _refused(_completion(prompt=[VOCAB]), "completion", vocab_size=VOCAB)
+    assert f"vocabulary has {VOCAB} tokens" in err.message and str(VOCAB - 1) in err.message
+    request = parse_request(_completion(prompt=[0, VOCAB - 1], stop_token_ids=[VOCAB - 1]), "completion",
+                            vocab_size=VOCAB)
+    assert request.prompt_tokens == (0, VOCAB - 1) and request.sampling["stop_token_ids"] == (VOCAB - 1,)
+
+
+@pytest.mark.parametrize("ids, vocab_size, param", [
+    ([2, VOCAB], VOCAB, "stop_token_ids[1]"),
+    ([-3], VOCAB, "stop_token_ids[0]"),
+    ([2**40], None, "stop_token_ids[0]"),
+    ([1] * (MAX_STOP_TOKEN_IDS + 1), None, "stop_token_ids"),
+])
+def test_stop_token_ids_out_of_range_are_refused(ids, vocab_size, param):
+    err = _refused(_chat(stop_token_ids=ids), "chat", vocab_size=vocab_size)
+    assert (err.param, err.code) == (param, "invalid_value")
+
+
+@pytest.mark.parametrize("body, kind, param", [
+    (_completion(max_tokens=2**40), "completion", "max_tokens"),
+    (_chat(max_completion_tokens=2**40), "chat", "max_completion_tokens"),
+    (_chat(messages=[{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)), "chat", "messages"),
+    (_chat(temperature=10**400), "chat", "temperature"),  # float() of it overflows
+])
+def test_values_beyond_their_bounds_are_refused(body, kind, param):
+    err = _refused(body, kind)
+    assert (err.param, err.code) == (param, "invalid_value")
+
+
+@pytest.mark.parametrize("body, param, code", [
+    (_chat(temperature="hot"), "temperature", "invalid_type"),  # a (int, float) type in the message
+    (_chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0]", "invalid_value"),  # unhashable role
+])
+def test_odd_types_get_400_not_a_crash(body, param, code):
+    err = _refused(body, "chat")
+    assert (err.param, err.code) == (param, code)
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_deeply_nested_values_are_refused_without_recursing():
+    err = _refused(_chat(n=_nested(100_000)), "chat")
+    assert (err.param, err.code) == ("n", "unsupported_parameter")
+    err = _refused(_chat(messages=[{"role": "user", "content": _nested(100_000)}]), "chat")
+    assert err.param == "messages[0].content"

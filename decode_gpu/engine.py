@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_gpu.backlog import DEFAULT_LIMIT_BYTES, Backlog
 from decode_gpu.block_manager import BlockManager
 from decode_gpu.detokenizer import IncrementalText
 from decode_gpu.kv_import import check_handoff_matches
@@ -32,6 +33,8 @@ class EngineConfig:
     runner: RunnerConfig = RunnerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     max_model_len: int = 4096  # prompt + output tokens of one request
+    max_backlog_bytes: int = DEFAULT_LIMIT_BYTES  # KV bytes of handoffs accepted but not yet imported
+    swap_space_bytes: int = 4 << 30  # host memory for preempted sequences' KV blocks
 
 
 @dataclass
@@ -55,8 +58,11 @@ class DecodeEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.blocks = BlockManager(runner.num_blocks, runner.pool.shape.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        shape = runner.pool.shape
+        self.blocks = BlockManager(runner.num_blocks, shape.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.blocks,
+                                   max_swap_blocks=config.swap_space_bytes // shape.bytes_per_block())
+        self.backlog = Backlog(config.max_backlog_bytes)  # reserved by open (any thread), released here
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._throughput = _Throughput()
@@ -75,7 +81,8 @@ class DecodeEngine:
     def open(self, handoff: KVHandoff) -> tuple[Sequence | None, TokenEvent]:
         """Check a handoff and report its first token, without touching the engine's state, so the engine
         server can send the first token while a step runs. Returns the sequence for `admit`, or None when
-        the first token already ended the request (a stop token, or max_tokens 1)."""
+        the first token already ended the request (a stop token, or max_tokens 1). A sequence holds its KV
+        bytes in the backlog until imported; a full backlog refuses the handoff."""
         self._check_admissible(handoff)
         seq = Sequence(seq_id=handoff.request_id, priority=handoff.priority, arrival=next(self._arrivals),
                        prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, handoff.first_token],
@@ -88,35 +95,78 @@ class DecodeEngine:
             first_logprobs = (Logprob(handoff.first_token, handoff.first_logprob, top=top),)
         reason, text = self._finish_reason_and_text(seq)
         event = self._event(seq, (handoff.first_token,), text, reason, first_logprobs)
-        return (seq if reason is None else None), event
+        if reason is not None:
+            seq.handoff = None
+            return None, event
+        if not self.backlog.can_reserve(handoff.payload_bytes):
+            raise HandoffRejectedError(self.backlog.full_message(handoff.payload_bytes))
+        self.backlog.reserve(handoff.payload_bytes)
+        seq.handoff_bytes = handoff.payload_bytes
+        return seq, event
 
     def admit(self, seq: Sequence) -> None:
         """Start decoding an opened sequence (engine thread)."""
         if seq.seq_id in self.sequences:
+            self._release(seq)
             raise HandoffRejectedError(f"request id {seq.seq_id} is already decoding")
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> TokenEvent | None:
+    def abort(self, request_id: str, error: str | None = None) -> TokenEvent | None:
+        """End a request at any stage; with `error`, it ends as failed, saying why."""
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return None
         self.scheduler.abort(request_id)
-        self.runner.forget(request_id)
-        return self._event(seq, (), "", "abort")
+        self._release(seq)
+        return self._event(seq, (), "", "abort" if error is None else "error", error=error)
+
+    def fail_all(self, why: str) -> list[TokenEvent]:
+        """End every request as failed (a failure no single sequence explains); the engine stays usable."""
+        return [self.abort(request_id, error=why) for request_id in list(self.sequences)]
 
     def step(self) -> list[TokenEvent]:
         started = time.perf_counter()
         step = self._yielding(self.scheduler.schedule())
         events = [self._fail(seq, why) for seq, why in step.failed]
-        logits = self.runner.execute(step, self.blocks.block_tables)  # [len(step.decode), vocab]
-        for seq, row in zip(step.decode, logits):
-            seq.num_cached += 1
-            token = sample_token(row, seq.sampling, seq.meta["generator"])
-            seq.tokens.append(token)
-            events.append(self._after_token(seq, self._logprobs(row, token, seq)))
-        self._throughput.record(len(step.decode), time.perf_counter() - started)
+        try:
+            num_decoded = self._run(step, events)
+        except Exception as err:  # the batched forward (or a device fault): no one sequence to blame
+            log.exception("decode step failed")
+            return events + self.fail_all(f"decode step failed: {err}")
+        self._throughput.record(num_decoded, time.perf_counter() - started)
         return events
+
+    def _run(self, step: ScheduledStep, events: list[TokenEvent]) -> int:
+        """Memory moves, then one forward, then per-sequence sampling; appends to events as it goes, so
+        that a failure part-way loses no event already made."""
+        failures = self.runner.prepare(step)  # [(seq id, why)]: this sequence's own move failed
+        for seq, _ in step.imports:
+            self._drop_handoff(seq)  # its KV is in the pool (or failed to get there): free the bytes now
+        events.extend(self._fail(self.sequences[seq_id], why) for seq_id, why in failures
+                      if seq_id in self.sequences)
+        decode = [seq for seq in step.decode if seq.state is SeqState.RUNNING]
+        if not decode:
+            return 0
+        logits = self.runner.forward(decode, self.blocks.block_tables)  # [len(decode), vocab]
+        has_nan = torch.isnan(logits).any(dim=-1).tolist()  # one sync per step, not one per row
+        for seq, row, nan in zip(decode, logits, has_nan):
+            events.append(self._sample(seq, row, nan))
+        return len(decode)
+
+    def _sample(self, seq: Sequence, row: torch.Tensor, nan: bool) -> TokenEvent:
+        """One sequence's next token; a failure here (bad logits, a sampler error) fails this sequence only."""
+        seq.num_cached += 1
+        try:
+            if nan:
+                raise FloatingPointError("the model produced NaN logits")
+            token = sample_token(row, seq.sampling, seq.meta["generator"])
+            logprobs = self._logprobs(row, token, seq)
+            seq.tokens.append(token)
+            return self._after_token(seq, logprobs)
+        except Exception as err:
+            log.exception("sampling failed for request %s", seq.seq_id)
+            return self._fail(seq, f"sampling failed: {err}")
 
     def _yielding(self, step: ScheduledStep) -> ScheduledStep:
         """While a more important prompt is in prefill (CPU boxes), the sequences it outranks sit this step
@@ -137,7 +187,8 @@ class DecodeEngine:
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running, num_swapped=swapped,
             num_preemptions=self.scheduler.num_preemptions, last_step_ms=self._throughput.last_step_ms,
             tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated,
-            decode_yielded_s=self._gate.waited_s if self._gate else 0.0)
+            decode_yielded_s=self._gate.waited_s if self._gate else 0.0,
+            backlog_bytes=self.backlog.num_bytes, backlog_limit_bytes=self.backlog.limit_bytes)
 
     @property
     def _gate(self):
@@ -149,8 +200,6 @@ class DecodeEngine:
             check_handoff_matches(handoff, self.runner.identity)
         except ValueError as err:
             raise HandoffRejectedError(str(err)) from None
-        if handoff.request_id in self.sequences:
-            raise HandoffRejectedError(f"request id {handoff.request_id} is already decoding")
         total = handoff.n_tokens + handoff.sampling.max_tokens
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if total > min(capacity, self.config.max_model_len):
@@ -183,10 +232,23 @@ class DecodeEngine:
         return reason, text
 
     def _fail(self, seq: Sequence, why: str) -> TokenEvent:
+        """End one sequence as failed, freeing its blocks, swap space and handoff bytes."""
+        if seq.state is not SeqState.FINISHED:
+            self.scheduler.finish(seq, "error")
         self.sequences.pop(seq.seq_id, None)
-        self.runner.forget(seq.seq_id)
+        self._release(seq)
         log.error("request %s failed in decode: %s", seq.seq_id, why)
         return self._event(seq, (), "", "error", error=why)
+
+    def _release(self, seq: Sequence) -> None:
+        self._drop_handoff(seq)
+        self.runner.forget(seq.seq_id)
+
+    def _drop_handoff(self, seq: Sequence) -> None:
+        seq.handoff = None
+        if seq.handoff_bytes:
+            self.backlog.release(seq.handoff_bytes)
+            seq.handoff_bytes = 0
 
     def _event(self, seq: Sequence, tokens: tuple, text: str, reason: str | None, logprobs: tuple = (),
                error: str | None = None) -> TokenEvent:

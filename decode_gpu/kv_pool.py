@@ -27,6 +27,10 @@ class PoolShape:
     def bytes_per_token(self) -> int:
         return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.storage)
 
+    def bytes_per_block(self) -> int:
+        """Host memory one block takes when swapped out (the scheduler's swap space is counted in blocks)."""
+        return self.block_size * self.bytes_per_token()
+
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, storage: str) -> int:
     if storage == "int8":  # int8 values + one float16 scale per group

@@ -1,8 +1,10 @@
 """The model runner: the only owner of device tensors (model weights and the paged KV pool).
 
-It carries out a ScheduledStep in field order: swap out, import handoffs, swap in, copy-on-write,
-then one batched forward for every decoding sequence, returning their next-token logits. Between two
-decoder layers the forward may wait on a PriorityGate, to give the CPU to a more important prefill.
+It carries out a ScheduledStep in field order: `prepare` swaps out, imports handoffs, swaps in and
+copies on write, one sequence at a time, so that one sequence's bad bytes fail only that sequence; then
+`forward` runs one batched forward for every decoding sequence, returning their next-token logits.
+Between two decoder layers the forward may wait on a PriorityGate, to give the CPU to a more important
+prefill.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from decode_gpu.kv_pool import KVPool, PoolShape, bytes_per_token
 from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import ScheduledStep
+from decode_gpu.sequence import Sequence
 from contracts.identity import GGUFIdentity
 
 log = logging.getLogger(__name__)
@@ -70,29 +73,38 @@ class ModelRunner:
         return self.pool.shape.num_blocks
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep, block_tables: dict[str, list[int]]) -> torch.Tensor:
-        """Returns next-token logits for step.decode, in order. # [len(step.decode), vocab]"""
+    def prepare(self, step: ScheduledStep) -> list[tuple[str, str]]:
+        """The step's memory moves; returns (seq id, why) for each sequence whose own move failed. Its
+        blocks then hold garbage that no other sequence reads: the engine fails it and frees them."""
+        failed: list[tuple[str, str]] = []
         for seq_id, blocks in step.swap_out:
-            self.swap_space[seq_id] = self.pool.read_blocks(blocks)
+            _attempt(failed, seq_id, "swapping out its KV", self._swap_out, seq_id, blocks)
         for seq, blocks in step.imports:
-            import_handoff(seq.handoff, self.identity, PagedKVWriter(self.pool, blocks, seq.prompt_len, self.device),
-                           self.device)
-            seq.handoff = None  # the KV now lives in the pool
+            _attempt(failed, seq.seq_id, "importing its KV handoff", self._import, seq, blocks)
         for seq_id, blocks in step.swap_in:
-            saved = self.swap_space.pop(seq_id)
-            self.pool.write_blocks(blocks[:saved[0].shape[0]], saved)
+            _attempt(failed, seq_id, "swapping in its KV", self._swap_in, seq_id, blocks)
         for copy in step.copies:
             self.pool.copy_blocks(copy.src, copy.dst)
-        if not step.decode:
-            return torch.empty(0, device=self.device)
-        return self._forward(step, block_tables)
+        return failed
 
     def forget(self, seq_id: str) -> None:
         """Drop host swap space of an aborted or failed sequence."""
         self.swap_space.pop(seq_id, None)
 
-    def _forward(self, step: ScheduledStep, block_tables: dict[str, list[int]]) -> torch.Tensor:
-        seqs = step.decode
+    def _swap_out(self, seq_id: str, blocks: list[int]) -> None:
+        self.swap_space[seq_id] = self.pool.read_blocks(blocks)
+
+    def _import(self, seq: Sequence, blocks: list[int]) -> None:
+        writer = PagedKVWriter(self.pool, blocks, seq.prompt_len, self.device)
+        import_handoff(seq.handoff, self.identity, writer, self.device)
+
+    def _swap_in(self, seq_id: str, blocks: list[int]) -> None:
+        saved = self.swap_space.pop(seq_id)
+        self.pool.write_blocks(blocks[:saved[0].shape[0]], saved)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence], block_tables: dict[str, list[int]]) -> torch.Tensor:
+        """Next-token logits for seqs, in order. # [len(seqs), vocab]"""
         paged = build_paged_batch(self.pool, [block_tables[s.seq_id] for s in seqs],
                                   [s.num_cached + 1 for s in seqs], [1] * len(seqs), self.device)
         input_ids = torch.tensor([[s.tokens[s.num_cached] for s in seqs]], device=self.device)  # [1, n_seqs]
@@ -103,6 +115,14 @@ class ModelRunner:
 
     def _between_layers(self, _module, _args) -> None:
         self.gate.wait_turn(self._batch_priority)
+
+
+def _attempt(failed: list[tuple[str, str]], seq_id: str, what: str, action, *args) -> None:
+    try:
+        action(*args)
+    except Exception as err:  # a bad payload or a failed copy of one sequence: that sequence fails, not the step
+        log.exception("request %s failed %s", seq_id, what)
+        failed.append((seq_id, f"{what} failed: {type(err).__name__}: {err}"))
 
 
 def _storage_name(dtype: torch.dtype) -> str:

@@ -1,5 +1,8 @@
 """Decode scheduler (pure Python, no torch): priority waiting queue, running set, preemption by swap.
 
+Host swap space is bounded (in blocks): a preemption that would overflow it does not happen (a waiter
+waits) or, when a running sequence must grow, fails the victim (see _preempt_or_fail).
+
 The model runner receives one `ScheduledStep` per step and carries it out in field order.
 """
 
@@ -30,12 +33,14 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_swap_blocks: int | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
         self.running: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.max_swap_blocks = max_swap_blocks  # host swap space, in pool blocks; None: unbounded
+        self.num_swapped_blocks = 0
         self._swapped_this_step: set[str] = set()
 
     @property
@@ -71,11 +76,22 @@ class Scheduler:
             self.finish(seq, "abort")
         return seq
 
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Does host swap space have room for this running sequence's blocks?"""
+        if self.max_swap_blocks is None:
+            return True
+        return self.num_swapped_blocks + len(self.blocks.block_tables[seq.seq_id]) <= self.max_swap_blocks
+
     def _remove(self, seq: Sequence) -> None:
         if self.running.pop(seq.seq_id, None) is None:
             self.waiting = [(rank, s) for rank, s in self.waiting if s is not seq]
             heapq.heapify(self.waiting)
         self.blocks.free(seq.seq_id)
+        self._release_swap(seq)
+
+    def _release_swap(self, seq: Sequence) -> None:
+        self.num_swapped_blocks -= seq.num_swapped_blocks
+        seq.num_swapped_blocks = 0
 
     def _grow_running(self, step: ScheduledStep) -> None:
         for seq in sorted(self.running.values(), key=lambda s: s.rank):
@@ -83,7 +99,7 @@ class Scheduler:
                 continue  # swapped out earlier in this loop
             while not self.blocks.can_append(seq.seq_id, seq.num_cached + 1):
                 victim = max(self.running.values(), key=lambda s: s.rank)
-                self._preempt(victim, step)
+                self._preempt_or_fail(victim, step)
                 if victim is seq:
                     break
             else:
@@ -116,6 +132,7 @@ class Scheduler:
             blocks = self.blocks.allocate(seq.seq_id, need)
             if seq.state is SeqState.SWAPPED:
                 step.swap_in.append((seq.seq_id, list(blocks)))
+                self._release_swap(seq)
             else:
                 step.imports.append((seq, list(blocks)))
                 seq.num_cached = seq.prompt_len
@@ -123,17 +140,34 @@ class Scheduler:
             self.running[seq.seq_id] = seq
 
     def _make_room_for(self, seq: Sequence, step: ScheduledStep) -> bool:
-        """Swap out the worst running sequence if it has strictly lower priority than the waiter."""
+        """Swap out the worst running sequence if it has strictly lower priority than the waiter. With swap
+        space full the waiter waits instead: it loses time, nobody loses a request."""
         if not self.running:
             return False
         victim = max(self.running.values(), key=lambda s: s.rank)
-        if victim.priority <= seq.priority:
+        if victim.priority <= seq.priority or not self.can_swap_out(victim):
             return False
         self._preempt(victim, step)
         return True
 
+    def _preempt_or_fail(self, victim: Sequence, step: ScheduledStep) -> None:
+        """A running sequence needs a block and none is free. Without room in swap space the victim fails:
+        there is no recompute to fall back on, and letting the grower sit out instead would not guarantee
+        progress (every running sequence may be waiting for a block) while lower-ranked ones kept taking freed
+        blocks. Failing the worst-ranked sequence frees its blocks at once and tells its client why."""
+        if self.can_swap_out(victim):
+            self._preempt(victim, step)
+            return
+        swap = "no swap space" if not self.max_swap_blocks else "swap space is full"
+        self.finish(victim, "error")
+        step.failed.append((victim, f"out of KV memory: the pool is full and {swap} for a preempted request "
+                                    f"(--swap-space-gib)"))
+
     def _preempt(self, victim: Sequence, step: ScheduledStep) -> None:
-        step.swap_out.append((victim.seq_id, list(self.blocks.block_tables[victim.seq_id])))
+        blocks = self.blocks.block_tables[victim.seq_id]
+        step.swap_out.append((victim.seq_id, list(blocks)))
+        victim.num_swapped_blocks = len(blocks)
+        self.num_swapped_blocks += len(blocks)
         self.blocks.free(victim.seq_id)
         del self.running[victim.seq_id]
         victim.state = SeqState.SWAPPED

@@ -24,10 +24,12 @@ class Sequence:
     tokens: list[int]  # prompt tokens, then generated tokens (the first came from the prefill worker)
     sampling: SamplingParams
     handoff: KVHandoff | None = None  # dropped once imported
+    handoff_bytes: int = 0  # KV bytes of `handoff` counted in the engine's backlog; 0 once released
     num_cached: int = 0  # tokens whose K/V are in the pool (or in host swap space while SWAPPED)
     state: SeqState = SeqState.WAITING
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    num_swapped_blocks: int = 0  # blocks held in host swap space while SWAPPED
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     meta: dict = field(default_factory=dict)  # timing and logprob bookkeeping filled by the engine
 
     @property

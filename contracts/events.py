@@ -39,12 +39,13 @@ class TokenEvent:
     logprobs: tuple[Logprob, ...] = ()
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error_code: str = ""  # with ERROR: "engine_busy" or "kv_cache_full" (retry later: 503), "" for a failure
 
     @classmethod
     def ending(cls, request_id: str, reason: FinishReason, error: str | None = None,
-               num_prompt_tokens: int = 0) -> "TokenEvent":
+               num_prompt_tokens: int = 0, error_code: str = "") -> "TokenEvent":
         """A terminal event with no tokens (abort, failure)."""
-        return cls(request_id, (), "", reason, error, num_prompt_tokens=num_prompt_tokens)
+        return cls(request_id, (), "", reason, error, num_prompt_tokens=num_prompt_tokens, error_code=error_code)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from decode_gpu.detokenizer import IncrementalText
 from decode_gpu.kv_import import check_handoff_matches
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.sampler import make_generator, sample_token
-from decode_gpu.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from decode_gpu.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
 from contracts.events import EngineStats, FinishReason, Logprob, TokenEvent, TopLogprob
 from contracts.handoff import KVHandoff
@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class HandoffRejectedError(ValueError):
-    """A handoff the engine will not run (wrong model, too long for the pool or model, duplicate id)."""
+    """A handoff the engine will not run (wrong model, too long for the pool or model, duplicate id, or no room
+    now: then `code` is "engine_busy", which the gateway answers with 503 and Retry-After)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class DecodeEngine:
             seq.handoff = None
             return None, event
         if not self.backlog.can_reserve(handoff.payload_bytes):
-            raise HandoffRejectedError(self.backlog.full_message(handoff.payload_bytes))
+            raise HandoffRejectedError(self.backlog.full_message(handoff.payload_bytes), code="engine_busy")
         self.backlog.reserve(handoff.payload_bytes)
         seq.handoff_bytes = handoff.payload_bytes
         return seq, event
@@ -238,7 +243,9 @@ class DecodeEngine:
         self.sequences.pop(seq.seq_id, None)
         self._release(seq)
         log.error("request %s failed in decode: %s", seq.seq_id, why)
-        return self._event(seq, (), "", "error", error=why)
+        event = self._event(seq, (), "", "error", error=why)
+        # running out of KV memory is load, not a fault: the gateway answers it like a full queue
+        return dataclasses.replace(event, error_code="kv_cache_full") if why.startswith(OUT_OF_KV) else event
 
     def _release(self, seq: Sequence) -> None:
         self._drop_handoff(seq)

@@ -85,7 +85,7 @@ class EngineService:
             self.engine.admit(seq)
             return []
         except HandoffRejectedError as err:
-            return [TokenEvent.ending(seq.seq_id, FinishReason.ERROR, str(err), seq.prompt_len)]
+            return [TokenEvent.ending(seq.seq_id, FinishReason.ERROR, str(err), seq.prompt_len, err.code)]
 
     def _abort(self, request_id: str, error: str | None) -> list[TokenEvent]:
         event = self.engine.abort(request_id, error)
@@ -119,7 +119,7 @@ class EngineService:
             seq, first = self.engine.open(handoff)  # refuses at once when the backlog is full
         except HandoffRejectedError as err:
             log.error("handoff %s rejected: %s", request_id, err)
-            self._send_events([TokenEvent.ending(request_id, FinishReason.ERROR, str(err), handoff.n_tokens)])
+            self._send_events([TokenEvent.ending(request_id, FinishReason.ERROR, str(err), handoff.n_tokens, err.code)])
             return
         self._send_events([first])
         if seq is not None:

@@ -15,6 +15,8 @@ from decode_gpu.block_manager import BlockCopy, BlockManager
 from decode_gpu.sequence import SeqState, Sequence
 
 
+OUT_OF_KV = "out of KV memory"  # how a sequence failed for want of blocks begins (load, not a fault)
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32  # running sequences decoded together each step
@@ -160,7 +162,7 @@ class Scheduler:
             return
         swap = "no swap space" if not self.max_swap_blocks else "swap space is full"
         self.finish(victim, "error")
-        step.failed.append((victim, f"out of KV memory: the pool is full and {swap} for a preempted request "
+        step.failed.append((victim, f"{OUT_OF_KV}: the pool is full and {swap} for a preempted request "
                                     f"(--swap-space-gib)"))
 
     def _preempt(self, victim: Sequence, step: ScheduledStep) -> None:

@@ -207,7 +207,7 @@ class Gateway:
             m.label(m.generation_tokens).inc(len(event.token_ids))
         inflight.advance(RequestStatus.DECODING)
         if event.finish_reason is FinishReason.ERROR:
-            raise ApiError(500, f"decoding failed: {event.error}", error_type="server_error", code="decode_failed")
+            raise _decode_error(event)
         if event.finish_reason is FinishReason.ABORT:
             raise ApiError(503, "the request was aborted by the server (shutting down or restarting)",
                            error_type="server_error", code="aborted")
@@ -251,6 +251,14 @@ class Gateway:
 
 
 EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+
+
+def _decode_error(event: TokenEvent) -> ApiError:
+    """A full engine is load (503, retry shortly); anything else is a failure of this request (500)."""
+    if event.error_code in ("engine_busy", "kv_cache_full"):
+        return ApiError(503, f"the decode engine has no room for this request now: {event.error}",
+                        error_type="server_error", code=event.error_code, headers={"Retry-After": "2"})
+    return ApiError(500, f"decoding failed: {event.error}", error_type="server_error", code="decode_failed")
 
 
 def _advance_counter(counter, seen: int, total: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
-        run = gateway.admit(request, parse_request(body, kind))
+        run = gateway.admit(request, parse_request(body, kind, vocab_size=gateway.pool.vocab_size))
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
         return err.response()
@@ -136,15 +137,29 @@ async def health(request: web.Request) -> web.Response:
     components = {"decode_engine": gateway.engine.state}
     components.update({name: w.state for name, w in gateway.pool.workers.items()})
     supervisor = request.app.get(SUPERVISOR)
-    processes = {name: {"state": c.state, "pid": c.process.pid if c.process else None, "restarts": c.restarts,
-                        "last_exit": c.last_exit}
-                 for name, c in supervisor.children.items()} if supervisor else {}
+    processes = supervisor.snapshot() if supervisor else {}
     ready = gateway.ready and not gateway.shutting_down
-    degraded = ready and any(state != "ready" for state in components.values())
+    troubled = any(p["state"] in ("backoff", "crash_loop") for p in processes.values())
+    degraded = ready and (troubled or any(state != "ready" for state in components.values()))
     body = {"status": "degraded" if degraded else "ok" if ready else "loading" if not gateway.shutting_down
             else "shutting_down", "model": gateway.model_name, "components": components, "processes": processes,
-            "prefill_queue": gateway.pool.queue_length, "engine": gateway.engine.stats, "policy": _policy_state(request)}
+            "errors": _component_errors(gateway), "prefill": _prefill_state(gateway),
+            "prefill_queue": gateway.pool.queue_length, "policy": _policy_state(request),
+            "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None}
     return web.json_response(body, status=200 if ready else 503)
+
+
+def _component_errors(gateway: Gateway) -> dict:
+    """Why a component is not ready (a refused handshake, a bad frame, a missed heartbeat), if known."""
+    errors = {"decode_engine": gateway.engine.last_error}
+    errors.update({name: w.last_error for name, w in gateway.pool.workers.items()})
+    return {name: error for name, error in errors.items() if error}
+
+
+def _prefill_state(gateway: Gateway) -> dict:
+    return {name: {"request": w.current_id, "stuck_count": w.stuck_count,
+                   "engine_connected": w.info.engine_connected if w.info else None}
+            for name, w in gateway.pool.workers.items()}
 
 
 def _policy_state(request: web.Request) -> dict:

@@ -252,3 +252,11 @@ def test_engine_stats_are_read_only_on_the_engine_thread():
         return dataclasses.asdict(service.snapshot)
     snapshot = run(scenario())
     assert set(readers) == {"engine"} and snapshot["num_running"] == 0
+
+
+@pytest.mark.parametrize("code,status", [("engine_busy", 503), ("kv_cache_full", 503), ("", 500)])
+def test_a_full_engine_is_a_503_and_a_broken_request_a_500(code, status):
+    from contracts.events import TokenEvent
+    from edge.gateway import _decode_error
+    error = _decode_error(TokenEvent.ending("r1", FinishReason.ERROR, "why", error_code=code))
+    assert error.status == status and ("Retry-After" in error.headers) == (status == 503)

@@ -324,6 +324,7 @@ def test_a_full_backlog_refuses_a_handoff_at_once_and_publishes_its_size(tmp_pat
     refused, first_events, snapshot = asyncio.run(scenario())
     ending = refused["second"][-1]
     assert ending.finish_reason is FinishReason.ERROR and "engine backlog is full" in ending.error
+    assert ending.error_code == "engine_busy"  # the gateway answers 503 with Retry-After, not 500
     assert first_events[-1].finish_reason is FinishReason.LENGTH
     assert tokens_of(first_events) == expected_tokens(prompt_of(1, 10), 4)
     assert snapshot.backlog_limit_bytes == limit

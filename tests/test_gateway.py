@@ -2,8 +2,8 @@
 driven by the official openai client and by raw HTTP for every bad input."""
 
 import os
+import re
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +47,11 @@ class = "limited"
 requests_per_minute = 2
 """
 LONG_TEXT = "The appliance serves many users behind a firewall, and every one of them expects answers. " * 12
+
+
+def prefilling(server) -> bool:
+    """Whether prefill-0 holds a prompt now (/health shows each worker's current request)."""
+    return server.health()["prefill"]["prefill-0"]["request"] is not None
 
 
 def fresh_text(tag: str, n_words: int) -> str:
@@ -137,6 +142,10 @@ BAD_INPUTS = [
     ("blocked full-width", dict(body={"model": MODEL, "prompt": "ｆｏｒｂｉｄｄｅｎ words"}), 403, "content_blocked"),
     ("missing key", dict(body={"model": MODEL, "prompt": "hi"}, key=None), 401, "invalid_api_key"),
     ("wrong key", dict(body={"model": MODEL, "prompt": "hi"}, key="nope"), 401, "invalid_api_key"),
+    ("token id past the vocabulary", dict(body={"model": MODEL, "prompt": [1, 49152]}), 400, "invalid_value"),
+    ("token id of 2**40", dict(body={"model": MODEL, "prompt": [2**40]}), 400, "invalid_value"),
+    ("lone surrogate", dict(raw=b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode()), 400, "invalid_value"),
+    ("deep nesting", dict(raw=b"[" * 30_000 + b"]" * 30_000), 400, "invalid_json"),  # under the 64 KiB body limit
 ]
 
 
@@ -150,6 +159,20 @@ def test_bad_input_gets_its_status_and_an_openai_error(server, name, kwargs, sta
         assert error["code"] == code
     if status == 413 and code == "context_length_exceeded":
         assert "limit of 1024" in error["message"] and "tokens" in error["message"]
+
+
+def test_a_lone_surrogate_in_chat_is_refused_and_the_worker_keeps_serving(server, client):
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL.encode()
+    response = post(server, "/v1/chat/completions", raw=raw)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages[0].content"
+    assert client.completions.create(model=MODEL, prompt="Still here", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unknown_routes_and_methods_get_openai_errors(server):
+    missing = httpx.get(server.base + "/v1/nothing", timeout=10)
+    wrong = httpx.get(server.base + "/v1/completions", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"]
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] and "POST" in wrong.headers["Allow"]
 
 
 def test_chat_with_bad_messages(server):
@@ -201,7 +224,7 @@ def test_a_high_priority_prompt_preempts_a_low_priority_prefill(server):
         finished[name] = (time.monotonic(), response.status_code)
     low = threading.Thread(target=ask, args=("low", 10, fresh_text("low", 260)))  # seconds of prefill
     low.start()
-    time.sleep(0.6)
+    assert wait_for(lambda: prefilling(server), 30)  # the low-priority prompt holds the worker
     high = threading.Thread(target=ask, args=("high", 0, "Quick: name a fruit."))
     high.start()
     high.join(60)
@@ -237,7 +260,7 @@ def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, cl
     thread = threading.Thread(target=lambda: results.append(post(server, "/v1/completions", {
         "model": MODEL, "prompt": fresh_text("killed", 260), "max_tokens": 4})))
     thread.start()
-    time.sleep(0.8)  # the ~800-token prompt takes seconds to prefill on two cores
+    assert wait_for(lambda: prefilling(server), 30)  # the ~800-token prompt takes seconds to prefill on two cores
     os.kill(worker_pid, signal.SIGKILL)
     thread.join(60)
     assert results[0].status_code == 503 and results[0].json()["error"]["code"] == "prefill_worker_died"
@@ -246,15 +269,17 @@ def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, cl
     assert client.completions.create(model=MODEL, prompt="Back again", max_tokens=3).usage.completion_tokens == 3
 
 
-def _run_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("edge-*")}
+def _run_dir(server: ServerProcess) -> Path:
+    """The private socket dir of this launch, as its log names it."""
+    match = re.search(r"unix:(/\S+?)/prefill-0\.sock", server.log_path.read_text())
+    return Path(match.group(1))
 
 
 def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
-    dirs_before = _run_dirs()
     server = ServerProcess(CONFIG, tmp_path, POLICY).start()
     try:
-        assert len(_run_dirs() - dirs_before) == 1  # the private socket dir of this launch
+        run_dir = _run_dir(server)
+        assert run_dir.stat().st_mode & 0o777 == 0o700
         children = server.child_pids()
         assert len(children) == 2
         lines: list[str] = []
@@ -282,7 +307,7 @@ def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
     assert data[-1] == "data: [DONE]"
     assert '"code": "aborted"' in data[-2]  # 500 tokens take far longer than the 1 s grace period
     assert wait_for(lambda: not any(pid_alive(pid) for pid in children), 10)
-    assert _run_dirs() == dirs_before  # the socket dir went with the service
+    assert not run_dir.exists()  # the socket dir went with the service
 
 
 def _closed_within(sock, seconds: float) -> float | None:

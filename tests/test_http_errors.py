@@ -20,6 +20,7 @@ class StubGateway:
         self.config = ServeConfig()
         self.rejected: list[str] = []
         self.metrics = SimpleNamespace(rejected="rejected", label=self._label)
+        self.pool = SimpleNamespace(vocab_size=49152)  # what the workers report at their handshake
 
     def _label(self, metric, reason: str):
         return SimpleNamespace(inc=lambda: self.rejected.append(reason))

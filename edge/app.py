@@ -119,7 +119,8 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         engine_args = ["--model", model_path, "--listen", engine_address, "--device", config.device,
                        "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
                        "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
-                       "--yield-to-prefill", config.decode_yields_to_prefill]
+                       "--yield-to-prefill", config.decode_yields_to_prefill,
+                       "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes)]
         if config.kv_cache_tokens:
             engine_args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
         supervisor.add("decode_engine", "decode_gpu.server", engine_args)

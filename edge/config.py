@@ -49,6 +49,8 @@ class ServeConfig:
     kv_cache_tokens: int | None = None
     max_num_seqs: int = 32
     max_model_len: int = 4096
+    swap_space_gib: float = 4.0  # host memory for preempted decode sequences; 0: no preemption by swap
+    max_backlog_bytes: int = 512 << 20  # KV handoff bytes waiting for decode admission; beyond: 503 engine_busy
     decode_yields_to_prefill: str = "auto"  # auto | on | off; auto: on when the engine decodes on the CPU
     launch: bool = True  # start the engine and workers here; False: connect to the addresses below
     run_dir: str = ""  # where local sockets live; "" -> a fresh temporary directory
@@ -68,7 +70,7 @@ CHOICES = {"kv_type": ("f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda")
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
 BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads_per_worker": {"ge": 0},
           "n_ctx": {"ge": 1}, "n_batch": {"ge": 1}, "prefix_cache_tokens": {"ge": 0}, "kv_cache_tokens": {"ge": 0},
-          "max_num_seqs": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "max_body_bytes": {"ge": 1},
+          "max_num_seqs": {"ge": 1}, "swap_space_gib": {"ge": 0}, "max_backlog_bytes": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "max_body_bytes": {"ge": 1},
           "default_max_tokens": {"ge": 1}, "prefill_queue_size": {"ge": 1}, "header_timeout_s": {"gt": 0},
           "body_timeout_s": {"gt": 0}, "request_timeout_s": {"gt": 0}, "shutdown_grace_s": {"ge": 0}}
 

@@ -15,6 +15,7 @@ from aiohttp.web_runner import GracefulExit
 
 from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret
+from contracts.tasks import spawn
 from edge.config import ServeConfig, default_threads, policy_path
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
@@ -130,7 +131,7 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
                 "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch), "--threads", str(default_threads(config)),
                 "--kv-type", config.kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
                 "--log-level", config.log_level])
-        watcher = asyncio.create_task(supervisor.watch())
+        watcher = spawn(supervisor.watch(), "the process supervisor", log)
         yield
         watcher.cancel()
         await supervisor.shutdown()
@@ -139,7 +140,8 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
 
 async def _connections(app: web.Application):
     gateway = app[GATEWAY]
-    tasks = [asyncio.create_task(gateway.engine.run()), asyncio.create_task(gateway.pool.run())]
+    tasks = [spawn(gateway.engine.run(), "the decode engine connection", log),
+             spawn(gateway.pool.run(), "the prefill worker connections", log)]
     yield
     gateway.engine.closing = gateway.pool.closing = True
     for task in tasks:
@@ -160,11 +162,14 @@ async def _policy_loop(app: web.Application):
         ticks = 0
         while True:
             await asyncio.sleep(0.5)
-            gateway.update_policy_signals()
             ticks += 1
-            if ticks % 2 == 0 and reloader.poll() is False:
-                gateway.metrics.label(gateway.metrics.policy_reload_failures).inc()
-    task = asyncio.create_task(run())
+            try:
+                gateway.update_policy_signals()
+                if ticks % 2 == 0 and reloader.poll() is False:
+                    gateway.metrics.label(gateway.metrics.policy_reload_failures).inc()
+            except Exception:  # one bad tick (a psutil hiccup) must not end load-based degradation for good
+                log.exception("policy tick failed; the next one tries again")
+    task = spawn(run(), "the policy loop", log)
     yield
     task.cancel()
     loop.remove_signal_handler(signal.SIGHUP)

@@ -5,6 +5,7 @@ sequence 0, its KV exported with llama_state_seq_get_data and parsed, then the s
 With a prompt cache (prefix_cache_tokens > 0), the context also keeps recent prompts under other
 sequence ids (prefill_cpu.prefix_cache): a prompt that starts like one of them reuses those cells and
 prefills only the rest, and a preempted prompt resumes where it stopped.
+A context's KV type is fixed; `with_kv_type` builds another context on the same loaded weights.
 A cancel is seen between chunks and also inside one: llama.cpp's abort callback asks after every graph
 node, so a preempted prompt gives the CPU back within milliseconds, not after a whole chunk.
 """
@@ -16,7 +17,7 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llama_cpp
 import numpy as np
@@ -75,7 +76,9 @@ class PrefillOutcome:
 
 
 class Prefiller:
-    def __init__(self, config: PrefillConfig) -> None:
+    def __init__(self, config: PrefillConfig, model: llama_cpp.Llama | None = None) -> None:
+        """model: a Llama already loaded from config.model_path whose weights this Prefiller shares (it builds
+        only its own llama.cpp context, and the caller closes the model after this Prefiller)."""
         kv = kv_dtype(config.kv_type)
         flash_attn = kv.quantized if config.flash_attn is None else config.flash_attn
         if kv.quantized and not flash_attn:
@@ -84,17 +87,14 @@ class Prefiller:
         self.identity: GGUFIdentity = read_gguf_identity(config.model_path)
         threads = config.n_threads or os.cpu_count() or 1
         cache_entries = config.prefix_cache_entries if config.prefix_cache_tokens > 0 else 0
+        self._owns_model = model is None
         # the Llama object gives us the model, tokenizer and metadata; its own context stays minimal because
         # the prompt cache needs several sequences in one unified KV buffer, which Llama() cannot ask for
-        self.llm = llama_cpp.Llama(
+        self.llm = model if model is not None else llama_cpp.Llama(
             model_path=config.model_path, n_ctx=MIN_LLAMA_CTX, n_batch=min(config.n_batch, MIN_LLAMA_CTX),
             n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
             flash_attn=flash_attn, verbose=False)
-        params = llama_cpp.llama_context_params.from_buffer_copy(self.llm.context_params)
-        params.n_ctx = config.n_ctx + (config.prefix_cache_tokens if cache_entries else 0)
-        params.n_batch = params.n_ubatch = config.n_batch
-        params.n_seq_max = 1 + cache_entries
-        params.kv_unified = True
+        params = self._context_params(kv, flash_attn, threads, cache_entries)
         lines: list[str] = []
         with captured_llama_log(lines):
             self._context = LlamaContext(model=self.llm._model, params=params, verbose=False)
@@ -110,12 +110,34 @@ class Prefiller:
                  config.n_batch, threads, kv.name, flash_attn, self.k_rotation, self.v_rotation,
                  config.prefix_cache_tokens if cache_entries else 0, cache_entries)
 
+    def _context_params(self, kv, flash_attn: bool, threads: int, cache_entries: int):
+        """The Llama's context params, copied, for a context with room for the prompt cache's sequences."""
+        config = self.config
+        params = llama_cpp.llama_context_params.from_buffer_copy(self.llm.context_params)
+        params.n_ctx = config.n_ctx + (config.prefix_cache_tokens if cache_entries else 0)
+        params.n_batch = params.n_ubatch = config.n_batch
+        params.n_seq_max = 1 + cache_entries
+        params.kv_unified = True
+        # set again: a shared model's Llama was built for another KV type (or thread count)
+        params.type_k = params.type_v = kv.ggml_type
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.n_threads = params.n_threads_batch = threads
+        return params
+
+    def with_kv_type(self, kv_type: str) -> Prefiller:
+        """Another context on the same weights (not loaded again) with another KV type, e.g. the q4_0 a
+        degradation tier asks for. Close it before this Prefiller, which owns the model."""
+        flash_attn = None if kv_dtype(kv_type).quantized else self.config.flash_attn
+        return Prefiller(replace(self.config, kv_type=kv_type, flash_attn=flash_attn), model=self.llm)
+
     def close(self) -> None:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
         self._context.close()
-        self.llm.close()
+        if self._owns_model:
+            self.llm.close()
 
     @property
     def ctx(self):

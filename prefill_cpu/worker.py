@@ -2,46 +2,55 @@
 
     python -m prefill_cpu.worker --model PATH.gguf --listen ADDR --engine ADDR [--name w0]
 
-It serves one prompt at a time (one llama.cpp context); the gateway owns the priority queue and sends a
-worker its next job when it is idle. A cancel between two prefill chunks stops the job.
+It serves one prompt at a time; the gateway owns the priority queue and sends a worker its next job when it
+is idle. A cancel reaches llama.cpp's abort callback, which stops the prompt within a graph node; a job whose
+gateway went away waits for its thread to leave llama.cpp before the next job may use the context.
+The decode engine link (prefill_cpu.engine_link) reconnects on its own: while the engine is away, jobs fail
+at once with engine_unavailable, and the prompt in prefill when it dropped is aborted.
+Contexts for the KV types a degradation tier may ask for (--extra-kv-types) are built at startup on the same
+weights; a job asking for a type not prepared is prefilled with the worker's own type, with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import llama_cpp
 
-from contracts.framing import (ProtocolError, accept_peer, connect_when_listening, control_secret, read_message,
-                               send_message, start_server)
+from contracts.framing import ProtocolError, accept_peer, control_secret, read_message, send_message, start_server
 from contracts.handoff import encode_handoff
 from contracts.messages import (HEARTBEAT_INTERVAL_S, CancelPrefill, Handoff, Heartbeat, PrefillDone, PrefillFailed,
                                 PrefillJob, WorkerStatus)
 from contracts.tasks import spawn
+from prefill_cpu.engine_link import EngineLink, EngineUnavailableError
 from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
                                    PromptTooLongError)
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
 
 log = logging.getLogger("prefill_cpu.worker")
+KV_TYPES = ["f16", "q8_0", "q4_0"]
+ENGINE_STARTUP_WAIT_S = 600.0  # an engine loads its model before it listens
 
 
 class PrefillWorker:
-    def __init__(self, prefiller: Prefiller, name: str, engine_writer: asyncio.StreamWriter,
-                 secret: bytes = b"") -> None:
+    def __init__(self, prefiller: Prefiller, name: str, engine: EngineLink, secret: bytes = b"",
+                 extra_prefillers: tuple[Prefiller, ...] = ()) -> None:
         self.prefiller = prefiller
-        self.prefillers = {prefiller.config.kv_type: prefiller}  # a degradation tier may ask for a cheaper KV type
+        # contexts for the other KV types a degradation tier may ask for, built at startup (prepare_extra_contexts)
+        self.prefillers = {p.config.kv_type: p for p in (prefiller, *extra_prefillers)}
         self.renderer = PromptRenderer(prefiller)
         self.name = name
-        self.engine_writer = engine_writer
+        self.engine = engine
         self.secret = secret
-        self.cancelled: set[str] = set()
-        self.lock = asyncio.Lock()  # one llama.cpp context: one prompt at a time
+        self.cancelled: set[str] = set()  # read by the prefill thread: llama.cpp's abort callback asks it
+        self.lock = asyncio.Lock()  # one prompt at a time, and a context's thread finishes before the next starts
+        self._warned_kv_types: set[str] = set()
 
     async def handle_gateway(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if await accept_peer(reader, writer, self.secret) is None:
@@ -50,17 +59,17 @@ class PrefillWorker:
         cfg = self.prefiller.config
         vocab_size = llama_cpp.llama_vocab_n_tokens(self.prefiller.llm._model.vocab)
         await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
-                                                vocab_size))
+                                                vocab_size, self.engine.connected))
         jobs: dict[str, asyncio.Task] = {}  # request id -> its job, until it has answered
         heartbeat = spawn(self._heartbeat(writer, jobs), "heartbeat to the gateway", log)
         try:
             while (message := await read_message(reader)) is not None:
                 if isinstance(message, PrefillJob):
-                    task = asyncio.create_task(self.run_job(message, writer))
+                    task = spawn(self.run_job(message, writer), f"prefill job {message.request_id}", log)
                     jobs[message.request_id] = task
                     task.add_done_callback(lambda _, rid=message.request_id: self._forget(jobs, rid))
                 elif isinstance(message, CancelPrefill) and message.request_id in jobs:
-                    self.cancelled.add(message.request_id)  # seen between two llama.cpp chunks
+                    self.cancelled.add(message.request_id)  # llama.cpp's abort callback sees it within a graph node
         except ProtocolError as err:
             log.error("dropping the gateway connection after a bad frame: %s", err)
         except asyncio.CancelledError:
@@ -68,13 +77,13 @@ class PrefillWorker:
         heartbeat.cancel()
         log.info("gateway disconnected; cancelling %d jobs", len(jobs))
         for task in list(jobs.values()):
-            task.cancel()
+            task.cancel()  # run_job stops llama.cpp and waits for its thread before the next job may start
 
     async def _heartbeat(self, writer: asyncio.StreamWriter, jobs: dict) -> None:
         """The gateway declares a worker stuck when these stop (a frozen process, a wedged event loop)."""
         try:
             while not writer.is_closing():
-                await send_message(writer, Heartbeat(next(iter(jobs), None)))
+                await send_message(writer, Heartbeat(next(iter(jobs), None), self.engine.connected))
                 await asyncio.sleep(HEARTBEAT_INTERVAL_S)
         except ConnectionError:
             pass  # the gateway went away; handle_gateway cleans up
@@ -84,33 +93,65 @@ class PrefillWorker:
         self.cancelled.discard(request_id)  # a cancel that came too late to matter
 
     async def run_job(self, job: PrefillJob, writer: asyncio.StreamWriter) -> None:
-        async with self.lock:
-            reply = await asyncio.to_thread(self._prefill, job) if job.request_id not in self.cancelled else \
-                PrefillFailed(job.request_id, "cancelled", "cancelled before prefill started")
+        try:
+            async with self.lock:
+                reply = await self._answer(job)
+        finally:
             self.cancelled.discard(job.request_id)
-            if isinstance(reply, tuple):
-                data, done = reply
-                started = time.perf_counter()
-                await send_message(self.engine_writer, Handoff(job.request_id, data))
-                reply = PrefillDone(**{**done.__dict__, "handoff_ms": done.handoff_ms + (time.perf_counter() - started) * 1e3})
+        try:
             await send_message(writer, reply)
+        except (ConnectionError, RuntimeError) as err:
+            log.warning("could not answer %s: the gateway went away (%s)", job.request_id, err)
 
-    def _prefill(self, job: PrefillJob):
+    async def _answer(self, job: PrefillJob) -> PrefillDone | PrefillFailed:
+        rid = job.request_id
+        if rid in self.cancelled:
+            return PrefillFailed(rid, "cancelled", "cancelled before prefill started")
+        if not self.engine.connected:  # prefilling would be for nothing: the KV has nowhere to go
+            return PrefillFailed(rid, "engine_unavailable", f"prefill worker {self.name} is not connected to the "
+                                 f"decode engine (restarting or down); retry shortly")
+        losses = self.engine.num_losses  # a change means the engine dropped: abort, the KV has nowhere to go
+        result = await self._in_thread(job, self._prefiller_for(job.kv_type),
+                                       lambda: rid in self.cancelled or self.engine.num_losses != losses)
+        if self.engine.num_losses != losses and (isinstance(result, tuple) or result.kind == "cancelled"):
+            return PrefillFailed(rid, "engine_unavailable", "the decode engine went away while this prompt was "
+                                 "prefilled; retry shortly")
+        return result if isinstance(result, PrefillFailed) else await self._hand_off(rid, *result)
+
+    async def _in_thread(self, job: PrefillJob, prefiller: Prefiller, should_cancel):
+        """The prefill on a thread. If this task is cancelled (the gateway went away), llama.cpp is told to stop
+        and the thread is waited for all the same: the lock must not pass to the next job while this thread is
+        still inside llama_decode on the same context."""
+        future = asyncio.ensure_future(asyncio.to_thread(self._prefill, job, prefiller, should_cancel))
+        interrupted = False
+        while not future.done():
+            try:
+                await asyncio.shield(future)
+            except asyncio.CancelledError:
+                interrupted = True
+                self.cancelled.add(job.request_id)  # the abort callback stops llama_decode within a graph node
+        if interrupted:
+            future.exception()  # retrieved: _prefill answers every failure, this is never set in practice
+            raise asyncio.CancelledError
+        return future.result()
+
+    async def _hand_off(self, request_id: str, data: bytes, done: PrefillDone) -> PrefillDone | PrefillFailed:
+        started = time.perf_counter()
+        try:
+            await self.engine.send(Handoff(request_id, data))
+        except EngineUnavailableError as err:
+            return PrefillFailed(request_id, "engine_unavailable", f"{err}; retry shortly")
+        return replace(done, handoff_ms=done.handoff_ms + (time.perf_counter() - started) * 1e3)
+
+    def _prefill(self, job: PrefillJob, prefiller: Prefiller, should_cancel):
+        """On the prefill thread: (handoff bytes, PrefillDone) or PrefillFailed, never an exception."""
         try:
             tokens = self._tokens(job)
-            limit = min(job.max_prompt_tokens, self.prefiller.config.n_ctx - 1)
-            if len(tokens) > limit:
-                return PrefillFailed(job.request_id, "prompt_too_long",
-                                     f"the prompt has {len(tokens)} tokens; the limit is {limit}", len(tokens), limit)
-            max_tokens = job.sampling.max_tokens
-            if job.max_total_tokens and len(tokens) + max_tokens > job.max_total_tokens:
-                return PrefillFailed(job.request_id, "context_exceeded",
-                                     f"the prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                     f"context of {job.max_total_tokens} tokens; lower max_tokens",
-                                     len(tokens), job.max_total_tokens)
+            failed = _check_lengths(job, tokens, prefiller.config.n_ctx)
+            if failed is not None:
+                return failed
             request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority)
-            outcome = self._prefiller_for(job.kv_type).prefill(
-                request, should_cancel=lambda: job.request_id in self.cancelled)
+            outcome = prefiller.prefill(request, should_cancel=should_cancel)
             started = time.perf_counter()
             data = encode_handoff(outcome.handoff)
             handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
@@ -125,12 +166,18 @@ class PrefillWorker:
             return PrefillFailed(job.request_id, "internal", f"prefill failed: {err}")
 
     def _prefiller_for(self, kv_type: str) -> Prefiller:
-        """One llama.cpp context per KV type, created on first use (a context's KV type is fixed)."""
-        kv_type = kv_type or self.prefiller.config.kv_type
-        if kv_type not in self.prefillers:
-            log.info("creating a %s KV context for degraded requests", kv_type)
-            self.prefillers[kv_type] = Prefiller(dataclasses.replace(self.prefiller.config, kv_type=kv_type))
-        return self.prefillers[kv_type]
+        """The context for the KV type a job asks for. One not prepared at startup falls back to the worker's own
+        KV type (the request is served, only without the memory it was to save) with a warning, once per type:
+        building a context here would load under load, exactly when degradation asks for it."""
+        chosen = self.prefillers.get(kv_type or self.prefiller.config.kv_type)
+        if chosen is None:
+            if kv_type not in self._warned_kv_types:
+                self._warned_kv_types.add(kv_type)
+                log.warning("a job asked for KV type %s, which this worker did not prepare (--extra-kv-types %s); "
+                            "prefilling such jobs with %s", kv_type, " ".join(self.prefillers),
+                            self.prefiller.config.kv_type)
+            chosen = self.prefiller
+        return chosen
 
     def _tokens(self, job: PrefillJob) -> list[int]:
         if job.prompt_tokens is not None:
@@ -140,27 +187,66 @@ class PrefillWorker:
         return self.renderer.completion_tokens(job.prompt or "")
 
 
+def _check_lengths(job: PrefillJob, tokens: list[int], n_ctx: int) -> PrefillFailed | None:
+    limit = min(job.max_prompt_tokens, n_ctx - 1)
+    if len(tokens) > limit:
+        return PrefillFailed(job.request_id, "prompt_too_long",
+                             f"the prompt has {len(tokens)} tokens; the limit is {limit}", len(tokens), limit)
+    max_tokens = job.sampling.max_tokens
+    if job.max_total_tokens and len(tokens) + max_tokens > job.max_total_tokens:
+        return PrefillFailed(job.request_id, "context_exceeded",
+                             f"the prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"context of {job.max_total_tokens} tokens; lower max_tokens",
+                             len(tokens), job.max_total_tokens)
+    return None
+
+
+def prepare_extra_contexts(prefiller: Prefiller, kv_types: list[str]) -> tuple[Prefiller, ...]:
+    """Build the contexts for the other KV types now, on the loaded weights, not inside the first such job."""
+    extra = []
+    for kv_type in dict.fromkeys(kv_types):
+        if kv_type == prefiller.config.kv_type:
+            continue
+        started = time.perf_counter()
+        extra.append(prefiller.with_kv_type(kv_type))
+        log.info("built a %s KV context for degraded requests in %.2f s (weights shared)", kv_type,
+                 time.perf_counter() - started)
+    return tuple(extra)
+
+
 async def serve(args: argparse.Namespace) -> None:
     prefiller = Prefiller(PrefillConfig(args.model, n_ctx=args.n_ctx, n_batch=args.n_batch,
                                         n_threads=args.threads, kv_type=args.kv_type,
                                         prefix_cache_tokens=args.prefix_cache_tokens))
-    # the engine listens once its model is loaded
+    extra = prepare_extra_contexts(prefiller, extra_kv_types(args))
     secret = control_secret(args.engine)
     control_secret(args.listen)  # a TCP listener refuses to start without a secret
-    reader, engine_writer = await connect_when_listening(args.engine, "prefill", args.name, secret, timeout_s=600)
-    worker = PrefillWorker(prefiller, args.name, engine_writer, secret)
+    engine = EngineLink(args.engine, args.name, secret)
+    link = spawn(engine.run(), "the decode engine link", log)
+    # listen once the engine is there (it loads its model first), so a new gateway does not see an engine-less
+    # worker as ready; a worker whose engine does not come up serves anyway and reports it in its heartbeats
+    if not await engine.wait_connected(ENGINE_STARTUP_WAIT_S):
+        log.error("the decode engine at %s is not up after %.0f s; serving without it", args.engine,
+                  ENGINE_STARTUP_WAIT_S)
+    worker = PrefillWorker(prefiller, args.name, engine, secret, extra)
     server = await start_server(worker.handle_gateway, args.listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine_gone = asyncio.create_task(reader.read())  # returns when the engine closes the connection
     log.info("prefill worker %s ready on %s", args.name, args.listen)
-    done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), engine_gone], return_when=asyncio.FIRST_COMPLETED)
+    stopping = spawn(stop.wait(), "waiting for a stop signal", log)
+    await asyncio.wait([stopping, link], return_when=asyncio.FIRST_COMPLETED)
     server.close()
-    if engine_gone in done and not stop.is_set():
-        log.error("lost the decode engine connection; exiting so the supervisor restarts this worker")
+    if not stop.is_set():  # the link never ends on its own; it failed (spawn logged why)
         sys.exit(1)
+    link.cancel()
+
+
+def extra_kv_types(args: argparse.Namespace) -> list[str]:
+    if args.extra_kv_types is not None:
+        return args.extra_kv_types
+    return ["q4_0"] if args.kv_type != "q4_0" else []
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -172,7 +258,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--kv-type", default="q8_0", choices=["f16", "q8_0", "q4_0"])
+    parser.add_argument("--kv-type", default="q8_0", choices=KV_TYPES)
+    parser.add_argument("--extra-kv-types", nargs="*", choices=KV_TYPES,
+                        help="KV types that degraded requests may ask for, each a context built at startup on the "
+                             "same weights (default: q4_0 unless --kv-type is q4_0; none: the flag alone)")
     parser.add_argument("--prefix-cache-tokens", type=int, default=2048,
                         help="KV cells kept for recent prompts, so a shared prefix is not prefilled again (0: off)")
     parser.add_argument("--log-level", default="INFO")

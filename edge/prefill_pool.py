@@ -62,6 +62,7 @@ class WorkerClient:
     info: WorkerStatus | None = None
     last_error: str | None = None
     stuck_count: int = 0
+    engine_connected: bool = True  # as the worker last said: while False it gets no jobs (they would only fail)
 
     @property
     def current_id(self) -> str | None:
@@ -174,6 +175,8 @@ class PrefillPool:
             self._on_message(worker, message)
 
     def _on_message(self, worker: WorkerClient, message) -> None:
+        if isinstance(message, (WorkerStatus, Heartbeat)):
+            worker.engine_connected = message.engine_connected
         if isinstance(message, WorkerStatus):
             worker.info, worker.state = message, "ready"
             log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)
@@ -240,7 +243,7 @@ class PrefillPool:
 
     def _dispatch(self) -> None:
         for worker in self.workers.values():
-            if worker.state != "ready" or worker.current is not None:
+            if worker.state != "ready" or worker.current is not None or not worker.engine_connected:
                 continue
             entry = self._next_live_entry()
             if entry is None:

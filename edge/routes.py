@@ -158,7 +158,7 @@ def _component_errors(gateway: Gateway) -> dict:
 
 def _prefill_state(gateway: Gateway) -> dict:
     return {name: {"request": w.current_id, "stuck_count": w.stuck_count,
-                   "engine_connected": w.info.engine_connected if w.info else None}
+                   "engine_connected": w.engine_connected}
             for name, w in gateway.pool.workers.items()}
 
 

@@ -260,3 +260,29 @@ def test_a_full_engine_is_a_503_and_a_broken_request_a_500(code, status):
     from edge.gateway import _decode_error
     error = _decode_error(TokenEvent.ending("r1", FinishReason.ERROR, "why", error_code=code))
     assert error.status == status and ("Retry-After" in error.headers) == (status == 503)
+
+
+def test_a_worker_without_its_engine_gets_no_jobs_until_it_is_back(tmp_path):
+    jobs = []
+
+    async def engine_flaps(reader, writer, hello):
+        await send_message(writer, WorkerStatus("w0", "fp", 4096, "q8_0", 49152, engine_connected=False))
+        reading = asyncio.ensure_future(read_message(reader))
+        await asyncio.sleep(0.3)  # a job submitted now must stay queued
+        jobs.append(reading.done())
+        await send_message(writer, Heartbeat(engine_connected=True))
+        jobs.append(await asyncio.wait_for(reading, 5))
+        await reader.read()
+
+    async def scenario():
+        async with Listener(tmp_path, engine_flaps) as peer:
+            registry = InFlightRegistry()
+            pool = PrefillPool({"w0": peer.address}, registry, queue_limit=8, secret=SECRET)
+            task = asyncio.create_task(pool.run())
+            await until(lambda: pool.num_ready == 1)
+            registry.add(InFlight("r1", 0))
+            pool.submit(_job("r1"))
+            await until(lambda: len(jobs) == 2)
+            task.cancel()
+    run(scenario())
+    assert jobs[0] is False and isinstance(jobs[1], PrefillJob) and jobs[1].request_id == "r1"

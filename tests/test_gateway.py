@@ -20,6 +20,7 @@ KEY, LIMITED_KEY = "test-key", "limited-key"
 CONFIG = """
 kv_cache_tokens = 8192
 max_model_len = 1200
+worker_heartbeat_timeout_s = 3
 [limits]
 max_body_bytes = 65536
 prefill_queue_size = 4
@@ -267,6 +268,26 @@ def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, cl
     assert wait_for(lambda: server.health()["components"]["prefill-0"] == "ready", 60, 0.5)
     assert server.health()["processes"]["prefill-0"]["restarts"] >= 1
     assert client.completions.create(model=MODEL, prompt="Back again", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_frozen_prefill_worker_is_declared_stuck_and_its_prompt_is_redone(server, client):
+    worker_pid = server.health()["processes"]["prefill-0"]["pid"]
+    results = []
+    thread = threading.Thread(target=lambda: results.append(post(server, "/v1/completions", {
+        "model": MODEL, "prompt": fresh_text("frozen", 260), "max_tokens": 4})))
+    thread.start()
+    assert wait_for(lambda: prefilling(server), 30)
+    os.kill(worker_pid, signal.SIGSTOP)  # alive but silent: no heartbeats
+    try:
+        thread.join(120)
+    finally:
+        if pid_alive(worker_pid):
+            os.kill(worker_pid, signal.SIGCONT)
+    assert results and results[0].status_code == 200, results and results[0].text  # redone on the restarted worker
+    assert not pid_alive(worker_pid)  # killed, not left frozen
+    health = server.health()
+    assert health["prefill"]["prefill-0"]["stuck_count"] >= 1 and health["processes"]["prefill-0"]["pid"] != worker_pid
+    assert wait_for(lambda: server.health()["components"]["prefill-0"] == "ready", 60, 0.5)
 
 
 def _run_dir(server: ServerProcess) -> Path:

@@ -112,3 +112,21 @@ class FakeRunner:
     def _slot(self, table: list[int], pos: int) -> int:
         bs = self.pool.shape.block_size
         return table[pos // bs] * bs + pos % bs
+
+
+def make_engine(num_blocks=64, block_size=4, max_num_seqs=32, **config):
+    """A decode engine over the fake runner; `config` goes to EngineConfig."""
+    from decode_gpu.engine import DecodeEngine, EngineConfig
+    from decode_gpu.scheduler import SchedulerConfig
+    runner = FakeRunner(num_blocks, block_size)
+    engine = DecodeEngine(runner, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+                                               max_model_len=10_000, **config))
+    return engine, runner
+
+
+def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    """What the fabricated model generates after `prompt`, greedily."""
+    tokens = list(prompt)
+    while len(tokens) < len(prompt) + max_tokens:
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]

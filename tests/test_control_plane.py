@@ -13,7 +13,7 @@ from contracts.events import FinishReason
 from contracts.framing import (HANDSHAKE_FRAME_BYTES, PeerRefusedError, ProtocolError, accept_peer,
                                connect_when_listening, pack, read_message, send_message, start_server)
 from contracts.handoff import SamplingParams
-from contracts.messages import (Challenge, ChatMessage, Heartbeat, Hello, PrefillFailed, PrefillJob, Token,
+from contracts.messages import (Challenge, ChatMessage, Heartbeat, Hello, PrefillFailed, PrefillJob,
                                 WorkerStatus)
 from edge.engine_client import EngineClient
 from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus

@@ -9,30 +9,15 @@ import time
 
 import pytest
 
-from decode_gpu.engine import DecodeEngine, EngineConfig, HandoffRejectedError
-from decode_gpu.scheduler import SchedulerConfig
+from decode_gpu.engine import DecodeEngine, HandoffRejectedError
 from decode_gpu.server import EngineService
 from contracts.events import FinishReason, TokenEvent
 from contracts.framing import connect_when_listening, read_message, send_message, start_server
 from contracts.handoff import encode_handoff
 from contracts.messages import Handoff, Token
-from fake_runner import FakeRunner, fake_handoff, next_token
+from fake_runner import FakeRunner, expected_tokens, fake_handoff, make_engine
 
 SECRET = b"engine-server-test"
-
-
-def make_engine(num_blocks=64, block_size=4, max_num_seqs=32, **config) -> tuple[DecodeEngine, FakeRunner]:
-    runner = FakeRunner(num_blocks, block_size)
-    engine = DecodeEngine(runner, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
-                                               max_model_len=10_000, **config))
-    return engine, runner
-
-
-def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    while len(tokens) < len(prompt) + max_tokens:
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
 
 
 def prompt_of(seed: int, n: int = 6) -> list[int]:

@@ -255,13 +255,20 @@ def test_a_shared_prompt_prefix_comes_from_the_prompt_cache(server, client):
     assert server.metric("vllm:prefix_cache_hits_total") - before > 150  # LONG_TEXT is ~200 tokens
 
 
-def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, client):
+def prompt_in_prefill(server, tag: str) -> tuple[int, list, threading.Thread]:
+    """Start a ~800-token prompt (seconds of prefill on two cores) and return once prefill-0 holds it:
+    the worker's pid, the list its response will land in, and the thread to join."""
     worker_pid = server.health()["processes"]["prefill-0"]["pid"]
     results = []
     thread = threading.Thread(target=lambda: results.append(post(server, "/v1/completions", {
-        "model": MODEL, "prompt": fresh_text("killed", 260), "max_tokens": 4})))
+        "model": MODEL, "prompt": fresh_text(tag, 260), "max_tokens": 4})))
     thread.start()
-    assert wait_for(lambda: prefilling(server), 30)  # the ~800-token prompt takes seconds to prefill on two cores
+    assert wait_for(lambda: prefilling(server), 30)
+    return worker_pid, results, thread
+
+
+def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, client):
+    worker_pid, results, thread = prompt_in_prefill(server, "killed")
     os.kill(worker_pid, signal.SIGKILL)
     thread.join(60)
     assert results[0].status_code == 503 and results[0].json()["error"]["code"] == "prefill_worker_died"
@@ -271,12 +278,7 @@ def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, cl
 
 
 def test_a_frozen_prefill_worker_is_declared_stuck_and_its_prompt_is_redone(server, client):
-    worker_pid = server.health()["processes"]["prefill-0"]["pid"]
-    results = []
-    thread = threading.Thread(target=lambda: results.append(post(server, "/v1/completions", {
-        "model": MODEL, "prompt": fresh_text("frozen", 260), "max_tokens": 4})))
-    thread.start()
-    assert wait_for(lambda: prefilling(server), 30)
+    worker_pid, results, thread = prompt_in_prefill(server, "frozen")
     os.kill(worker_pid, signal.SIGSTOP)  # alive but silent: no heartbeats
     try:
         thread.join(120)

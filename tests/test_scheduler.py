@@ -5,23 +5,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_gpu.engine import DecodeEngine, EngineConfig
-from decode_gpu.scheduler import SchedulerConfig
-from fake_runner import FakeRunner, fake_handoff, next_token
-
-
-def make_engine(num_blocks=64, block_size=4, max_num_seqs=32) -> tuple[DecodeEngine, FakeRunner]:
-    runner = FakeRunner(num_blocks, block_size)
-    engine = DecodeEngine(runner, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
-                                               max_model_len=10_000))
-    return engine, runner
-
-
-def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    while len(tokens) < len(prompt) + max_tokens:
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
+from decode_gpu.engine import DecodeEngine
+from fake_runner import expected_tokens, fake_handoff, make_engine
 
 
 def run_to_completion(engine: DecodeEngine, max_steps=10_000) -> dict[str, list[int]]:

@@ -1,12 +1,23 @@
-"""Paged attention in plain torch (CPU and CUDA), plugged into transformers through its attention interface.
+"""Paged attention plugged into transformers through its attention interface: Triton kernels on CUDA,
+plain torch on the CPU (and as the kernels' test oracle).
 
 For a ragged batch of sequences in one call: the new tokens' K/V are written into the pool at their
-slots, then each sequence's whole context is gathered through its block table and attended to with
-the right causal extent. The transformers model code is used as is; only its attention function changes.
+slots, then each sequence attends to its whole context, read through its block table, with the right
+causal extent (the new tokens are the last query_len of the context). The transformers model code is
+used as is; only its attention function changes.
+
+Backends, chosen by EDGE_ATTENTION_BACKEND (read once per process): "triton" reads the pool in place
+(triton_attention.py, triton_store.py); "torch" gathers each context into dense tensors and runs a
+masked SDPA; "auto" (the default) is triton on CUDA when Triton is installed, torch elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import itertools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,44 +27,123 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from decode_gpu.kv_pool import KVPool
 
+log = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "edge_paged"
+BACKENDS = ("auto", "torch", "triton")
+MAX_SPLITS = 16
+MIN_SPLIT_TOKENS = 256  # shorter splits cost more in the merge than their parallelism gains
 
 
 @dataclass(frozen=True)
 class PagedBatch:
     """Attention metadata for one forward; the model runner builds it, the attention function reads it."""
     pool: KVPool
-    slot_mapping: torch.Tensor  # [n_new] pool slot of each new token, in batch order
-    gather_slots: torch.Tensor  # [n_seqs, max_context] slots of each sequence's context (new tokens included), padded
-    context_lens: torch.Tensor  # [n_seqs] context length of each sequence, new tokens included
-    query_index: torch.Tensor  # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
-    query_valid: torch.Tensor  # [n_seqs, max_query] False on padding rows
-    query_mask: torch.Tensor  # [n_seqs, max_query, max_context] True where a query may attend to a key
+    backend: str  # "torch" or "triton"
+    slot_mapping: torch.Tensor  # [n_new] int32 pool slot of each new token, in batch order (negative: not stored, Triton path)
+    block_tables: torch.Tensor  # [n_seqs, max_blocks] int32 pool blocks of each sequence, padded with 0
+    context_lens: torch.Tensor  # [n_seqs] int32 context length of each sequence, new tokens included
+    query_start: torch.Tensor  # [n_seqs] int32 index of each sequence's first new token in the batch
+    query_lens: torch.Tensor  # [n_seqs] int32 new tokens of each sequence
+    max_query_len: int
+    num_splits: int  # KV splits per sequence in the Triton kernel, a power of two
+    # the torch path's dense view (None on the triton path, which needs none of it)
+    gather_slots: torch.Tensor | None = None  # [n_seqs, max_context] slots of each sequence's context, padded
+    query_index: torch.Tensor | None = None  # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
+    query_valid: torch.Tensor | None = None  # [n_seqs, max_query] False on padding rows
+    query_mask: torch.Tensor | None = None  # [n_seqs, max_query, max_context] True where a query may attend to a key
+
+
+@functools.cache
+def configured_backend() -> str:
+    """EDGE_ATTENTION_BACKEND, read once: the choice must not change between the layers of a forward."""
+    name = os.environ.get("EDGE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"EDGE_ATTENTION_BACKEND must be one of {', '.join(BACKENDS)}, not {name!r}")
+    return name
+
+
+def resolve_backend(device: torch.device) -> str:
+    name = configured_backend()
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "triton":
+        if not _triton_available():
+            raise RuntimeError("EDGE_ATTENTION_BACKEND=triton but Triton is not installed (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the Triton attention runs on the CPU only under TRITON_INTERPRET=1, "
+                               "set before triton is imported")
+    return name
+
+
+@functools.cache
+def _triton_available() -> bool:
+    found = importlib.util.find_spec("triton") is not None
+    if not found:
+        log.warning("Triton is not installed: paged attention uses the torch gather path (slow on a GPU)")
+    return found
 
 
 def build_paged_batch(pool: KVPool, block_tables: list[list[int]], context_lens: list[int],
-                      query_lens: list[int], device: torch.device) -> PagedBatch:
-    """Sequence i has context_lens[i] tokens after this step, of which the last query_lens[i] are new."""
+                      query_lens: list[int], device: torch.device, backend: str | None = None,
+                      num_splits: int | None = None) -> PagedBatch:
+    """Sequence i has context_lens[i] tokens after this step, of which the last query_lens[i] are new.
+    A sequence may have no new tokens (a padded row): it is attended for nobody and stores nothing."""
+    backend = backend or resolve_backend(device)
     bs = pool.shape.block_size
-    max_ctx, max_q = max(context_lens), max(query_lens)
-    gather = torch.zeros(len(block_tables), max_ctx, dtype=torch.long)
-    query_index = torch.zeros(len(block_tables), max_q, dtype=torch.long)
-    valid = torch.zeros(len(block_tables), max_q, dtype=torch.bool)
-    mask = torch.zeros(len(block_tables), max_q, max_ctx, dtype=torch.bool)
-    slots, start = [], 0
+    starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
+    slots = [table[p // bs] * bs + p % bs for table, n_ctx, n_q in zip(block_tables, context_lens, query_lens)
+             for p in range(n_ctx - n_q, n_ctx)]
+    width = max(1, *map(len, block_tables))
+    tables = [x for table in block_tables for x in (*table, *[0] * (width - len(table)))]
+    # one host-to-device copy for every index tensor
+    packed = torch.tensor(slots + context_lens + starts + query_lens + tables, dtype=torch.int32).to(device)
+    n_seqs = len(block_tables)
+    slot_mapping, ctx, start, q_lens, flat_tables = packed.split([len(slots), n_seqs, n_seqs, n_seqs, n_seqs * width])
+    num_splits = num_splits or choose_num_splits(n_seqs, pool.shape.num_kv_heads, max(context_lens), device)
+    dense = _dense_index(bs, block_tables, context_lens, query_lens, device) if backend == "torch" else {}
+    return PagedBatch(pool, backend, slot_mapping, flat_tables.view(n_seqs, width), ctx, start, q_lens,
+                      max(query_lens), num_splits, **dense)
+
+
+def choose_num_splits(n_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough programs for about two waves over the GPU's SMs, no split shorter than MIN_SPLIT_TOKENS;
+    a power of two so the kernel compiles for few values."""
+    want = -(-2 * _num_sms(device) // max(1, n_seqs * num_kv_heads))
+    n = max(1, min(want, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another: splits only add work
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _dense_index(bs: int, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """The torch path's gather slots, query index and causal mask, padded to the longest context and query."""
+    n_seqs, max_ctx, max_q = len(block_tables), max(context_lens), max(query_lens)
+    gather = torch.zeros(n_seqs, max_ctx, dtype=torch.long)  # [n_seqs, max_ctx]
+    query_index = torch.zeros(n_seqs, max_q, dtype=torch.long)  # [n_seqs, max_q]
+    valid = torch.zeros(n_seqs, max_q, dtype=torch.bool)  # [n_seqs, max_q]
+    mask = torch.zeros(n_seqs, max_q, max_ctx, dtype=torch.bool)  # [n_seqs, max_q, max_ctx]
+    start = 0
     for i, (table, n_ctx, n_q) in enumerate(zip(block_tables, context_lens, query_lens)):
-        positions = torch.arange(n_ctx)
-        seq_slots = torch.tensor(table, dtype=torch.long)[positions // bs] * bs + positions % bs
-        gather[i, :n_ctx] = seq_slots
-        slots.append(seq_slots[n_ctx - n_q:])
+        positions = torch.arange(n_ctx)  # [n_ctx]
+        gather[i, :n_ctx] = torch.tensor(table, dtype=torch.long)[positions // bs] * bs + positions % bs
         query_index[i, :n_q] = torch.arange(start, start + n_q)
         valid[i, :n_q] = True
-        query_pos = torch.arange(n_ctx - n_q, n_ctx)
+        query_pos = torch.arange(n_ctx - n_q, n_ctx)  # [n_q]
         mask[i, :n_q, :n_ctx] = positions[None, :] <= query_pos[:, None]  # causal within the context
         mask[i, n_q:, 0] = True  # padded query rows attend somewhere (dropped later) so softmax stays finite
         start += n_q
-    return PagedBatch(pool, torch.cat(slots).to(device), gather.to(device),
-                      torch.tensor(context_lens, device=device), query_index.to(device), valid.to(device), mask.to(device))
+    return {"gather_slots": gather.to(device), "query_index": query_index.to(device),
+            "query_valid": valid.to(device), "query_mask": mask.to(device)}
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,19 +153,51 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     Returns [1, n_new, n_heads, head_dim] as transformers expects."""
     if paged is None:
         raise RuntimeError("edge_paged attention needs a PagedBatch passed as `paged=` to the model forward")
-    layer = module.layer_idx
-    new_k = key[0].transpose(0, 1)  # [n_new, num_kv_heads, head_dim]
-    new_v = value[0].transpose(0, 1)
+    q = _unit_last_stride(query[0].transpose(0, 1))  # [n_new, n_heads, head_dim]
+    new_k = _unit_last_stride(key[0].transpose(0, 1))  # [n_new, num_kv_heads, head_dim]
+    new_v = _unit_last_stride(value[0].transpose(0, 1))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    attend = _triton_attention if paged.backend == "triton" else _torch_attention
+    return attend(paged, module.layer_idx, q, new_k, new_v, scale)[None], None
+
+
+def _triton_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Fused store, then the paged kernel reading the pool in place. # [n_new, n_heads, head_dim]"""
+    store_kv, attend = _triton_kernels()
+    pool = paged.pool
+    k_scales = pool.k_scale[layer] if pool.k_scale else None
+    v_scales = pool.v_scale[layer] if pool.v_scale else None
+    store_kv(pool.k[layer], pool.v[layer], k_scales, v_scales, paged.slot_mapping, new_k, new_v)
+    return attend(q, pool.k[layer], pool.v[layer], k_scales, v_scales, paged.block_tables, paged.context_lens,
+                  paged.query_start, paged.query_lens, paged.max_query_len, paged.num_splits, scale)
+
+
+@functools.cache
+def _triton_kernels():
+    # imported on first use: the kernels are defined at import, and under TRITON_INTERPRET only if it is set by then
+    from decode_gpu.triton_attention import paged_attention_triton
+    from decode_gpu.triton_store import store_kv
+    return store_kv, paged_attention_triton
+
+
+def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Gather every context into dense tensors, then one masked SDPA. # [n_new, n_heads, head_dim]"""
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
-    k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, query.dtype)  # [n_seqs, max_ctx, num_kv_heads, head_dim]
-    q = query[0].transpose(0, 1)[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
+    k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, q.dtype)  # [n_seqs, max_ctx, num_kv_heads, head_dim]
+    q_seq = q[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),  # [n_seqs, heads, len, head_dim]
-        attn_mask=paged.query_mask[:, None], scale=scaling, enable_gqa=True)  # [n_seqs, n_heads, max_query, head_dim]
+        q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),  # [n_seqs, heads, len, head_dim]
+        attn_mask=paged.query_mask[:, None], scale=scale, enable_gqa=True)  # [n_seqs, n_heads, max_query, head_dim]
     out = out.transpose(1, 2)  # [n_seqs, max_query, n_heads, head_dim]
-    flat = torch.empty(query.shape[2], *out.shape[2:], dtype=out.dtype, device=out.device)  # [n_new, n_heads, head_dim]
+    flat = torch.empty(q.shape[0], *out.shape[2:], dtype=out.dtype, device=out.device)  # [n_new, n_heads, head_dim]
     flat[paged.query_index[paged.query_valid]] = out[paged.query_valid]
-    return flat[None], None
+    return flat
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -15,7 +15,8 @@ from decode_gpu.block_manager import BlockManager
 from decode_gpu.detokenizer import IncrementalText
 from decode_gpu.kv_import import check_handoff_matches
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.sampler import make_generator, sample_token
+from decode_gpu.sampler import SampledRow, sample_rows
+from decode_gpu.sampling_params import SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
 from contracts.events import EngineStats, FinishReason, Logprob, TokenEvent, TopLogprob
@@ -91,9 +92,8 @@ class DecodeEngine:
         self._check_admissible(handoff)
         seq = Sequence(seq_id=handoff.request_id, priority=handoff.priority, arrival=next(self._arrivals),
                        prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, handoff.first_token],
-                       sampling=handoff.sampling, handoff=handoff)
+                       sampling=handoff.sampling, handoff=handoff, seed=resolve_seed(handoff.sampling))
         seq.meta["text"] = IncrementalText(self.tokenizer, handoff.sampling.stop)
-        seq.meta["generator"] = make_generator(handoff.sampling, self.runner.device)
         first_logprobs = ()
         if handoff.first_logprob is not None:
             top = tuple(TopLogprob(token_id, logprob) for token_id, logprob in handoff.first_top_logprobs)
@@ -143,8 +143,8 @@ class DecodeEngine:
         return events
 
     def _run(self, step: ScheduledStep, events: list[TokenEvent]) -> int:
-        """Memory moves, then one forward, then per-sequence sampling; appends to events as it goes, so
-        that a failure part-way loses no event already made."""
+        """Memory moves, then one forward, then batched sampling; appends to events as it goes, so that a
+        failure part-way loses no event already made."""
         failures = self.runner.prepare(step)  # [(seq id, why)]: this sequence's own move failed
         for seq, _ in step.imports:
             self._drop_handoff(seq)  # its KV is in the pool (or failed to get there): free the bytes now
@@ -154,21 +154,40 @@ class DecodeEngine:
         if not decode:
             return 0
         logits = self.runner.forward(decode, self.blocks.block_tables)  # [len(decode), vocab]
-        has_nan = torch.isnan(logits).any(dim=-1).tolist()  # one sync per step, not one per row
-        for seq, row, nan in zip(decode, logits, has_nan):
-            events.append(self._sample(seq, row, nan))
+        for seq, row in zip(decode, self._sampled(decode, logits)):
+            events.append(self._sample(seq, row))
         return len(decode)
 
-    def _sample(self, seq: Sequence, row: torch.Tensor, nan: bool) -> TokenEvent:
+    def _sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledRow]:
+        """Every row's token with one device-to-host copy. Bad logits are flagged per row; should the batched
+        sampler raise instead, each row is sampled alone, so that only the rows at fault fail."""
+        try:
+            return sample_rows(logits, self._sampling_batch(seqs, logits.device))
+        except Exception:
+            log.exception("batched sampling failed; sampling each sequence alone")
+            return [self._sampled_alone(seq, row) for seq, row in zip(seqs, logits)]
+
+    def _sampled_alone(self, seq: Sequence, row: torch.Tensor) -> SampledRow:  # row: [vocab]
+        """One row through the sampler by itself: an error here becomes this row's problem."""
+        try:
+            return sample_rows(row[None], self._sampling_batch([seq], row.device))[0]
+        except Exception as err:
+            return SampledRow(-1, str(err) or type(err).__name__)
+
+    @staticmethod
+    def _sampling_batch(seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        # the position of the token being sampled keys its noise: the same seed and prompt give the same
+        # tokens in any batch and after preemption
+        return SamplingBatch.build([SamplingRow(seq.sampling, seq.seed, len(seq.tokens)) for seq in seqs], device)
+
+    def _sample(self, seq: Sequence, row: SampledRow) -> TokenEvent:
         """One sequence's next token; a failure here (bad logits, a sampler error) fails this sequence only."""
         seq.num_cached += 1
         try:
-            if nan:
-                raise FloatingPointError("the model produced NaN logits")
-            token = sample_token(row, seq.sampling, seq.meta["generator"])
-            logprobs = self._logprobs(row, token, seq)
-            seq.tokens.append(token)
-            return self._after_token(seq, logprobs)
+            if row.problem is not None:
+                raise FloatingPointError(row.problem)
+            seq.tokens.append(row.token)
+            return self._after_token(seq, self._logprobs(row))
         except Exception as err:
             log.exception("sampling failed for request %s", seq.seq_id)
             return self._fail(seq, f"sampling failed: {err}")
@@ -263,12 +282,7 @@ class DecodeEngine:
         return TokenEvent(seq.seq_id, tokens, text, reason, error, logprobs, seq.prompt_len, len(seq.output_tokens))
 
     @staticmethod
-    def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> tuple:
-        n_top = seq.sampling.logprobs
-        if n_top is None:
+    def _logprobs(row: SampledRow) -> tuple:
+        if row.logprob is None:
             return ()
-        logprobs = torch.log_softmax(row, dim=-1)  # [vocab]
-        top = torch.topk(logprobs, n_top) if n_top > 0 else None
-        alternatives = tuple(TopLogprob(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist())) \
-            if top is not None else ()
-        return (Logprob(token, float(logprobs[token]), top=alternatives),)
+        return (Logprob(row.token, row.logprob, top=tuple(TopLogprob(i, v) for i, v in row.top)),)

@@ -30,6 +30,7 @@ class Sequence:
     num_preemptions: int = 0
     num_swapped_blocks: int = 0  # blocks held in host swap space while SWAPPED
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    seed: int = 0  # int64 the sampler keys its noise with: the request's seed, or one drawn at admission
     meta: dict = field(default_factory=dict)  # timing and logprob bookkeeping filled by the engine
 
     @property

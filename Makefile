@@ -15,7 +15,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX
 	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
 	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install serve test bench-handoff bench-decode bench-serving clean
+.PHONY: install serve test soak bench-handoff bench-decode bench-serving clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# chaos soak against the real service (default 5 minutes; ARGS="--duration 60"); its table: docs/reliability.md
+soak: $(STAMP)
+	$(PY) -m bench.soak $(ARGS)
 
 bench-handoff: $(STAMP)
 	$(PY) -m bench.handoff_bench $(ARGS)

@@ -39,7 +39,8 @@ class TokenEvent:
     logprobs: tuple[Logprob, ...] = ()
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    error_code: str = ""  # with ERROR: "engine_busy" or "kv_cache_full" (retry later: 503), "" for a failure
+    error_code: str = ""  # with ERROR: "engine_busy", "kv_cache_full", "engine_unavailable" (retry later: 503),
+    # "" for a failure of the request itself (500)
 
     @classmethod
     def ending(cls, request_id: str, reason: FinishReason, error: str | None = None,

@@ -93,4 +93,6 @@ class EngineClient:
         self.state, self.writer, self.stats = "down", None, None
         for request in list(self.registry.requests.values()):
             if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING):
-                self.registry.deliver_ending(request.request_id, FinishReason.ERROR, "the decode engine went away")
+                self.registry.deliver_ending(request.request_id, FinishReason.ERROR,
+                                             "the decode engine went away (it is restarting); retry shortly",
+                                             "engine_unavailable")

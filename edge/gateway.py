@@ -99,8 +99,7 @@ class Gateway:
 
     def _queue(self, request: GenerateRequest, decision: Decision) -> Run:
         if not self.ready:
-            raise ApiError(503, "the model is still loading", error_type="server_error", code="loading",
-                           headers={"Retry-After": "5"})
+            raise self._not_ready_error()
         stats = self.engine_stats
         if stats.backlog_limit_bytes and stats.backlog_bytes >= stats.backlog_limit_bytes:
             raise ApiError(503, f"the decode engine's backlog is full ({stats.backlog_bytes >> 20} MiB of KV "
@@ -127,6 +126,18 @@ class Gateway:
             self.registry.remove(inflight.request_id)
             raise ApiError(400, str(err), code="invalid_value") from None
         return Run(inflight, request, decision, time.monotonic() + self.config.limits.request_timeout_s)
+
+    def _not_ready_error(self) -> ApiError:
+        """Loading at start; afterwards a component is restarting (or unreachable): say which."""
+        never_ready = self.engine.state == "connecting" and all(w.info is None and w.stuck_count == 0
+                                                                 for w in self.pool.workers.values())
+        if never_ready:
+            return ApiError(503, "the model is still loading", error_type="server_error", code="loading",
+                            headers={"Retry-After": "5"})
+        down = [name for name, w in self.pool.workers.items() if w.state != "ready"]
+        down = (["decode engine"] if self.engine.state != "ready" else []) + ([] if self.pool.num_ready else down)
+        return ApiError(503, f"not available now ({', '.join(down)} restarting or unreachable); retry shortly",
+                        error_type="server_error", code="unavailable", headers={"Retry-After": "2"})
 
     def _context_tokens(self) -> int:
         """What one request may hold in the decode engine: the model length, or the whole KV pool if smaller."""
@@ -254,9 +265,10 @@ EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
 
 
 def _decode_error(event: TokenEvent) -> ApiError:
-    """A full engine is load (503, retry shortly); anything else is a failure of this request (500)."""
-    if event.error_code in ("engine_busy", "kv_cache_full"):
-        return ApiError(503, f"the decode engine has no room for this request now: {event.error}",
+    """A full or restarting engine is availability (503, retry shortly); anything else is a failure of this
+    request (500)."""
+    if event.error_code in ("engine_busy", "kv_cache_full", "engine_unavailable"):
+        return ApiError(503, f"the decode engine cannot serve this request now: {event.error}",
                         error_type="server_error", code=event.error_code, headers={"Retry-After": "2"})
     return ApiError(500, f"decoding failed: {event.error}", error_type="server_error", code="decode_failed")
 

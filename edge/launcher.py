@@ -26,6 +26,9 @@ def child_environment() -> dict[str, str]:
     prefill and CPU decode share cores; passive waiting keeps both fast. An operator's setting wins."""
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # glibc gives each thread that allocates its own arena and keeps freed memory there; with handoff-sized
+    # buffers on several threads RSS then swings by tens of MiB and a leak cannot be told from the noise
+    env.setdefault("MALLOC_ARENA_MAX", "2")
     env[PARENT_PID_ENV] = str(os.getpid())  # edge.child_main exits if its parent is already gone
     return env
 

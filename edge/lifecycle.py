@@ -73,9 +73,10 @@ class InFlightRegistry:
         if request is not None:
             request.events.put_nowait(message)
 
-    def deliver_ending(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+    def deliver_ending(self, request_id: str, reason: FinishReason, error: str | None = None,
+                       error_code: str = "") -> None:
         """An engine-style terminal event made by the gateway itself (shutdown, a lost engine)."""
-        self.deliver(request_id, TokenEvent.ending(request_id, reason, error))
+        self.deliver(request_id, TokenEvent.ending(request_id, reason, error, error_code=error_code))
 
     def count(self, status: RequestStatus) -> int:
         return sum(1 for r in self.requests.values() if r.status == status)

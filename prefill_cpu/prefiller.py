@@ -143,6 +143,10 @@ class Prefiller:
     def ctx(self):
         return self._context.ctx
 
+    @property
+    def vocab_size(self) -> int:
+        return llama_cpp.llama_vocab_n_tokens(self.llm._model.vocab)
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
 
@@ -245,7 +249,7 @@ class Prefiller:
     def _logprobs(self, token: int, params: SamplingParams) -> tuple[float | None, tuple]:
         if params.logprobs is None:
             return None, ()
-        n_vocab = llama_cpp.llama_vocab_n_tokens(self.llm._model.vocab)
+        n_vocab = self.vocab_size
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(n_vocab,))
         logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
         top = np.argsort(-logprobs)[: params.logprobs]

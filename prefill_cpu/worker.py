@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import signal
 import sys
 import time
 from dataclasses import replace
-
-import llama_cpp
 
 from contracts.framing import ProtocolError, accept_peer, control_secret, read_message, send_message, start_server
 from contracts.handoff import encode_handoff
@@ -57,7 +56,7 @@ class PrefillWorker:
             log.warning("refused a control connection that failed the handshake")
             return
         cfg = self.prefiller.config
-        vocab_size = llama_cpp.llama_vocab_n_tokens(self.prefiller.llm._model.vocab)
+        vocab_size = self.prefiller.vocab_size
         await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
                                                 vocab_size, self.engine.connected))
         jobs: dict[str, asyncio.Task] = {}  # request id -> its job, until it has answered
@@ -98,6 +97,7 @@ class PrefillWorker:
                 reply = await self._answer(job)
         finally:
             self.cancelled.discard(job.request_id)
+            _release_freed_memory()
         try:
             await send_message(writer, reply)
         except (ConnectionError, RuntimeError) as err:
@@ -181,10 +181,32 @@ class PrefillWorker:
 
     def _tokens(self, job: PrefillJob) -> list[int]:
         if job.prompt_tokens is not None:
+            vocab_size = self.prefiller.vocab_size
+            if (bad := next((t for t in job.prompt_tokens if not 0 <= t < vocab_size), None)) is not None:
+                # llama_decode would fail (or read out of bounds) on it; the gateway checks too, once it knows
+                raise BadPromptError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
             return list(job.prompt_tokens)
         if job.messages is not None:
             return self.renderer.chat_tokens([{"role": m.role, "content": m.content} for m in job.messages])
         return self.renderer.completion_tokens(job.prompt or "")
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS after each prompt: a handoff is ~10 MB of transient buffers,
+    and without this the worker's RSS holds whatever the largest recent prompts left behind."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+_LIBC = _load_libc()
 
 
 def _check_lengths(job: PrefillJob, tokens: list[int], n_ctx: int) -> PrefillFailed | None:

@@ -1,8 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Triton interprets its kernels on CPU tensors only if this is set before triton is first imported, and
+# torch or transformers may import it early (their "is triton available" checks): so set it here, first.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers such as tiny_gguf
 

@@ -157,6 +157,7 @@ def test_the_engine_connection_survives_a_bad_frame_and_fails_its_requests(tmp_p
             return event
     event = run(scenario())
     assert event.finish_reason is FinishReason.ERROR and "went away" in event.error
+    assert event.error_code == "engine_unavailable"  # a 503 with Retry-After for the client, not a 500
 
 
 def _job(request_id: str, content: str = "hi") -> PrefillJob:
@@ -254,7 +255,8 @@ def test_engine_stats_are_read_only_on_the_engine_thread():
     assert set(readers) == {"engine"} and snapshot["num_running"] == 0
 
 
-@pytest.mark.parametrize("code,status", [("engine_busy", 503), ("kv_cache_full", 503), ("", 500)])
+@pytest.mark.parametrize("code,status", [("engine_busy", 503), ("kv_cache_full", 503), ("engine_unavailable", 503),
+                                         ("", 500)])
 def test_a_full_engine_is_a_503_and_a_broken_request_a_500(code, status):
     from contracts.events import TokenEvent
     from edge.gateway import _decode_error

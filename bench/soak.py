@@ -409,7 +409,9 @@ class Soak:
         refused = wait_for(lambda: self._reload_error() is not None, 10, 0.1)
         refused_s, error = self.now() - fault.at_s, (self._reload_error() or "").split(": ", 1)[-1]
         served = probe_classes(self.server)  # the policy in force must keep serving every key meanwhile
-        if any(outcome != "completed" for outcome in served.values()):
+        # the load is still running: a class at its concurrency limit answers 429, which proves its key and
+        # class are still known; a lost policy would answer 401 (keys gone) or let everything through
+        if any(outcome not in ("completed", "429 concurrency_limit") for outcome in served.values()):
             fault.broken = "with the bad file in place: " + ", ".join(f"{k}: {v}" for k, v in served.items())
         self.write_policy(POLICY)
         good_at = self.now()

@@ -15,7 +15,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX
 	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
 	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install serve test soak bench-handoff bench-decode bench-serving clean
+.PHONY: install serve test soak gpu-check bench-handoff bench-decode bench-serving clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ test: $(STAMP)
 # chaos soak against the real service (default 5 minutes; ARGS="--duration 60"); its table: docs/reliability.md
 soak: $(STAMP)
 	$(PY) -m bench.soak $(ARGS)
+
+# the GPU check (issue 11): gpu tests + decode benchmark vs transformers, table in docs/gpu.md; no venv, no llama.cpp
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check $(ARGS)
 
 bench-handoff: $(STAMP)
 	$(PY) -m bench.handoff_bench $(ARGS)

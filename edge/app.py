@@ -16,7 +16,7 @@ from aiohttp.web_runner import GracefulExit
 from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret
 from contracts.tasks import spawn
-from edge.config import ServeConfig, default_threads, policy_path
+from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
 from edge.launcher import Supervisor
@@ -125,11 +125,14 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         if config.kv_cache_tokens:
             engine_args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
         supervisor.add("decode_engine", "decode_gpu.server", engine_args)
+        kv_type = worker_kv_type(config, engine_address)
+        log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,
+                 engine_address)
         for name, address in worker_addresses.items():
             supervisor.add(name, "prefill_cpu.worker", [
                 "--model", model_path, "--listen", address, "--engine", engine_address, "--name", name,
                 "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch), "--threads", str(default_threads(config)),
-                "--kv-type", config.kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
+                "--kv-type", kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
                 "--log-level", config.log_level])
         watcher = spawn(supervisor.watch(), "the process supervisor", log)
         yield

@@ -54,7 +54,7 @@ class PrefillConfig:
     n_batch: int = 512  # prompt tokens per llama_decode call
     n_threads: int = 0  # 0: all cores
     kv_type: str = "q8_0"  # KV cache storage in llama.cpp and on the wire: f16, q8_0, q4_0
-    flash_attn: bool | None = None  # None: on when the KV is quantized (llama.cpp requires it for V)
+    flash_attn: bool | None = None  # None: on (quantized V requires it; f16 prefill is faster with it)
     prefix_cache_tokens: int = 0  # KV cells kept for earlier prompts, on top of n_ctx; 0: no prompt cache
     prefix_cache_entries: int = 8  # earlier prompts kept at most (one llama.cpp sequence each)
 
@@ -80,7 +80,9 @@ class Prefiller:
         """model: a Llama already loaded from config.model_path whose weights this Prefiller shares (it builds
         only its own llama.cpp context, and the caller closes the model after this Prefiller)."""
         kv = kv_dtype(config.kv_type)
-        flash_attn = kv.quantized if config.flash_attn is None else config.flash_attn
+        # flash attention by default for every KV type: without it llama.cpp attends over every cell of the KV
+        # buffer, prompt cache included, and f16 prefill measured slower than q8_0 (docs/handoff.md)
+        flash_attn = True if config.flash_attn is None else config.flash_attn
         if kv.quantized and not flash_attn:
             raise ValueError(f"KV type {kv.name} needs flash attention (llama.cpp quantizes V only with it)")
         self.config = config

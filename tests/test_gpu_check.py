@@ -49,7 +49,7 @@ def test_tiny_cpu_run_fills_the_table_and_reports_a_failing_stage(tmp_path, monk
     column = {name: i for i, name in enumerate(gpu_check.COLUMNS)}
     for (batch, _), cells in rows.items():
         ms = _number(cells[column["ours ms/step"]])
-        assert ms > 0 and abs(_number(cells[column["ours tok/s"]]) - batch * 1e3 / ms) <= 0.5  # printed as an integer
+        assert ms > 0 and _close(_number(cells[column["ours tok/s"]]), batch * 1e3 / ms)
         assert 0 < _number(cells[column["% of floor"]]) <= 100
         assert _number(cells[column["generate_batch ms/step"]]) > 0
         generate = cells[column["generate ms/step"]]
@@ -76,3 +76,8 @@ def test_the_gpu_test_files_collect_without_llama_cpp():
              "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _close(printed_tok_s: float, from_printed_ms: float) -> bool:
+    """tok/s is printed as an integer from the unrounded step time, ms with two decimals: allow both roundings."""
+    return abs(printed_tok_s - from_printed_ms) <= 0.5 + 0.01 * from_printed_ms

@@ -23,7 +23,8 @@ def main(argv=None) -> None:
     serve.add_argument("--prefill-workers", type=int)
     serve.add_argument("--policy", help="policy file")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    serve.add_argument("--kv-type", choices=["f16", "q8_0", "q4_0"])
+    serve.add_argument("--kv-type", choices=["auto", "f16", "q8_0", "q4_0"],
+                       help="handoff KV type (auto: f16 for workers next to the engine, q8_0 across hosts)")
     serve.add_argument("--kv-cache-tokens", type=int)
     serve.add_argument("--log-level")
     args = parser.parse_args(argv)

@@ -148,6 +148,23 @@ async def introduce(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
 
 
 # --- addresses and connections ----------------------------------------------------------------------
+class RetryDelay:
+    """The wait between reconnect attempts: doubles after each failure up to `longest`, back to `first` once a
+    connection succeeded."""
+
+    def __init__(self, first: float, longest: float) -> None:
+        self.first, self.longest = first, longest
+        self.delay = first
+
+    def succeeded(self) -> None:
+        self.delay = self.first
+
+    async def wait(self, failed: bool = False) -> None:
+        await asyncio.sleep(self.delay)
+        if failed:
+            self.delay = min(self.longest, self.delay * 2)
+
+
 async def open_connection(address: str):
     kind, target = parse_address(address)
     if kind == "unix":

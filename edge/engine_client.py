@@ -10,7 +10,8 @@ import asyncio
 import logging
 
 from contracts.events import EngineStats, FinishReason
-from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, read_message, send_message
+from contracts.framing import (PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, read_message,
+                               send_message)
 from contracts.messages import Abort, DecodeYield, Stats, Token
 from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
@@ -32,18 +33,17 @@ class EngineClient:
         self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
 
     async def run(self) -> None:
-        wait = RETRY_S[0]
+        retry = RetryDelay(*RETRY_S)
         while True:
             try:
                 reader, writer = await connect_when_listening(self.address, "gateway", "gateway", self.secret)
             except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError) as err:
                 self._refused(err)
-                await asyncio.sleep(wait)
-                wait = min(RETRY_S[1], wait * 2)
+                await retry.wait(failed=True)
                 continue
-            wait = RETRY_S[0]
+            retry.succeeded()
             await self._session(reader, writer)
-            await asyncio.sleep(wait)
+            await retry.wait()
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer, self.state, self.last_error = writer, "ready", None

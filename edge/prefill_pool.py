@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, pack, read_message
+from contracts.framing import PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, pack, read_message
 from contracts.messages import CancelPrefill, Heartbeat, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus
 from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
@@ -140,7 +140,7 @@ class PrefillPool:
         await asyncio.gather(*(self._maintain(w) for w in self.workers.values()))
 
     async def _maintain(self, worker: WorkerClient) -> None:
-        wait = RETRY_S[0]
+        retry = RetryDelay(*RETRY_S)
         while True:
             try:
                 reader, writer = await connect_when_listening(worker.address, "gateway", "gateway", self.secret)
@@ -148,10 +148,9 @@ class PrefillPool:
                 worker.state = "refused" if isinstance(err, PeerRefusedError) else "down"
                 worker.last_error = str(err)
                 log.error("cannot connect to prefill worker %s at %s: %s", worker.name, worker.address, err)
-                await asyncio.sleep(wait)
-                wait = min(RETRY_S[1], wait * 2)
+                await retry.wait(failed=True)
                 continue
-            wait = RETRY_S[0]
+            retry.succeeded()
             worker.writer, worker.last_error = writer, None
             try:
                 await self._serve(worker, reader)
@@ -161,7 +160,7 @@ class PrefillPool:
             finally:
                 self._lost(worker)
                 writer.close()
-            await asyncio.sleep(wait)
+            await retry.wait()
 
     async def _serve(self, worker: WorkerClient, reader: asyncio.StreamReader) -> None:
         while True:

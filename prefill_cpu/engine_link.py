@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, send_message
+from contracts.framing import PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, send_message
 
 log = logging.getLogger("prefill_cpu.engine_link")
 RETRY_S = (0.2, 2.0)  # reconnect backoff: first and longest wait (an engine restart takes seconds)
@@ -47,14 +47,13 @@ class EngineLink:
 
     async def run(self) -> None:
         """Forever: connect, hold the connection until it drops, wait, again."""
-        wait = self.retry_s[0]
+        retry = RetryDelay(*self.retry_s)
         while True:
             connection = await self._connect()
             if connection is None:
-                await asyncio.sleep(wait)
-                wait = min(self.retry_s[1], wait * 2)
+                await retry.wait(failed=True)
                 continue
-            wait = self.retry_s[0]
+            retry.succeeded()
             await self._hold(*connection)
 
     async def send(self, message) -> None:

@@ -15,7 +15,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX
 	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
 	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install serve test soak gpu-check bench-handoff bench-decode bench-serving clean
+.PHONY: install serve test soak gpu-check bench-handoff bench-decode bench-serving llama-server clean
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ bench-handoff: $(STAMP)
 
 bench-decode: $(STAMP)
 	$(PY) -m bench.decode_bench $(ARGS)
+
+# llama.cpp's own server for the serving benchmark (built once, cached in ~/.cache/edge-llm)
+llama-server: $(STAMP)
+	$(PY) -m bench.build_llama_server
 
 bench-serving: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"

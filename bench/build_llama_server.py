@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -18,8 +19,13 @@ from pathlib import Path
 VERSION = "0.3.36"
 CACHE = Path(os.environ.get("EDGE_LLM_CACHE") or Path.home() / ".cache" / "edge-llm") / f"llama-server-{VERSION}"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
-               "-DGGML_NATIVE=ON"]
+               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
+
+
+def cpu_flags() -> list[str]:
+    """The CPU flags our prefill workers' llama.cpp was built with (the Makefile's CMAKE_ARGS: this CPU's
+    AVX/AVX-512 features without AMX, whose kernels crash here), so both engines run the same kernels."""
+    return shlex.split(os.environ.get("CMAKE_ARGS", "")) or ["-DGGML_NATIVE=ON"]
 
 
 def binary_path() -> Path:
@@ -44,7 +50,7 @@ def build(jobs: int) -> Path:
         return binary_path()
     src = source_dir()
     print(f"building llama-server in {CACHE / 'build'} (several minutes on 2 cores, once)", flush=True)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(CACHE / "build"), *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(CACHE / "build"), *CMAKE_FLAGS, *cpu_flags()], check=True)
     subprocess.run(["cmake", "--build", str(CACHE / "build"), "--target", "llama-server", "-j", str(jobs)], check=True)
     return binary_path()
 

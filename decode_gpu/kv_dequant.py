@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from contracts.kv_dtypes import kv_dtype
@@ -10,7 +11,7 @@ from contracts.kv_dtypes import kv_dtype
 def dequantize(raw: bytes, dtype_name: str, n_elems_per_row: int, device: torch.device) -> torch.Tensor:
     """Return float32 [n_rows, n_elems_per_row] from llama.cpp row bytes; the bytes cross to the device as-is."""
     spec = kv_dtype(dtype_name)
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)  # [n_bytes]
+    data = to_device(raw, device)  # [n_bytes]
     if not spec.quantized:
         return data.view(torch.float16).float().view(-1, n_elems_per_row)
     blocks = data.view(-1, spec.block_bytes)  # [n_blocks, block_bytes]
@@ -21,3 +22,13 @@ def dequantize(raw: bytes, dtype_name: str, n_elems_per_row: int, device: torch.
         nibbles = blocks[:, 2:]  # [n_blocks, 16]
         quants = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).float() - 8.0  # [n_blocks, 32]
     return (quants * scale).view(-1, n_elems_per_row)
+
+
+def to_device(raw: bytes, device: torch.device) -> torch.Tensor:
+    """The bytes as a uint8 tensor on the device. On CUDA through pinned memory with a non-blocking copy,
+    so the engine thread does not wait for the transfer (later kernels on the stream do). # [n_bytes]"""
+    if device.type != "cuda":
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    host = torch.empty(len(raw), dtype=torch.uint8, pin_memory=True)
+    host.numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+    return host.to(device, non_blocking=True)

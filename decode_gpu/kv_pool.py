@@ -70,21 +70,29 @@ class KVPool:
         return (self._load(self.k[layer], self.k_scale[layer] if self.k_scale else None, slots, dtype),
                 self._load(self.v[layer], self.v_scale[layer] if self.v_scale else None, slots, dtype))
 
+    def gather_blocks(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """blocks: [m] pool block ids; returns K, V as [m, block_size, num_kv_heads, head_dim] in dtype. One
+        copy per block (not per token), which is what the CPU path's decode attention reads."""
+        return (self._load_blocks(self.k[layer], self.k_scale[layer] if self.k_scale else None, blocks, dtype),
+                self._load_blocks(self.v[layer], self.v_scale[layer] if self.v_scale else None, blocks, dtype))
+
     def copy_blocks(self, src: int, dst: int) -> None:
         for tensors in (self.k, self.v, self.k_scale or [], self.v_scale or []):
             for t in tensors:
                 t[dst] = t[src]
 
     def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
-        """Every tensor's rows for these blocks, copied to host memory (swap out)."""
-        index = torch.tensor(blocks, device=self.k[0].device)
-        return [t.index_select(0, index).to("cpu") for t in self._all_tensors()]
+        """Every tensor's rows for these blocks, copied to host memory (swap out). On CUDA the host copies
+        are pinned and the copies non-blocking: the host goes on at once, and whatever the stream runs next
+        (a swap in of these rows, or another sequence's writes to the freed blocks) runs after them."""
+        index = device_index(blocks, self.k[0].device)
+        return [_to_host(t.index_select(0, index)) for t in self._all_tensors()]
 
     def write_blocks(self, blocks: list[int], saved: list[torch.Tensor]) -> None:
         """Restore rows saved by read_blocks into (possibly different) blocks (swap in)."""
-        index = torch.tensor(blocks, device=self.k[0].device)
+        index = device_index(blocks, self.k[0].device)
         for t, rows in zip(self._all_tensors(), saved):
-            t.index_copy_(0, index, rows.to(t.device))
+            t.index_copy_(0, index, rows.to(t.device, non_blocking=True))
 
     def _all_tensors(self) -> list[torch.Tensor]:
         return self.k + self.v + (self.k_scale or []) + (self.v_scale or [])
@@ -101,6 +109,15 @@ class KVPool:
         scale.view(-1, *scale.shape[2:])[slots] = group_scale.squeeze(-1).to(scale.dtype)
 
     @staticmethod
+    def _load_blocks(pool: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+        x = pool.index_select(0, blocks)  # [m, block_size, heads, head_dim]
+        if scale is None:
+            return x.to(dtype)
+        s = scale.index_select(0, blocks).float()  # [m, block_size, heads, head_dim / 32]
+        return (x.float().unflatten(-1, (-1, INT8_GROUP)) * s[..., None]).flatten(-2).to(dtype)
+
+    @staticmethod
     def _load(pool: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         flat = pool.view(-1, *pool.shape[2:])
         if scale is None:
@@ -108,3 +125,16 @@ class KVPool:
         q = flat[slots].float()  # [*S, heads, head_dim]
         s = scale.view(-1, *scale.shape[2:])[slots].float()  # [*S, heads, head_dim / 32]
         return (q.reshape(*q.shape[:-1], -1, INT8_GROUP) * s[..., None]).reshape(q.shape).to(dtype)
+
+
+def device_index(ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host ids as a device index, through pinned memory on CUDA (a non-blocking copy)."""
+    host = torch.as_tensor(ids, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cuda":
+        return x.to("cpu")
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)

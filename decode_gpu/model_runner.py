@@ -1,29 +1,41 @@
-"""The model runner: the only owner of device tensors (model weights and the paged KV pool).
+"""The model runner: the only owner of device tensors (model weights, the paged KV pool, the step inputs).
 
 It carries out a ScheduledStep in field order: `prepare` swaps out, imports handoffs, swaps in and
 copies on write, one sequence at a time, so that one sequence's bad bytes fail only that sequence; then
 `forward` runs one batched forward for every decoding sequence, returning their next-token logits.
-Between two decoder layers the forward may wait on a PriorityGate, to give the CPU to a more important
-prefill.
+
+The forward is static: its inputs live in persistent buffers filled with one host-to-device copy
+(step_inputs.py), nothing in it reads back to the host, and on CUDA it replays a captured graph per
+batch-size bucket (cuda_graphs.py) unless `enforce_eager`. Between two decoder layers an eager forward
+may wait on a PriorityGate, to give the CPU to a more important prefill; with graphs the wait is between
+steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from decode_gpu.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.kv_import import import_handoff
-from decode_gpu.kv_pool import KVPool, PoolShape, bytes_per_token
-from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch
+from decode_gpu.kv_pool import KVPool, PoolShape, device_index
+from decode_gpu.kv_sizing import MemoryProfile, kv_budget_bytes
+from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, choose_num_splits, resolve_backend
 from decode_gpu.priority_gate import PriorityGate
+from decode_gpu.sampler import sample_rows
+from decode_gpu.sampling_params import SamplingBatch, SamplingRow
 from decode_gpu.scheduler import ScheduledStep
 from decode_gpu.sequence import Sequence
+from decode_gpu.step_inputs import StepInputs
+from contracts.handoff import SamplingParams
 from contracts.identity import GGUFIdentity
 
 log = logging.getLogger(__name__)
+PROFILE_LOGPROBS = 20  # the profiling forward samples with this many top logprobs, OpenAI's maximum
 
 
 @dataclass(frozen=True)
@@ -32,8 +44,11 @@ class RunnerConfig:
     kv_storage: str = "auto"  # float32 | float16 | bfloat16 | int8; auto: the model's dtype
     kv_cache_tokens: int | None = None  # pool size in tokens (takes precedence)
     kv_cache_bytes: int | None = None  # pool size in bytes
-    gpu_memory_utilization: float = 0.9  # on CUDA without an explicit size: this fraction of free memory
+    gpu_memory_utilization: float = 0.9  # on CUDA without an explicit size: this fraction of total memory
     cpu_default_tokens: int = 16384  # on the CPU without an explicit size
+    max_num_seqs: int = 32  # the largest batch: step inputs, CUDA graph buckets and the profiling forward
+    max_model_len: int = 4096  # the longest context: block table width and the graphs' KV splits
+    enforce_eager: bool = False  # no CUDA graphs
 
 
 class PagedKVWriter:
@@ -42,7 +57,7 @@ class PagedKVWriter:
     def __init__(self, pool: KVPool, blocks: list[int], n_tokens: int, device: torch.device) -> None:
         bs = pool.shape.block_size
         positions = torch.arange(n_tokens)
-        self.slots = (torch.tensor(blocks)[positions // bs] * bs + positions % bs).to(device)  # [n_tokens]
+        self.slots = device_index((torch.tensor(blocks)[positions // bs] * bs + positions % bs), device)  # [n_tokens]
         self.pool = pool
 
     def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -53,24 +68,38 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, identity: GGUFIdentity, config: RunnerConfig,
                  device: torch.device, gate: PriorityGate | None = None) -> None:
         self.model = model
-        self.gate = gate
-        self._batch_priority = 0  # the best priority in the batch being decoded
-        if gate is not None and gate.enabled:
-            for layer in model.model.layers:  # LLaMA and Qwen2 decoder stacks
-                layer.register_forward_pre_hook(self._between_layers)
         self.identity = identity
+        self.config = config
         self.device = device
+        self.gate = gate
+        self.backend = resolve_backend(device)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         storage = _storage_name(model.dtype) if config.kv_storage == "auto" else config.kv_storage
-        per_token = bytes_per_token(identity.n_layer, identity.num_kv_heads, identity.head_dim_k, storage)
-        num_blocks = _num_blocks(config, per_token, device)
-        self.pool = KVPool(PoolShape(identity.n_layer, num_blocks, config.block_size, identity.num_kv_heads,
-                                     identity.head_dim_k, storage), device)
+        self._shape = PoolShape(identity.n_layer, 2, config.block_size, identity.num_kv_heads, identity.head_dim_k,
+                                storage)  # num_blocks replaced below
+        use_graphs = device.type == "cuda" and self.backend == "triton" and not config.enforce_eager
+        self._buckets = graph_buckets(config.max_num_seqs) if use_graphs else []
+        capacity = max([config.max_num_seqs, *self._buckets])
+        self._max_blocks = -(-config.max_model_len // config.block_size)
+        blocks = self._budget_blocks(config, capacity)
+        # one block more than the budget: the scratch block, which padded batch rows write and no sequence owns
+        self.pool = KVPool(dataclasses.replace(self._shape, num_blocks=blocks + 1), device)
+        self.inputs = StepInputs(self.pool, blocks, capacity, self._max_blocks, device, self.backend)
+        self._batch_priority = 0  # the best priority in the batch being decoded
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self._buckets, self._forward_rows, self._pad)
+            self.graphs.capture()
+            self._graphs_generation = self.inputs.generation  # the buffers the graphs read
+        elif gate is not None and gate.enabled:
+            for layer in model.model.layers:  # LLaMA and Qwen2 decoder stacks
+                layer.register_forward_pre_hook(self._between_layers)
         self.swap_space: dict[str, list[torch.Tensor]] = {}  # host copies of preempted sequences' blocks
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.shape.num_blocks
+        """Blocks sequences may own (the scratch block is not one of them)."""
+        return self.pool.shape.num_blocks - 1
 
     @torch.inference_mode()
     def prepare(self, step: ScheduledStep) -> list[tuple[str, str]]:
@@ -104,17 +133,73 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], block_tables: dict[str, list[int]]) -> torch.Tensor:
-        """Next-token logits for seqs, in order. # [len(seqs), vocab]"""
-        paged = build_paged_batch(self.pool, [block_tables[s.seq_id] for s in seqs],
-                                  [s.num_cached + 1 for s in seqs], [1] * len(seqs), self.device)
-        input_ids = torch.tensor([[s.tokens[s.num_cached] for s in seqs]], device=self.device)  # [1, n_seqs]
-        positions = torch.tensor([[s.num_cached for s in seqs]], device=self.device)  # [1, n_seqs]
+        """Next-token logits for seqs, in order. # [len(seqs), vocab] float32"""
+        n = len(seqs)
+        rows = self.graphs.bucket_for(n) if self.graphs else None
+        longest = self.inputs.fill(seqs, [block_tables[s.seq_id] for s in seqs], rows or n)
         self._batch_priority = min(s.priority for s in seqs)
-        out = self.model(input_ids=input_ids, position_ids=positions, paged=paged, use_cache=False)
-        return out.logits[0].float()  # [n_seqs, vocab]
+        if self.graphs and self.inputs.generation != self._graphs_generation:
+            log.warning("decode step inputs were reallocated for a batch of %d (max_num_seqs %d, max_model_len "
+                        "%d): CUDA graphs off from now on", n, self.config.max_num_seqs, self.config.max_model_len)
+            self.graphs = rows = None
+        if rows is None:
+            return self._forward_rows(n, longest)
+        if self.gate is not None and self.gate.enabled:
+            self.gate.wait_turn(self._batch_priority)  # a graph replays no hook: wait between steps
+        return self.graphs.replay(rows)[:n]
+
+    def _forward_rows(self, rows: int, longest: int | None = None) -> torch.Tensor:
+        """The eager forward over the first `rows` rows of the step inputs. Without `longest` (graph capture,
+        profiling) the KV splits are sized for max_model_len. # [rows, vocab] float32"""
+        inputs = self.inputs
+        splits = choose_num_splits(rows, self._shape.num_kv_heads, longest or self.config.max_model_len, self.device)
+        paged = inputs.batch(rows, longest or self.config.max_model_len, splits)
+        out = self.model(input_ids=inputs.input_ids[None, :rows], position_ids=inputs.positions[None, :rows],
+                         paged=paged, use_cache=False)
+        return out.logits[0].float()
+
+    def _pad(self, rows: int) -> None:
+        self.inputs.fill_padding(0, rows)
+        self.inputs.upload(rows)
 
     def _between_layers(self, _module, _args) -> None:
         self.gate.wait_turn(self._batch_priority)
+
+    def _budget_blocks(self, config: RunnerConfig, capacity: int) -> int:
+        per_token = self._shape.bytes_per_token()
+        if config.kv_cache_tokens:
+            tokens = config.kv_cache_tokens
+        elif config.kv_cache_bytes:
+            tokens = config.kv_cache_bytes // per_token
+        elif self.device.type == "cuda":
+            tokens = kv_budget_bytes(self._profile(capacity), config.gpu_memory_utilization, per_token) // per_token
+        else:
+            tokens = config.cpu_default_tokens
+        blocks = tokens // config.block_size
+        if blocks < 1:
+            raise ValueError(f"the KV budget holds {tokens} tokens, less than one block of {config.block_size}")
+        return blocks
+
+    @torch.inference_mode()
+    def _profile(self, rows: int) -> MemoryProfile:
+        """One forward and sampling at the largest batch over a two-block pool, measuring the peak memory
+        above the weights (vLLM's profile run)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        self.pool = KVPool(self._shape, self.device)
+        self.inputs = StepInputs(self.pool, 1, rows, self._max_blocks, self.device, self.backend)
+        self._pad(rows)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=PROFILE_LOGPROBS)
+        logits = self._forward_rows(rows)
+        sample_rows(logits, SamplingBatch.build([SamplingRow(params, i, 0) for i in range(rows)], self.device))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - weights
+        del logits
+        self.pool = self.inputs = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return MemoryProfile(total, free, weights, torch.cuda.memory_reserved(self.device), peak)
 
 
 def _attempt(failed: list[tuple[str, str]], seq_id: str, what: str, action, *args) -> None:
@@ -127,19 +212,3 @@ def _attempt(failed: list[tuple[str, str]], seq_id: str, what: str, action, *arg
 
 def _storage_name(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-
-
-def _num_blocks(config: RunnerConfig, per_token: int, device: torch.device) -> int:
-    if config.kv_cache_tokens:
-        tokens = config.kv_cache_tokens
-    elif config.kv_cache_bytes:
-        tokens = config.kv_cache_bytes // per_token
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        tokens = int(free * config.gpu_memory_utilization) // per_token
-    else:
-        tokens = config.cpu_default_tokens
-    blocks = tokens // config.block_size
-    if blocks < 1:
-        raise ValueError(f"the KV budget holds {tokens} tokens, less than one block of {config.block_size}")
-    return blocks

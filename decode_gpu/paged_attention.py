@@ -51,6 +51,9 @@ class PagedBatch:
     query_index: torch.Tensor | None = None  # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
     query_valid: torch.Tensor | None = None  # [n_seqs, max_query] False on padding rows
     query_mask: torch.Tensor | None = None  # [n_seqs, max_query, max_context] True where a query may attend to a key
+    # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
+    decode_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's first n_blocks pool blocks
+    decode_mask: torch.Tensor | None = None  # [n_seqs, 1, 1, n_blocks * block_size] True inside the context
 
 
 @functools.cache
@@ -185,6 +188,8 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
                      scale: float) -> torch.Tensor:
     """Gather every context into dense tensors, then one masked SDPA. # [n_new, n_heads, head_dim]"""
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
+    if paged.decode_blocks is not None:
+        return _torch_decode_attention(paged, layer, q, scale)
     k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, q.dtype)  # [n_seqs, max_ctx, num_kv_heads, head_dim]
     q_seq = q[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
     out = F.scaled_dot_product_attention(
@@ -194,6 +199,18 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
     flat = torch.empty(q.shape[0], *out.shape[2:], dtype=out.dtype, device=out.device)  # [n_new, n_heads, head_dim]
     flat[paged.query_index[paged.query_valid]] = out[paged.query_valid]
     return flat
+
+
+def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence: gather whole blocks (one copy per block, not per token) and mask each
+    row past its context. # q: [n_seqs, n_heads, head_dim] -> [n_seqs, n_heads, head_dim]"""
+    n_seqs = q.shape[0]
+    k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
+    k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:]).transpose(1, 2)  # [n_seqs, kv_heads, span, head_dim]
+    v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None], k_ctx, v_ctx, attn_mask=paged.decode_mask, scale=scale,
+                                         enable_gqa=True)  # [n_seqs, n_heads, 1, head_dim]
+    return out[:, :, 0]
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:

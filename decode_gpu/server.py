@@ -43,7 +43,9 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
              "yields" if yields else "does not yield", args.yield_to_prefill, device)
     runner = ModelRunner(model, identity, RunnerConfig(block_size=args.block_size, kv_storage=args.kv_storage,
                                                        kv_cache_tokens=args.kv_cache_tokens,
-                                                       gpu_memory_utilization=args.gpu_memory_utilization), device,
+                                                       gpu_memory_utilization=args.gpu_memory_utilization,
+                                                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                                       enforce_eager=args.enforce_eager), device,
                          PriorityGate(enabled=yields))
     eos = tuple(t for t in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
                 if isinstance(t, int))
@@ -84,7 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-storage", default="auto", help="auto, float32, float16, bfloat16 or int8")
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on CUDA without --kv-cache-tokens: the share of the GPU's total memory this engine may "
+                             "use (weights, activations and the KV pool)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: run every decode step eagerly (slower on a GPU; for debugging)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)

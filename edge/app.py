@@ -124,6 +124,9 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
                        "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes)]
         if config.kv_cache_tokens:
             engine_args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
+        engine_args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        if config.enforce_eager:
+            engine_args.append("--enforce-eager")
         supervisor.add("decode_engine", "decode_gpu.server", engine_args)
         kv_type = worker_kv_type(config, engine_address)
         log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,

@@ -26,6 +26,8 @@ def main(argv=None) -> None:
     serve.add_argument("--kv-type", choices=["auto", "f16", "q8_0", "q4_0"],
                        help="handoff KV type (auto: f16 for workers next to the engine, q8_0 across hosts)")
     serve.add_argument("--kv-cache-tokens", type=int)
+    serve.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="no CUDA graphs in the decode step (slower; for debugging a GPU problem)")
     serve.add_argument("--log-level")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}

@@ -47,6 +47,8 @@ class ServeConfig:
     prefix_cache_tokens: int = 2048  # per worker: KV of recent prompts kept for reuse (shared prefixes); 0: off
     kv_storage: str = "auto"
     kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_tokens: the engine's share of total GPU memory
+    enforce_eager: bool = False  # no CUDA graphs in the decode step
     max_num_seqs: int = 32
     max_model_len: int = 4096
     swap_space_gib: float = 4.0  # host memory for preempted decode sequences; 0: no preemption by swap
@@ -70,7 +72,7 @@ CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu",
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
 BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads_per_worker": {"ge": 0},
           "n_ctx": {"ge": 1}, "n_batch": {"ge": 1}, "prefix_cache_tokens": {"ge": 0}, "kv_cache_tokens": {"ge": 0},
-          "max_num_seqs": {"ge": 1}, "swap_space_gib": {"ge": 0}, "max_backlog_bytes": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "max_body_bytes": {"ge": 1},
+          "max_num_seqs": {"ge": 1}, "swap_space_gib": {"ge": 0}, "max_backlog_bytes": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "gpu_memory_utilization": {"gt": 0, "le": 1}, "max_body_bytes": {"ge": 1},
           "default_max_tokens": {"ge": 1}, "prefill_queue_size": {"ge": 1}, "header_timeout_s": {"gt": 0},
           "body_timeout_s": {"gt": 0}, "request_timeout_s": {"gt": 0}, "shutdown_grace_s": {"ge": 0}}
 

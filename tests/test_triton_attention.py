@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from decode_gpu.kv_pool import KVPool, PoolShape  # noqa: E402
 from decode_gpu.paged_attention import build_paged_batch, configured_backend, paged_attention  # noqa: E402
+from tiny_llama import greedy_tokens, tiny_engine_setup  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="kernels compiled for CUDA here")),
@@ -162,51 +163,6 @@ def test_store_matches_kv_pool_write_and_skips_negative_slots(device, storage):
     assert ours.k[0].view(-1, n_kv, head_dim)[slots[kept].long()].abs().sum() > 0
 
 
-TINY_LLAMA = dict(vocab_size=384, hidden_size=384, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def _tiny_engine_setup(device: str):
-    """A random-weight Llama (head size 64, 3 query heads per KV head) and handoffs of torch's own prompt KV."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from contracts.identity import GGUFIdentity
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval().to(device)
-    identity = GGUFIdentity(path="tiny-llama", fingerprint="sha256:tiny", arch="llama", n_layer=2, n_head=6,
-                            num_kv_heads=2, head_dim_k=64, head_dim_v=64, rope_layout="neox")
-    prompts = [list(range(3, 3 + n)) for n in (7, 16, 21)]  # ends before, on and after a block boundary
-    return model, identity, [_handoff(model, identity, f"r{i}", p) for i, p in enumerate(prompts)]
-
-
-def _handoff(model, identity, request_id: str, prompt: list[int]):
-    from decode_gpu.dense_decoder import prompt_cache
-    from contracts.handoff import KVHandoff, KVLayout, SamplingParams
-    cache, logits = prompt_cache(model, prompt)
-    rows = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]  # [n, num_kv_heads, 64]
-    layout = KVLayout(n_layer=2, num_kv_heads=2, head_dim_k=64, head_dim_v=64, k_dtype="f16", v_dtype="f16",
-                      v_transposed=False, k_rotation=0, v_rotation=0, rope_layout="neox")
-    to_bytes = lambda x: x.to("cpu", torch.float16).contiguous().numpy().tobytes()  # noqa: E731
-    return KVHandoff(request_id=request_id, model_fingerprint=identity.fingerprint, layout=layout,
-                     positions=tuple(range(len(prompt))), prompt_tokens=tuple(prompt),
-                     first_token=int(logits.argmax()), k_layers=tuple(to_bytes(k) for k, _ in rows),
-                     v_layers=tuple(to_bytes(v) for _, v in rows),
-                     sampling=SamplingParams(temperature=0.0, max_tokens=6 + len(prompt) % 3))
-
-
-def _greedy_tokens(model, identity, handoffs, device: str, storage: str) -> dict[str, list[int]]:
-    from decode_gpu.engine import DecodeEngine
-    from decode_gpu.model_runner import ModelRunner, RunnerConfig
-    runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=256, kv_storage=storage), torch.device(device))
-    engine = DecodeEngine(runner)
-    outputs: dict[str, list[int]] = {}
-    for event in [e for h in handoffs for e in engine.add(h)]:
-        outputs.setdefault(event.request_id, []).extend(event.token_ids)
-    while engine.has_work:
-        for event in engine.step():
-            outputs.setdefault(event.request_id, []).extend(event.token_ids)
-    return outputs
-
-
 @pytest.fixture
 def attention_backend(monkeypatch):
     """Sets EDGE_ATTENTION_BACKEND for the engine; the setting is read once, so the cache is cleared around it."""
@@ -225,12 +181,12 @@ def test_engine_greedy_tokens_same_on_both_paths(device, storage, attention_back
     calls = []  # layers run through the Triton kernels
     real = attention._triton_attention
     monkeypatch.setattr(attention, "_triton_attention", lambda *args: calls.append(1) or real(*args))
-    model, identity, handoffs = _tiny_engine_setup(device)
+    model, identity, handoffs = tiny_engine_setup(device)
     attention_backend("torch")
-    want = _greedy_tokens(model, identity, handoffs, device, storage)
+    want = greedy_tokens(model, identity, handoffs, device, storage)
     assert not calls
     attention_backend("triton")
-    got = _greedy_tokens(model, identity, handoffs, device, storage)
+    got = greedy_tokens(model, identity, handoffs, device, storage)
     assert calls
     assert {h.request_id: len(want[h.request_id]) for h in handoffs} == \
         {h.request_id: h.sampling.max_tokens for h in handoffs}

@@ -135,7 +135,8 @@ def time_ours(model, shape: ModelShape, device: torch.device, context: int, batc
     identity, top, warmup = identity_for(shape), max(batches), max(1, warmup)
     max_tokens = len(batches) * (warmup + steps) + 8  # no sequence ends before the last timed step
     handoffs = synthetic_handoffs(identity, context, top, max_tokens, shape.vocab_size)
-    runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=top * (context + max_tokens + 16)), device)
+    runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=top * (context + max_tokens + 16), max_num_seqs=top,
+                                                       max_model_len=context + max_tokens + 1), device)
     engine = DecodeEngine(runner, EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=top, max_import_tokens=top * context),
         max_model_len=context + max_tokens + 1, max_backlog_bytes=sum(h.payload_bytes for h in handoffs) + 1))

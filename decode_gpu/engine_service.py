@@ -21,6 +21,7 @@ import threading
 from decode_gpu.engine import DecodeEngine, HandoffRejectedError
 from decode_gpu.gateway_link import DEFAULT_QUEUE_BYTES, GatewayLink
 from decode_gpu.priority_gate import PriorityGate
+from contracts.cpu_share import CpuShare
 from contracts.events import FinishReason, TokenEvent
 from contracts.framing import CONTROL_FRAME_BYTES, ProtocolError, accept_peer, pack, read_message
 from contracts.handoff import HandoffFormatError, decode_handoff
@@ -32,8 +33,10 @@ STATS_INTERVAL_S = 0.5
 
 class EngineService:
     def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop, secret: bytes = b"",
-                 max_handoff_frame: int = CONTROL_FRAME_BYTES, max_queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+                 max_handoff_frame: int = CONTROL_FRAME_BYTES, max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 cpu_share: CpuShare | None = None) -> None:
         self.engine = engine
+        self.cpu_share = cpu_share  # decode on the CPU: tells local prefill workers when it is decoding
         self.gate: PriorityGate = engine.runner.gate or PriorityGate(enabled=False)
         self.loop = loop
         self.secret = secret
@@ -63,9 +66,13 @@ class EngineService:
                     log.exception("decode step failed")
                     events = self.engine.fail_all(f"decode step failed: {err}")
                 self._publish(events)
+            if self.cpu_share is not None:
+                self.cpu_share.set_decoding(self.engine.has_work)
             self.snapshot = self.engine.stats()
         self._drain_inbox(block=False)  # opened sequences still in the inbox end with the rest
         self._publish(self._abort_all())
+        if self.cpu_share is not None:
+            self.cpu_share.set_decoding(False)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -31,6 +31,11 @@ class PriorityGate:
                 self._held_for, self._held_since = priority, time.monotonic()
                 self._changed.notify_all()
 
+    @property
+    def prefill_active(self) -> bool:
+        """Whether any prompt is queued for or in prefill (whatever its priority, however long held)."""
+        return self._held_for is not None
+
     def outranks(self, priority: int) -> bool:
         """Whether a sequence of this priority should yield now."""
         held_for = self._held_for

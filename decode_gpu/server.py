@@ -24,6 +24,7 @@ from decode_gpu.model_loader import load_decode_model, load_tokenizer
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import SchedulerConfig
+from contracts.cpu_share import CpuShare
 from contracts.framing import control_secret, start_server
 from contracts.handoff import max_handoff_bytes
 from contracts.identity import read_gguf_identity
@@ -60,7 +61,9 @@ async def serve(args: argparse.Namespace) -> None:
     identity = engine.runner.identity
     max_frame = max_handoff_bytes(identity.n_layer, identity.num_kv_heads, identity.head_dim_k,
                                   identity.head_dim_v, args.max_model_len)
-    service = EngineService(engine, loop, control_secret(args.listen), max_frame, args.max_gateway_queue_bytes)
+    # decode on the CPU shares the cores with local prefill workers: they use half their threads while it decodes
+    share = CpuShare(args.cpu_share_file) if args.cpu_share_file and engine.runner.device.type == "cpu" else None
+    service = EngineService(engine, loop, control_secret(args.listen), max_frame, args.max_gateway_queue_bytes, share)
     thread = threading.Thread(target=service.run_engine, name="engine", daemon=True)
     thread.start()
     server = await start_server(service.handle_connection, args.listen)
@@ -105,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "and a sequence that must give up its blocks fails (0: no preemption)")
     parser.add_argument("--max-gateway-queue-bytes", type=int, default=DEFAULT_QUEUE_BYTES,
                         help="token events queued for one gateway connection; beyond it the connection is dropped")
+    parser.add_argument("--cpu-share-file", default="",
+                        help="decoding on the CPU, publish whether it decodes in this file, for prefill workers on the "
+                             "same cores (edge serve passes one in its run directory)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 

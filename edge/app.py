@@ -103,7 +103,7 @@ def make_app(config: ServeConfig) -> web.Application:
     if config.launch:
         app[SUPERVISOR] = supervisor = Supervisor()
         pool.on_stuck = lambda name: _kill_stuck(supervisor, name)
-        app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses))
+        app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses, run_dir))
     if not config.run_dir:
         app.on_cleanup.append(lambda _: _remove_run_dir(run_dir))
     app.cleanup_ctx.append(_connections)
@@ -114,7 +114,7 @@ def make_app(config: ServeConfig) -> web.Application:
     return app
 
 
-def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str]):
+def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str):
     async def context(app: web.Application):
         config, supervisor = app[CONFIG], app[SUPERVISOR]
         engine_args = ["--model", model_path, "--listen", engine_address, "--device", config.device,
@@ -125,6 +125,9 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         if config.kv_cache_tokens:
             engine_args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
         engine_args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
+        share = ["--cpu-share-file", os.path.join(run_dir, "cpu-share")]
+        engine_args += share
         if config.enforce_eager:
             engine_args.append("--enforce-eager")
         supervisor.add("decode_engine", "decode_gpu.server", engine_args)
@@ -136,7 +139,7 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
                 "--model", model_path, "--listen", address, "--engine", engine_address, "--name", name,
                 "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch), "--threads", str(default_threads(config)),
                 "--kv-type", kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
-                "--log-level", config.log_level])
+                *share, "--log-level", config.log_level])
         watcher = spawn(supervisor.watch(), "the process supervisor", log)
         yield
         watcher.cancel()

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import llama_cpp
@@ -96,6 +97,8 @@ class Prefiller:
             model_path=config.model_path, n_ctx=MIN_LLAMA_CTX, n_batch=min(config.n_batch, MIN_LLAMA_CTX),
             n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
             flash_attn=flash_attn, verbose=False)
+        self.threads = self._threads_in_use = threads
+        self.threads_now: Callable[[], int] | None = None  # asked before each chunk: threads for it (cores shared)
         params = self._context_params(kv, flash_attn, threads, cache_entries)
         lines: list[str] = []
         with captured_llama_log(lines):
@@ -206,6 +209,7 @@ class Prefiller:
         for begin in range(start, len(tokens), n_batch):
             if should_cancel():
                 raise PrefillCancelledError(f"cancelled after {begin} of {len(tokens)} prompt tokens")
+            self._set_threads()
             chunk = tokens[begin:begin + n_batch]
             batch.n_tokens = len(chunk)
             for i, token in enumerate(chunk):
@@ -222,6 +226,15 @@ class Prefiller:
                 raise PrefillCancelledError(f"cancelled within the chunk at {begin} of {len(tokens)} prompt tokens")
             if rc != 0:
                 raise PrefillError(f"llama_decode returned {rc} at prompt token {begin}")
+
+    def _set_threads(self) -> None:
+        """Follow threads_now (the decode engine may share these cores) between two llama.cpp chunks."""
+        if self.threads_now is None:
+            return
+        threads = self.threads_now()
+        if threads != self._threads_in_use:
+            llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
+            self._threads_in_use = threads
 
     def _sample_first(self, params: SamplingParams) -> int:
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())

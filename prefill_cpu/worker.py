@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import replace
 
+from contracts.cpu_share import CpuShare, split_threads
 from contracts.framing import ProtocolError, accept_peer, control_secret, read_message, send_message, start_server
 from contracts.handoff import encode_handoff
 from contracts.messages import (HEARTBEAT_INTERVAL_S, CancelPrefill, Handoff, Heartbeat, PrefillDone, PrefillFailed,
@@ -241,6 +242,13 @@ async def serve(args: argparse.Namespace) -> None:
                                         n_threads=args.threads, kv_type=args.kv_type,
                                         prefix_cache_tokens=args.prefix_cache_tokens))
     extra = prepare_extra_contexts(prefiller, extra_kv_types(args))
+    if args.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
+        share = CpuShare(args.cpu_share_file)
+        threads = prefiller.threads
+        shared = split_threads(threads)
+        log.info("prefill uses %d threads, %d while the decode engine decodes on the same cores", threads, shared)
+        for context in (prefiller, *extra):
+            context.threads_now = lambda: shared if share.decoding() else threads
     secret = control_secret(args.engine)
     control_secret(args.listen)  # a TCP listener refuses to start without a secret
     engine = EngineLink(args.engine, args.name, secret)
@@ -286,6 +294,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "same weights (default: q4_0 unless --kv-type is q4_0; none: the flag alone)")
     parser.add_argument("--prefix-cache-tokens", type=int, default=2048,
                         help="KV cells kept for recent prompts, so a shared prefix is not prefilled again (0: off)")
+    parser.add_argument("--cpu-share-file", default="",
+                        help="the decode engine's CPU share file (edge serve passes it): half the threads while the "
+                             "engine decodes on the same cores")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 

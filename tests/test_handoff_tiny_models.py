@@ -162,3 +162,28 @@ def test_a_missing_inverse_transform_is_caught(tiny_model, wrong):
     import_handoff(broken, dataclasses.replace(identity, rope_layout=broken.layout.rope_layout), imported, CPU)
     reference, _ = prompt_cache(model, list(tokens))
     assert relative_error(imported.cache.layers[0].keys, reference.layers[0].keys) > 0.3
+
+
+def test_threads_follow_the_cpu_share_file_between_chunks(tiny_model, tmp_path):
+    """A worker next to a decoding engine halves its threads from the next chunk on; the KV is unchanged."""
+    from contracts.cpu_share import CpuShare
+    path, _, _ = tiny_model
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_batch=32, n_threads=2, kv_type="q8_0"))
+    engine, worker = CpuShare(str(tmp_path / "cpu-share")), CpuShare(str(tmp_path / "cpu-share"))
+    try:
+        first, _, _ = prompts()
+        alone = prefiller.prefill(PrefillRequest("a", first, GREEDY)).handoff
+        asked = []
+        prefiller.threads_now = lambda: asked.append(worker.decoding()) or (1 if worker.decoding() else 2)
+        assert not worker.decoding()  # no file yet: idle
+        engine.set_decoding(True)
+        shared = prefiller.prefill(PrefillRequest("a", first, GREEDY)).handoff
+        assert prefiller._threads_in_use == 1 and asked and all(asked)
+        engine.set_decoding(False)
+        prefiller.prefill(PrefillRequest("a", first, GREEDY))
+        assert prefiller._threads_in_use == 2 and not worker.decoding()
+        assert shared.k_layers == alone.k_layers and shared.v_layers == alone.v_layers
+    finally:
+        prefiller.close()
+        engine.close()
+        worker.close()

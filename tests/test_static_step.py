@@ -103,6 +103,27 @@ def test_kv_budget_is_a_share_of_total_memory_minus_weights_peak_and_others():
         kv_budget_bytes(profile, 1.5, 1024)
 
 
+def test_cpu_decode_uses_half_its_threads_while_a_prompt_is_in_prefill():
+    from decode_gpu.model_runner import ModelRunner, RunnerConfig
+    from decode_gpu.priority_gate import PriorityGate
+    model, identity, _ = tiny_engine_setup("cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        gate = PriorityGate(enabled=True)
+        runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=512), torch.device("cpu"), gate)
+        seqs, tables = _sequences([5, 17])
+        block_tables = {s.seq_id: t for s, t in zip(seqs, tables)}
+        gate.hold(3)  # a prompt of priority 3 is queued: the gateway says so
+        runner.forward(seqs, block_tables)
+        assert torch.get_num_threads() == 2
+        gate.hold(None)
+        runner.forward(seqs, block_tables)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- on a GPU -------------------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import types
 
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -28,6 +29,7 @@ from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.kv_pool import bytes_per_token
 from decode_gpu.model_loader import load_decode_model
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
+from decode_gpu.paged_attention import build_paged_batch
 from prefill_cpu.embedded_model import embedded_model_path
 from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
@@ -105,7 +107,20 @@ def run_cb(model, requests) -> dict:
     return dict(latencies=list(done.values()), wall=wall, kv_bytes=None)
 
 
-def step_times(prefiller, model, device, batches, context=256, steps=5) -> list[tuple[int, float, float]]:
+def legacy_forward(runner, seqs, block_tables):
+    """The step as it was before the static step (issue 11), kept to measure against: metadata built per step in
+    Python loops (build_paged_batch) and copied as fresh tensors, the torch path gathering every token's slot.
+    # [len(seqs), vocab]"""
+    paged = build_paged_batch(runner.pool, [block_tables[s.seq_id] for s in seqs], [s.num_cached + 1 for s in seqs],
+                              [1] * len(seqs), runner.device)
+    input_ids = torch.tensor([[s.tokens[s.num_cached] for s in seqs]], device=runner.device)  # [1, n_seqs]
+    positions = torch.tensor([[s.num_cached for s in seqs]], device=runner.device)  # [1, n_seqs]
+    with torch.inference_mode():
+        out = runner.model(input_ids=input_ids, position_ids=positions, paged=paged, use_cache=False)
+    return out.logits[0].float()
+
+
+def step_times(prefiller, model, device, batches, context=256, steps=9) -> list[tuple[int, float, float, float]]:
     tokens = tuple(prefiller.tokenize(TEXT * 8)[:context])
     handoff = prefiller.prefill(PrefillRequest("s", tokens, SamplingParams(temperature=0.0, max_tokens=64))).handoff
     rows = []
@@ -116,6 +131,8 @@ def step_times(prefiller, model, device, batches, context=256, steps=5) -> list[
             engine.add(_renamed(handoff, f"s{i}"))
         engine.step()  # imports and the first step
         ours = _timed(engine.step, steps, device)
+        runner.forward = types.MethodType(legacy_forward, runner)
+        before = _timed(engine.step, steps, device)
         model.set_attn_implementation("sdpa")
         ids = torch.tensor([tokens] * batch, device=device)
         with torch.inference_mode():
@@ -126,7 +143,7 @@ def step_times(prefiller, model, device, batches, context=256, steps=5) -> list[
             nonlocal nxt
             with torch.inference_mode():
                 nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        rows.append((batch, ours, _timed(plain_step, steps, device)))
+        rows.append((batch, before, ours, _timed(plain_step, steps, device)))
     return rows
 
 
@@ -178,11 +195,12 @@ def main() -> None:
               f"{percentile(r['latencies'], 99):.2f} | {r['wall']:.1f} | {kv} |")
     rows = step_times(prefiller, load_decode_model(ident, device, dtype), device,
                       [int(b) for b in args.batches.split(",")])
-    print("\nDecode step time at context 256 (median of 5)")
-    print("| batch | ours paged ms | transformers DynamicCache ms | ratio |")
-    print("|---|---|---|---|")
-    for batch, ours, plain in rows:
-        print(f"| {batch} | {ours:.1f} | {plain:.1f} | {ours / plain:.2f}x |")
+    print("\nDecode step time at context 256 (median of 9); before: the step before issue 11 (per-step metadata, "
+          "per-token gather)")
+    print("| batch | ours before ms | ours ms | after / before | transformers DynamicCache ms | ours / transformers |")
+    print("|---|---|---|---|---|---|")
+    for batch, before, ours, plain in rows:
+        print(f"| {batch} | {before:.1f} | {ours:.1f} | {ours / before:.2f}x | {plain:.1f} | {ours / plain:.2f}x |")
     prefiller.close()
 
 

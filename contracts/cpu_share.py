@@ -1,7 +1,9 @@
 """Decode and prefill on the same cores: the decode engine, when it runs on the CPU, publishes whether it is
-decoding in a one-byte file in the launch's run directory, and local prefill workers read it before each
-llama.cpp chunk, using half their threads while it is (the engine does the same while a prompt is in
-prefill, from the priority signal it already gets).
+decoding, and the best priority it decodes, in a 4-byte file in the launch's run directory; local prefill
+workers read it before each llama.cpp chunk and use half their threads while decode of at least their
+prompt's priority runs (a prompt that outranks every decoding sequence gets all the cores: that decode
+yields to it, docs/config.md). The engine halves its own threads while any prompt is queued for or in
+prefill, from the priority signal it already gets.
 
 Two thread pools on the same cores slow each other far more than splitting the cores costs. On the 2-core
 development machine, a batch-8 decode step next to a 256-token prefill loop (bench numbers in
@@ -15,33 +17,46 @@ where they share a run directory. A missing file (remote engine, engine not star
 from __future__ import annotations
 
 import os
+import struct
+
+IDLE = 2**31 - 1  # what the file holds while nothing decodes
+_FORMAT = "<i"
 
 
 class CpuShare:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd: int | None = None
-        self._published: bool | None = None
+        self._published: int | None = None
 
     # --- the engine (writer) ---
-    def set_decoding(self, active: bool) -> None:
-        """Publish the engine's state; writes only on a change."""
-        if active == self._published:
+    def set_decoding(self, best_priority: int | None) -> None:
+        """Publish the best (lowest) priority among the sequences decoding now, None when none; writes only on
+        a change."""
+        value = IDLE if best_priority is None else best_priority
+        if value == self._published:
             return
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.pwrite(self._fd, b"\1" if active else b"\0", 0)
-        self._published = active
+        os.pwrite(self._fd, struct.pack(_FORMAT, value), 0)
+        self._published = value
 
     # --- a prefill worker (reader) ---
-    def decoding(self) -> bool:
-        """Whether the engine said it is decoding; False until its file exists."""
+    def decoding(self) -> int | None:
+        """The best priority the engine decodes now, None when it is idle or its file does not exist yet."""
         if self._fd is None:
             try:
                 self._fd = os.open(self.path, os.O_RDONLY)
             except FileNotFoundError:
-                return False
-        return os.pread(self._fd, 1, 0) == b"\1"
+                return None
+        raw = os.pread(self._fd, 4, 0)
+        value = struct.unpack(_FORMAT, raw)[0] if len(raw) == 4 else IDLE
+        return None if value == IDLE else value
+
+    def threads_for(self, priority: int, threads: int) -> int:
+        """A prompt of this priority: all threads unless decode at least as important runs (it does not yield)."""
+        best = self.decoding()
+        return threads if best is None or priority < best else split_threads(threads)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -77,6 +77,11 @@ class DecodeEngine:
     def has_work(self) -> bool:
         return bool(self.sequences)
 
+    @property
+    def best_running_priority(self) -> int | None:
+        """The best (lowest) priority among the sequences that decode, None when none does."""
+        return min((s.priority for s in self.sequences.values() if s.state is SeqState.RUNNING), default=None)
+
     def add(self, handoff: KVHandoff) -> list[TokenEvent]:
         """Accept a handoff; its first token (sampled by the prefill worker) is reported at once."""
         seq, event = self.open(handoff)

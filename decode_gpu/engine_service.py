@@ -67,12 +67,12 @@ class EngineService:
                     events = self.engine.fail_all(f"decode step failed: {err}")
                 self._publish(events)
             if self.cpu_share is not None:
-                self.cpu_share.set_decoding(self.engine.has_work)
+                self.cpu_share.set_decoding(self.engine.best_running_priority)
             self.snapshot = self.engine.stats()
         self._drain_inbox(block=False)  # opened sequences still in the inbox end with the rest
         self._publish(self._abort_all())
         if self.cpu_share is not None:
-            self.cpu_share.set_decoding(False)
+            self.cpu_share.set_decoding(None)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

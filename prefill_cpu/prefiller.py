@@ -98,7 +98,9 @@ class Prefiller:
             n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
             flash_attn=flash_attn, verbose=False)
         self.threads = self._threads_in_use = threads
-        self.threads_now: Callable[[], int] | None = None  # asked before each chunk: threads for it (cores shared)
+        # asked before each chunk with the prompt's priority: threads for the chunk (the cores may be shared)
+        self.threads_now: Callable[[int], int] | None = None
+        self._priority = 0  # of the prompt being prefilled
         params = self._context_params(kv, flash_attn, threads, cache_entries)
         lines: list[str] = []
         with captured_llama_log(lines):
@@ -168,6 +170,7 @@ class Prefiller:
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
         cached = self._reuse_cached_prefix(memory, tokens)
         self._should_cancel = should_cancel
+        self._priority = request.priority
         try:
             started = time.perf_counter()
             self._decode_prompt(tokens, should_cancel, cached)
@@ -231,7 +234,7 @@ class Prefiller:
         """Follow threads_now (the decode engine may share these cores) between two llama.cpp chunks."""
         if self.threads_now is None:
             return
-        threads = self.threads_now()
+        threads = self.threads_now(self._priority)
         if threads != self._threads_in_use:
             llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
             self._threads_in_use = threads

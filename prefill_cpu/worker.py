@@ -245,10 +245,10 @@ async def serve(args: argparse.Namespace) -> None:
     if args.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
         share = CpuShare(args.cpu_share_file)
         threads = prefiller.threads
-        shared = split_threads(threads)
-        log.info("prefill uses %d threads, %d while the decode engine decodes on the same cores", threads, shared)
+        log.info("prefill uses %d threads, %d while the decode engine decodes prompts at least as important on the "
+                 "same cores", threads, split_threads(threads))
         for context in (prefiller, *extra):
-            context.threads_now = lambda: shared if share.decoding() else threads
+            context.threads_now = lambda priority: share.threads_for(priority, threads)
     secret = control_secret(args.engine)
     control_secret(args.listen)  # a TCP listener refuses to start without a secret
     engine = EngineLink(args.engine, args.name, secret)

@@ -165,7 +165,8 @@ def test_a_missing_inverse_transform_is_caught(tiny_model, wrong):
 
 
 def test_threads_follow_the_cpu_share_file_between_chunks(tiny_model, tmp_path):
-    """A worker next to a decoding engine halves its threads from the next chunk on; the KV is unchanged."""
+    """A worker next to a decoding engine halves its threads from the next chunk on, unless its prompt outranks
+    everything that decodes (that decode yields to it); the KV is the same either way."""
     from contracts.cpu_share import CpuShare
     path, _, _ = tiny_model
     prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_batch=32, n_threads=2, kv_type="q8_0"))
@@ -174,14 +175,15 @@ def test_threads_follow_the_cpu_share_file_between_chunks(tiny_model, tmp_path):
         first, _, _ = prompts()
         alone = prefiller.prefill(PrefillRequest("a", first, GREEDY)).handoff
         asked = []
-        prefiller.threads_now = lambda: asked.append(worker.decoding()) or (1 if worker.decoding() else 2)
-        assert not worker.decoding()  # no file yet: idle
-        engine.set_decoding(True)
-        shared = prefiller.prefill(PrefillRequest("a", first, GREEDY)).handoff
-        assert prefiller._threads_in_use == 1 and asked and all(asked)
-        engine.set_decoding(False)
-        prefiller.prefill(PrefillRequest("a", first, GREEDY))
-        assert prefiller._threads_in_use == 2 and not worker.decoding()
+        prefiller.threads_now = lambda priority: asked.append(priority) or worker.threads_for(priority, 2)
+        assert worker.decoding() is None  # no file yet: idle
+        engine.set_decoding(5)  # the engine decodes sequences of priority 5 and worse
+        shared = prefiller.prefill(PrefillRequest("a", first, GREEDY, priority=5)).handoff
+        assert prefiller._threads_in_use == 1 and asked and set(asked) == {5}
+        prefiller.prefill(PrefillRequest("a", first, GREEDY, priority=0))  # outranks decode: all threads
+        assert prefiller._threads_in_use == 2
+        engine.set_decoding(None)
+        assert worker.decoding() is None and worker.threads_for(9, 2) == 2
         assert shared.k_layers == alone.k_layers and shared.v_layers == alone.v_layers
     finally:
         prefiller.close()

@@ -6,9 +6,9 @@ yields to it, docs/config.md). The engine halves its own threads while any promp
 prefill, from the priority signal it already gets.
 
 Two thread pools on the same cores slow each other far more than splitting the cores costs. On the 2-core
-development machine, a batch-8 decode step next to a 256-token prefill loop (bench numbers in
-docs/decode.md): 2 torch + 2 llama.cpp threads, 129 ms per step and 122 prefill tok/s; 1 + 2, 85 ms and 142;
-1 + 1, 78 ms and 183. Alone, each runs best on every core (50 ms, 347 tok/s).
+development machine (`python -m bench.cpu_share_bench`, docs/decode.md), a batch-8 decode step next to a
+prefill loop: 2 torch + 2 llama.cpp threads, 134 ms per step and 92 prefill tok/s; 1 + 2, 83 ms and 124;
+1 + 1, 83 ms and 194. Alone, each runs best on every core (49 ms; 371 tok/s).
 
 A file, not a control frame: it is only meaningful where both processes share a machine, which is exactly
 where they share a run directory. A missing file (remote engine, engine not started) reads as idle.

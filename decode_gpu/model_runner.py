@@ -209,9 +209,7 @@ class ModelRunner:
 
 def _shared_threads(device: torch.device, gate: PriorityGate | None) -> tuple[int, int] | None:
     """(threads alone, threads while a prompt is in prefill) for decode on the CPU, or None. Two thread pools
-    on the same cores slow each other far more than sharing costs: on 2 cores a batch-8 step took 50 ms alone,
-    129 ms next to a llama.cpp prefill at 2 threads each, 85 ms with decode at 1 thread (and the prefill ran
-    faster too, 142 tok/s instead of 122)."""
+    on the same cores slow each other far more than splitting the cores costs (contracts/cpu_share.py)."""
     if device.type != "cpu" or gate is None or not gate.enabled:
         return None
     alone = torch.get_num_threads()

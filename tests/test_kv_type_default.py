@@ -58,7 +58,8 @@ def test_launched_workers_get_the_resolved_kv_type(kv_type, engine_address, expe
     async def launch() -> dict[str, list[str]]:
         app = web.Application()
         app[CONFIG], app[SUPERVISOR] = ServeConfig(kv_type=kv_type), RecordingSupervisor()
-        context = _processes("model.gguf", engine_address, {"prefill-0": "unix:/a", "prefill-1": "unix:/b"})(app)
+        context = _processes("model.gguf", engine_address, {"prefill-0": "unix:/a", "prefill-1": "unix:/b"},
+                             "/tmp/edge-t")(app)
         await anext(context)
         await context.aclose()
         return app[SUPERVISOR].added
@@ -68,6 +69,8 @@ def test_launched_workers_get_the_resolved_kv_type(kv_type, engine_address, expe
         args = added[name]
         assert args[args.index("--kv-type") + 1] == expected
     assert "--kv-type" not in added["decode_engine"]  # the engine reads the KV type from each handoff
+    # the engine and the workers launched here share the cores through one file in the run directory
+    assert {added[name][added[name].index("--cpu-share-file") + 1] for name in added} == {"/tmp/edge-t/cpu-share"}
 
 
 def test_a_config_file_may_say_auto_or_an_explicit_type_and_nothing_else(tmp_path):

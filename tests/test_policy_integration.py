@@ -39,7 +39,9 @@ logprobs = "refuse"
 shed_classes = ["background"]
 retry_after_s = 3
 """
-LOAD_PROMPT = "Write a long essay about the history of mountains, rivers and the people who live near them. " * 3
+# counting: greedy decoding continues it for as long as it is let, whatever the decode dtype's rounding (an essay
+# prompt ended with EOS after ~60 tokens in bfloat16, before the load reached the tier)
+LOAD_PROMPT = "Counting: " + ", ".join(str(i) for i in range(1, 31)) + ","
 
 
 @pytest.fixture(scope="module")

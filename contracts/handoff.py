@@ -12,7 +12,7 @@ import msgspec
 
 from contracts.kv_dtypes import kv_dtype
 
-HANDOFF_VERSION = 2  # 2: num_kv_heads (was n_kv_heads)
+HANDOFF_VERSION = 3  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...)
 
 
 class HandoffFormatError(ValueError):
@@ -29,6 +29,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # number of top alternatives to report, None for none
+    # output controls, applied in this order to the raw logits (docs/sampling.md): min_tokens bans the end
+    # tokens, logit_bias adds, the penalties, then temperature, min_p, top-k, top-p. Logprobs stay those of
+    # the raw distribution.
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from each token already generated (OpenAI)
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per time a token was generated (OpenAI)
+    repetition_penalty: float = 1.0  # > 0, 1 off: tokens in the prompt or output, logit / r if > 0 else * r (vLLM)
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the likeliest (after temperature)
+    min_tokens: int = 0  # the end-of-sequence and stop_token_ids are banned until this many tokens are out
+    ignore_eos: bool = False  # generation does not end at the end-of-sequence token (stop_token_ids still end it)
 
 
 @dataclass(frozen=True)

@@ -179,11 +179,18 @@ class DecodeEngine:
         except Exception as err:
             return SampledRow(-1, str(err) or type(err).__name__)
 
-    @staticmethod
-    def _sampling_batch(seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
         # the position of the token being sampled keys its noise: the same seed and prompt give the same
         # tokens in any batch and after preemption
-        return SamplingBatch.build([SamplingRow(seq.sampling, seq.seed, len(seq.tokens)) for seq in seqs], device)
+        return SamplingBatch.build([SamplingRow(seq.sampling, seq.seed, len(seq.tokens), seq.tokens, seq.prompt_len,
+                                                self._banned(seq)) for seq in seqs], device)
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """Before min_tokens are out, the tokens that would end the request may not be drawn."""
+        params = seq.sampling
+        if len(seq.tokens) - seq.prompt_len >= params.min_tokens:
+            return ()
+        return tuple({*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)})
 
     def _sample(self, seq: Sequence, row: SampledRow) -> TokenEvent:
         """One sequence's next token; a failure here (bad logits, a sampler error) fails this sequence only."""
@@ -250,7 +257,7 @@ class DecodeEngine:
         params = seq.sampling
         text_state: IncrementalText = seq.meta["text"]
         reason = None
-        if token in params.stop_token_ids or token in self.eos_token_ids:
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
         elif len(seq.output_tokens) >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
             reason = "length"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_gpu.sampling_params import SamplingBatch, SamplingRow, resolve_seed
+from decode_gpu.sampling_params import Controls, SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.seeded_noise import race_noise
 from contracts.handoff import SamplingParams
 
@@ -51,16 +51,52 @@ def sample_packed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and problem codes. # logits: [n, vocab]; results: [n] int64 each"""
     logits = logits.float()  # [n, vocab]
+    controls = batch.controls
+    processed = apply_controls(logits, controls) if controls is not None else logits  # [n, vocab]
     if batch.any_random:
-        scores = logits / batch.temperature[:, None]  # [n, vocab]
+        scores = processed / batch.temperature[:, None]  # [n, vocab]
+        if controls is not None and controls.min_p is not None:
+            scores = min_p_filter(scores, controls.min_p)
         if batch.any_filter:
             scores = filter_scores(scores, batch)
         _add_noise(scores, batch)
     else:
-        scores = logits
+        scores = processed
     tokens = scores.argmax(dim=-1)  # [n]: the first of tied maxima, so greedy ties go to the lowest id
     chosen = scores.gather(1, tokens[:, None])[:, 0]  # [n]
     return tokens, _problem_codes(logits, chosen)
+
+
+def apply_controls(logits: torch.Tensor, controls: Controls) -> torch.Tensor:
+    """Banned end tokens, then logit_bias, then the penalties, on a copy of the raw logits (logprobs keep the raw
+    ones). # logits: [n, vocab] float32 -> [n, vocab]"""
+    out = logits.clone()
+    out.index_put_((controls.bias_rows, controls.bias_ids), controls.bias, accumulate=True)
+    if controls.penalty_rows.numel():
+        rows = out[controls.penalty_rows]  # [m, vocab]
+        vocab = rows.shape[-1]
+        in_context = _counts(controls.context_ids, vocab) > 0  # [m, vocab]: in the prompt or output
+        rep = controls.repetition[:, None]  # [m, 1]
+        rows = torch.where(in_context, torch.where(rows > 0, rows / rep, rows * rep), rows)
+        generated = _counts(controls.output_ids, vocab)  # [m, vocab]
+        rows = rows - controls.frequency[:, None] * generated - controls.presence[:, None] * (generated > 0)
+        out[controls.penalty_rows] = rows
+    out[controls.ban_rows, controls.ban_ids] = float("-inf")
+    return out
+
+
+def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """How often each token occurs in each row of ids (padded with -1). # ids: [m, L] -> [m, vocab] float32"""
+    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)  # the last column takes the padding
+    counts.scatter_add_(1, torch.where(ids < 0, vocab, ids), torch.ones(ids.shape, device=ids.device))
+    return counts[:, :vocab]
+
+
+def min_p_filter(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p x the likeliest one. # scores: [n, vocab] temperature-scaled; min_p: [n]"""
+    probs = torch.softmax(scores, dim=-1)  # [n, vocab]
+    floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [n, 1]
+    return scores.masked_fill(probs < floor, float("-inf"))
 
 
 def _add_noise(scores: torch.Tensor, batch: SamplingBatch) -> None:

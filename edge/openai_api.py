@@ -9,12 +9,12 @@ from aiohttp import web
 
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
-UNSUPPORTED_IF_SET = {"n": 1, "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
-                      "suffix": None, "tools": None, "functions": None, "logit_bias": None}
+UNSUPPORTED_IF_SET = {"n": 1, "echo": False, "best_of": 1, "suffix": None, "tools": None, "functions": None}
 TOKEN_ID_LIMIT = 1 << 31  # without a vocabulary size: llama.cpp's llama_token is an int32_t
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # llama.cpp counts tokens in int32; any real context is far smaller
 MAX_MESSAGES = 4096
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias (OpenAI documents no limit; this keeps a body's work bounded)
 
 
 class ApiError(Exception):
@@ -85,7 +85,36 @@ def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | Non
         "stop_token_ids": _token_ids(_field(body, "stop_token_ids", list, default=[]), "stop_token_ids",
                                      vocab_size, MAX_STOP_TOKEN_IDS),
         "logprobs": logprobs,
+        "logit_bias": _logit_bias(body, vocab_size),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0, default=0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 100.0, default=1.0, open_low=True),
+        "min_p": _number(body, "min_p", 0.0, 1.0, default=0.0),
+        "min_tokens": _int(body, "min_tokens", 0, MAX_TOKENS_LIMIT, default=0),
+        "ignore_eos": _field(body, "ignore_eos", bool, default=False),
     }
+
+
+def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}: keys are token ids written as strings, biases in [-100, 100]."""
+    bias = _field(body, "logit_bias", dict, default={})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+                       "logit_bias", "invalid_value")
+    pairs = []
+    for key, value in bias.items():
+        param = f"logit_bias[{_show(key)}]"
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"{param}: the keys of 'logit_bias' must be token ids (integers as strings)", param,
+                           "invalid_value") from None
+        limit = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
+        if not 0 <= token < limit:
+            raise ApiError(400, f"{param}: {token} is not a token id: ids run from 0 to {limit - 1}", param,
+                           "invalid_value")
+        pairs.append((token, _number({param: value}, param, -100.0, 100.0, default=0.0)))
+    return tuple(pairs)
 
 
 def _refuse_unsupported(body: dict) -> None:

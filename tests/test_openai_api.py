@@ -108,3 +108,33 @@ def test_deeply_nested_values_are_refused_without_recursing():
     assert (err.param, err.code) == ("n", "unsupported_parameter")
     err = _refused(_chat(messages=[{"role": "user", "content": _nested(100_000)}]), "chat")
     assert err.param == "messages[0].content"
+
+
+def test_output_controls_are_parsed_into_sampling_params():
+    from contracts.handoff import SamplingParams
+    request = parse_request(_chat(logit_bias={"15": -100, "42": 2.5}, presence_penalty=0.5, frequency_penalty=-1,
+                                  repetition_penalty=1.2, min_p=0.05, min_tokens=3, ignore_eos=True), "chat",
+                            vocab_size=VOCAB)
+    params = SamplingParams(**{**request.sampling, "max_tokens": 16})
+    assert params.logit_bias == ((15, -100.0), (42, 2.5))
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert (params.min_p, params.min_tokens, params.ignore_eos) == (0.05, 3, True)
+    neutral = parse_request(_completion(), "completion").sampling
+    assert (neutral["logit_bias"], neutral["repetition_penalty"], neutral["min_tokens"]) == ((), 1.0, 0)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias['abc']"),
+    ({"logit_bias": {str(VOCAB): 1}}, f"logit_bias['{VOCAB}']"),
+    ({"logit_bias": {"5": 101}}, "logit_bias['5']"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+])
+def test_bad_output_controls_are_refused_naming_the_field(fields, param):
+    err = _refused(_chat(**fields), "chat", vocab_size=VOCAB)
+    assert err.param == param, err.message

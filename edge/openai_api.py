@@ -9,7 +9,7 @@ from aiohttp import web
 
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
-UNSUPPORTED_IF_SET = {"n": 1, "echo": False, "best_of": 1, "suffix": None, "tools": None, "functions": None}
+UNSUPPORTED_IF_SET = {"n": 1, "best_of": 1, "suffix": None, "tools": None, "functions": None}
 TOKEN_ID_LIMIT = 1 << 31  # without a vocabulary size: llama.cpp's llama_token is an int32_t
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # llama.cpp counts tokens in int32; any real context is far smaller
 MAX_MESSAGES = 4096
@@ -43,6 +43,7 @@ class GenerateRequest:
     prompt_tokens: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
     chat_logprobs: bool = False  # chat: logprobs as objects; completions: as parallel lists
+    echo: bool = False  # completions: the answer starts with the prompt text
     user_text: str = ""  # every piece of client text, for content filters
 
 
@@ -68,10 +69,28 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
         prompt, prompt_tokens = _prompt(body, vocab_size)
         logprobs = _int(body, "logprobs", 0, 20, default=None)
         text = prompt or ""
+    echo = _echo(body, kind, prompt, logprobs)
     sampling = _sampling(body, kind, logprobs, vocab_size)
     priority = _int(body, "priority", -1_000_000, 1_000_000, default=None)
     return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
-                           prompt_tokens, messages, chat_logprobs, text)
+                           prompt_tokens, messages, chat_logprobs, echo, text)
+
+
+def _echo(body: dict, kind: str, prompt: str | None, logprobs: int | None) -> bool:
+    """Completions may echo a text prompt; what this server cannot echo is refused, not ignored."""
+    echo = _field(body, "echo", bool, default=False)
+    if not echo:
+        return False
+    if kind == "chat":
+        raise ApiError(400, "'echo' is a completions parameter; chat completions do not take it", "echo",
+                       "unsupported_parameter")
+    if prompt is None:
+        raise ApiError(400, "'echo' needs a text prompt here (a prompt of token ids is not echoed)", "echo",
+                       "unsupported_parameter")
+    if logprobs is not None:
+        raise ApiError(400, "'echo' with 'logprobs' is not supported: this server does not compute the prompt's "
+                            "logprobs", "echo", "unsupported_parameter")
+    return True
 
 
 def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | None) -> dict:

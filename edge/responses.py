@@ -23,7 +23,7 @@ class Completion:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     finish_reason: str | None = None  # a FinishReason value
-    sent_role: bool = False
+    sent_role: bool = False  # chat: the first chunk carried the role; completions: it carried the echo
     error: object = None  # the ApiError that ended the request, if one did
 
     def add(self, event: TokenEvent) -> None:
@@ -47,6 +47,7 @@ class Completion:
                       "logprobs": chat_logprobs(self.logprobs) if self.request.chat_logprobs else None}
             obj = "chat.completion"
         else:
+            text = self.request.prompt + text if self.request.echo else text
             choice = {"index": 0, "text": text, "finish_reason": reason,
                       "logprobs": completion_logprobs(self.logprobs) if self.request.sampling["logprobs"] is not None
                       else None}
@@ -67,7 +68,8 @@ class Completion:
                       "logprobs": chat_logprobs(event.logprobs) if self.request.chat_logprobs else None}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": event.text, "finish_reason": reason,
+            text = self.request.prompt + event.text if self.request.echo and not self.sent_role else event.text
+            choice = {"index": 0, "text": text, "finish_reason": reason,
                       "logprobs": completion_logprobs(event.logprobs)
                       if self.request.sampling["logprobs"] is not None else None}
             obj = "text_completion"

@@ -118,6 +118,31 @@ def test_greedy_output_is_reproducible_and_seeded_sampling_too(client):
     assert ask(temperature=0.9, seed=7) == ask(temperature=0.9, seed=7)
 
 
+def test_output_controls_reach_both_the_first_token_and_the_decode_steps(client):
+    """logit_bias forces one token from the first (prefill worker) to the last (decode engine); ignore_eos and
+    min_tokens keep a short answer going; a penalty changes a greedy answer."""
+    def complete(**kw):
+        return client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                         temperature=0, logprobs=0, **kw).choices[0]
+    plain, forced = complete(), complete(extra_body={"logit_bias": {"1000": 100}})
+    assert len(set(forced.logprobs.tokens)) == 1 and forced.logprobs.tokens != plain.logprobs.tokens
+    assert complete(frequency_penalty=2.0, presence_penalty=2.0).text != plain.text
+    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                       echo=True).choices[0]
+    assert echoed.text == "The capital of France is" + plain.text
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                         temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == echoed.text
+
+    def chat(**kw):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                              max_tokens=60, temperature=0, **kw)
+    short = chat()
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40
+    assert chat(extra_body={"ignore_eos": True}).usage.completion_tokens == 60
+    assert chat(extra_body={"min_tokens": 45}).usage.completion_tokens >= 45
+
+
 def test_stop_strings_end_the_answer(client):
     text = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
                                      stop=[" 7"]).choices[0]

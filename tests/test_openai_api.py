@@ -138,3 +138,12 @@ def test_output_controls_are_parsed_into_sampling_params():
 def test_bad_output_controls_are_refused_naming_the_field(fields, param):
     err = _refused(_chat(**fields), "chat", vocab_size=VOCAB)
     assert err.param == param, err.message
+
+
+def test_echo_takes_a_text_prompt_without_logprobs():
+    assert parse_request(_completion(echo=True), "completion").echo
+    assert not parse_request(_completion(), "completion").echo
+    for body, kind in ((_chat(echo=True), "chat"), (_completion(prompt=[1, 2], echo=True), "completion"),
+                       (_completion(echo=True, logprobs=1), "completion")):
+        err = _refused(body, kind)
+        assert (err.param, err.code) == ("echo", "unsupported_parameter"), err.message

@@ -8,6 +8,8 @@ prefills only the rest, and a preempted prompt resumes where it stopped.
 A context's KV type is fixed; `with_kv_type` builds another context on the same loaded weights.
 A cancel is seen between chunks and also inside one: llama.cpp's abort callback asks after every graph
 node, so a preempted prompt gives the CPU back within milliseconds, not after a whole chunk.
+The first token gets the request's output controls (min_tokens, logit_bias, repetition penalty, min_p) as the
+decode engine applies them to the later tokens; its logprobs stay those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class Prefiller:
             self._context = LlamaContext(model=self.llm._model, params=params, verbose=False)
         self.k_rotation, self.v_rotation = _rotations_from_log("".join(lines), self.identity)
         self.cache = PrefixCache(list(range(1, 1 + cache_entries)), config.prefix_cache_tokens)
+        self._eog_ids = _eog_ids(self.llm._model.vocab)  # [n_eog] int64: what min_tokens bans
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
         self._should_cancel = _never
         # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
@@ -166,6 +169,7 @@ class Prefiller:
             raise PromptTooLongError("the prompt is empty")
         if len(tokens) >= self.config.n_ctx:
             raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds {self.config.n_ctx - 1}")
+        self._check_logit_bias(request.sampling)  # before the prompt is computed, not after
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
         cached = self._reuse_cached_prefix(memory, tokens)
@@ -175,7 +179,9 @@ class Prefiller:
             started = time.perf_counter()
             self._decode_prompt(tokens, should_cancel, cached)
             self._should_cancel = _never  # sampling and export are short; finish them
-            first_token = self._sample_first(request.sampling)
+            # logprobs report the model's own distribution: copied before the output controls change the buffer
+            raw = self._last_logits().copy() if request.sampling.logprobs is not None else None  # [vocab]
+            first_token = self._sample_first(request.sampling, tokens)
             exported = time.perf_counter()
             state = self._export_state()
             self._remember(memory, tokens)
@@ -186,7 +192,7 @@ class Prefiller:
         finally:
             self._should_cancel = _never
             llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty sequence
-        handoff = self._handoff(request, state, first_token, self._logprobs(first_token, request.sampling))
+        handoff = self._handoff(request, state, first_token, self._logprobs(first_token, request.sampling, raw))
         done = time.perf_counter()
         return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached)
 
@@ -239,21 +245,57 @@ class Prefiller:
             llama_cpp.llama_set_n_threads(self.ctx, threads, threads)
             self._threads_in_use = threads
 
-    def _sample_first(self, params: SamplingParams) -> int:
+    def _last_logits(self) -> np.ndarray:
+        """The last prompt token's logits, as a view of llama.cpp's own buffer (what its samplers read)."""
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(self.vocab_size,))
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """The gateway checks the ids against the vocabulary; a request that reaches a worker of another model
+        must fail clearly rather than index past llama.cpp's logits."""
+        n_vocab = self.vocab_size
+        for token, _bias in params.logit_bias:
+            if not 0 <= token < n_vocab:
+                raise ValueError(f"logit_bias names token {token}, outside this model's vocabulary of {n_vocab}")
+
+    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int]) -> int:
+        """The first output token: the output controls change the logits in llama.cpp's buffer, then a
+        llama.cpp sampler chain draws (temperature, min_p, top-k, top-p, the draw; greedy takes the argmax)."""
+        self._apply_controls(self._last_logits(), params, prompt_tokens)
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         try:
             if params.temperature <= 0:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
             else:
+                # the temperature sampler divides the logits in place and min_p keeps logit >= max + log(min_p):
+                # after temperature, so min_p compares the probabilities of the scaled distribution
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
+                if params.min_p > 0:
+                    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
                 if params.top_k > 0:
                     llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
                 seed = params.seed if params.seed is not None else llama_cpp.LLAMA_DEFAULT_SEED
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
             return int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
         finally:
             llama_cpp.llama_sampler_free(chain)
+
+    def _apply_controls(self, logits: np.ndarray, params: SamplingParams, prompt_tokens: list[int]) -> None:
+        """The output controls that act before temperature, in place, in the order SamplingParams lists them:
+        the min_tokens ban, logit_bias, the penalties. # logits: [vocab] float32
+        Presence and frequency penalties count generated tokens only, and none is out yet: they do nothing here."""
+        n_vocab = logits.shape[0]
+        if params.min_tokens >= 1:  # no token is out yet: the end tokens and the stop tokens may not come first
+            stops = np.array([t for t in params.stop_token_ids if 0 <= t < n_vocab], dtype=np.int64)  # [n_stop]
+            logits[np.concatenate([self._eog_ids, stops])] = -np.inf  # a stop id past the vocab cannot be drawn
+        if params.logit_bias:
+            ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)  # [n_bias], checked by prefill()
+            np.add.at(logits, ids, np.array([b for _, b in params.logit_bias], dtype=np.float32))
+        if params.repetition_penalty != 1.0:
+            seen = np.unique(np.asarray(prompt_tokens, dtype=np.int64))  # [n_distinct]: each penalized once
+            picked = logits[seen]
+            r = np.float32(params.repetition_penalty)
+            logits[seen] = np.where(picked > 0, picked / r, picked * r)
 
     def _export_state(self) -> SeqKVState:
         size = llama_cpp.llama_state_seq_get_size(self.ctx, SEQ)
@@ -264,11 +306,11 @@ class Prefiller:
         ident = self.identity
         return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v)
 
-    def _logprobs(self, token: int, params: SamplingParams) -> tuple[float | None, tuple]:
+    @staticmethod
+    def _logprobs(token: int, params: SamplingParams, logits: np.ndarray | None) -> tuple[float | None, tuple]:
+        """Of the raw logits (before the output controls), as OpenAI reports them. # logits: [vocab]"""
         if params.logprobs is None:
             return None, ()
-        n_vocab = self.vocab_size
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(n_vocab,))
         logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
         top = np.argsort(-logprobs)[: params.logprobs]
         return float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in top)
@@ -290,6 +332,13 @@ class Prefiller:
 def _free_sequences(memory, seq_ids: list[int]) -> None:
     for seq_id in seq_ids:
         llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+
+
+def _eog_ids(vocab) -> np.ndarray:
+    """Every token llama.cpp ends generation at (EOS, EOT, ...: a model may have several), once per context
+    rather than per request. # [n_eog] int64"""
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    return np.array([t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
 
 
 def _never() -> bool:

@@ -19,6 +19,11 @@ class HandoffFormatError(ValueError):
     """Bytes that do not decode to a well-formed handoff of this version."""
 
 
+# a temperature below this is greedy, in the prefill worker and the decode engine alike: dividing logits by it
+# can overflow float32 (vLLM's cut-off)
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy

@@ -10,10 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from decode_gpu.seeded_noise import row_keys
-from contracts.handoff import SamplingParams
-
-# below this, dividing logits by the temperature can overflow float32: such rows are greedy (vLLM's cut-off)
-GREEDY_BELOW = 1e-5
+from contracts.handoff import GREEDY_BELOW, SamplingParams
 
 
 def resolve_seed(params: SamplingParams) -> int:

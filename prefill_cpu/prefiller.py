@@ -27,7 +27,7 @@ import numpy as np
 from llama_cpp._internals import LlamaContext
 
 from contracts.identity import GGUFIdentity, read_gguf_identity
-from contracts.handoff import KVHandoff, KVLayout, SamplingParams
+from contracts.handoff import GREEDY_BELOW, KVHandoff, KVLayout, SamplingParams
 from contracts.kv_dtypes import kv_dtype
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
@@ -263,7 +263,7 @@ class Prefiller:
         self._apply_controls(self._last_logits(), params, prompt_tokens)
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         try:
-            if params.temperature <= 0:
+            if params.temperature < GREEDY_BELOW:
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
             else:
                 # the temperature sampler divides the logits in place and min_p keeps logit >= max + log(min_p):
@@ -287,7 +287,9 @@ class Prefiller:
         n_vocab = logits.shape[0]
         if params.min_tokens >= 1:  # no token is out yet: the end tokens and the stop tokens may not come first
             stops = np.array([t for t in params.stop_token_ids if 0 <= t < n_vocab], dtype=np.int64)  # [n_stop]
-            logits[np.concatenate([self._eog_ids, stops])] = -np.inf  # a stop id past the vocab cannot be drawn
+            # with ignore_eos the end tokens do not end the request, so they need no ban (as in the decode engine)
+            ends = stops if params.ignore_eos else np.concatenate([self._eog_ids, stops])
+            logits[ends] = -np.inf  # a stop id past the vocab cannot be drawn
         if params.logit_bias:
             ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)  # [n_bias], checked by prefill()
             np.add.at(logits, ids, np.array([b for _, b in params.logit_bias], dtype=np.float32))

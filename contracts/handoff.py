@@ -44,6 +44,8 @@ class SamplingParams:
     min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the likeliest (after temperature)
     min_tokens: int = 0  # the end-of-sequence and stop_token_ids are banned until this many tokens are out
     ignore_eos: bool = False  # generation does not end at the end-of-sequence token (stop_token_ids still end it)
+    # structured output: (kind, source) from contracts.grammar.KINDS, masking every token from the first on
+    structured: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

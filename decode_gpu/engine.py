@@ -19,6 +19,8 @@ from decode_gpu.sampler import SampledRow, sample_rows
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
+from decode_gpu.structured import Grammars
+from contracts.grammar import GrammarError
 from contracts.events import EngineStats, FinishReason, Logprob, TokenEvent, TopLogprob
 from contracts.handoff import KVHandoff
 
@@ -72,6 +74,7 @@ class DecodeEngine:
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._throughput = _Throughput()
+        self._grammars: Grammars | None = None  # built on the first structured request
 
     @property
     def has_work(self) -> bool:
@@ -119,8 +122,25 @@ class DecodeEngine:
         if seq.seq_id in self.sequences:
             self._release(seq)
             raise HandoffRejectedError(f"request id {seq.seq_id} is already decoding")
+        if seq.sampling.structured is not None:
+            try:
+                seq.meta["matcher"] = self._matcher(seq)
+            except (GrammarError, ValueError) as err:
+                self._release(seq)
+                raise HandoffRejectedError(f"structured output: {err}") from None
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
+
+    def _matcher(self, seq: Sequence):
+        """The sequence's grammar matcher, having taken the first token (which the prefill worker masked)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer to build token masks with")
+            self._grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size, tuple(self.eos_token_ids))
+        matcher = self._grammars.matcher(*seq.sampling.structured)
+        if not matcher.accept_token(seq.tokens[-1]):
+            raise ValueError(f"the first token {seq.tokens[-1]} does not fit the constraint")
+        return matcher
 
     def abort(self, request_id: str, error: str | None = None) -> TokenEvent | None:
         """End a request at any stage; with `error`, it ends as failed, saying why."""
@@ -182,8 +202,12 @@ class DecodeEngine:
     def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
         # the position of the token being sampled keys its noise: the same seed and prompt give the same
         # tokens in any batch and after preemption
-        return SamplingBatch.build([SamplingRow(seq.sampling, seq.seed, len(seq.tokens), seq.tokens, seq.prompt_len,
-                                                self._banned(seq)) for seq in seqs], device)
+        batch = SamplingBatch.build([SamplingRow(seq.sampling, seq.seed, len(seq.tokens), seq.tokens, seq.prompt_len,
+                                                 self._banned(seq)) for seq in seqs], device)
+        matchers = [seq.meta.get("matcher") for seq in seqs]
+        if any(m is not None for m in matchers):
+            batch = dataclasses.replace(batch, token_mask=self._grammars.bitmask(matchers, device))
+        return batch
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         """Before min_tokens are out, the tokens that would end the request may not be drawn."""
@@ -199,6 +223,9 @@ class DecodeEngine:
             if row.problem is not None:
                 raise FloatingPointError(row.problem)
             seq.tokens.append(row.token)
+            matcher = seq.meta.get("matcher")
+            if matcher is not None and not matcher.accept_token(row.token):
+                raise ValueError(f"token {row.token} is outside the structured output's grammar")
             return self._after_token(seq, self._logprobs(row))
         except Exception as err:
             log.exception("sampling failed for request %s", seq.seq_id)
@@ -259,6 +286,8 @@ class DecodeEngine:
         reason = None
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = "stop"
+        elif seq.meta.get("matcher") is not None and seq.meta["matcher"].is_terminated():
+            reason = "stop"  # the grammar is complete (its end token was taken)
         elif len(seq.output_tokens) >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
             reason = "length"
         eos = reason == "stop"

@@ -12,6 +12,7 @@ import torch
 
 from decode_gpu.sampling_params import Controls, SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.seeded_noise import race_noise
+from decode_gpu.structured import allowed
 from contracts.handoff import SamplingParams
 
 # what a row's problem code means; 0 is none
@@ -53,6 +54,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     logits = logits.float()  # [n, vocab]
     controls = batch.controls
     processed = apply_controls(logits, controls) if controls is not None else logits  # [n, vocab]
+    if batch.token_mask is not None:  # structured outputs: what the grammar does not allow cannot be drawn
+        processed = processed.masked_fill(~allowed(batch.token_mask, logits.shape[-1]), float("-inf"))
     if batch.any_random:
         scores = processed / batch.temperature[:, None]  # [n, vocab]
         if controls is not None and controls.min_p is not None:

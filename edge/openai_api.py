@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ class GenerateRequest:
     messages: tuple[dict, ...] | None = None
     chat_logprobs: bool = False  # chat: logprobs as objects; completions: as parallel lists
     echo: bool = False  # completions: the answer starts with the prompt text
+    structured_param: str | None = None  # the field a structured-output constraint came from (for errors)
     user_text: str = ""  # every piece of client text, for content filters
 
 
@@ -71,9 +74,75 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
         text = prompt or ""
     echo = _echo(body, kind, prompt, logprobs)
     sampling = _sampling(body, kind, logprobs, vocab_size)
+    param, sampling["structured"] = _structured(body)
+    if sampling["structured"] is not None and sampling["ignore_eos"]:
+        raise ApiError(400, "'ignore_eos' cannot be combined with a structured output: the grammar ends the answer",
+                       "ignore_eos", "invalid_value")
     priority = _int(body, "priority", -1_000_000, 1_000_000, default=None)
     return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
-                           prompt_tokens, messages, chat_logprobs, echo, text)
+                           prompt_tokens, messages, chat_logprobs, echo, param, text)
+
+
+async def check_structured(request: GenerateRequest) -> None:
+    """A constraint that does not compile is the client's 400, naming the problem. Compiling imports xgrammar
+    (once) and can take milliseconds: off the event loop."""
+    constraint = request.sampling.get("structured")
+    if constraint is None:
+        return
+    from contracts.grammar import GrammarError, check
+    try:
+        await asyncio.to_thread(check, *constraint)
+    except GrammarError as err:
+        raise ApiError(400, str(err), request.structured_param, "invalid_structured_output") from None
+
+
+def _structured(body: dict) -> tuple[str | None, tuple[str, str] | None]:
+    """(the field it came from, (kind, source)) of a structured-output constraint, or (None, None). OpenAI's
+    response_format, vLLM's guided_* fields and its structured_outputs object; at most one constraint. Whether
+    it compiles is checked by the caller (contracts.grammar.check, off the event loop)."""
+    found: list[tuple[str, tuple[str, str]]] = []
+    response_format = _field(body, "response_format", dict, default=None)
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            found.append(("response_format", ("json_object", "")))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               "response_format", "invalid_value")
+            found.append(("response_format", ("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not "
+                                f"{_show(kind)}", "response_format", "invalid_value")
+    sources = {f"guided_{name}": body.get(f"guided_{name}") for name in ("json", "regex", "choice", "grammar")}
+    outputs = _field(body, "structured_outputs", dict, default={})
+    sources.update({f"structured_outputs.{name}": outputs.get(name) for name in ("json", "regex", "choice", "grammar")})
+    for param, value in sources.items():
+        if value is not None:
+            found.append((param, _guided(param, value)))
+    if len(found) > 1:
+        raise ApiError(400, f"one structured output per request, got {', '.join(p for p, _ in found)}", found[1][0],
+                       "invalid_value")
+    return found[0] if found else (None, None)
+
+
+def _guided(param: str, value) -> tuple[str, str]:
+    kind = param.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
+    if kind == "json":
+        if isinstance(value, str):
+            return "json_schema", value
+        if isinstance(value, dict):
+            return "json_schema", json.dumps(value)
+        raise ApiError(400, f"{param} must be a JSON schema (an object or its JSON text)", param, "invalid_type")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ApiError(400, f"{param} must be a non-empty list of non-empty strings", param, "invalid_value")
+        return "choice", json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{param} must be a non-empty string", param, "invalid_type")
+    return kind, _text(value, param)
 
 
 def _echo(body: dict, kind: str, prompt: str | None, logprobs: int | None) -> bool:

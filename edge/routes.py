@@ -13,7 +13,7 @@ from aiohttp import web
 from edge.gateway import Gateway, Run
 from edge.lifecycle import RequestStatus
 from edge.middleware import error_middleware
-from edge.openai_api import ApiError, parse_request
+from edge.openai_api import ApiError, check_structured, parse_request
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
 
@@ -33,7 +33,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
-        run = gateway.admit(request, parse_request(body, kind, vocab_size=gateway.pool.vocab_size))
+        parsed = parse_request(body, kind, vocab_size=gateway.pool.vocab_size)
+        await check_structured(parsed)
+        run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
         return err.response()

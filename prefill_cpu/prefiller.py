@@ -9,7 +9,8 @@ A context's KV type is fixed; `with_kv_type` builds another context on the same 
 A cancel is seen between chunks and also inside one: llama.cpp's abort callback asks after every graph
 node, so a preempted prompt gives the CPU back within milliseconds, not after a whole chunk.
 The first token gets the request's output controls (min_tokens, logit_bias, repetition penalty, min_p) as the
-decode engine applies them to the later tokens; its logprobs stay those of the model's raw distribution.
+decode engine applies them to the later tokens, and a structured output's grammar (xgrammar) masks it as the engine
+masks the rest; its logprobs stay those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -26,6 +28,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaContext
 
+from contracts.grammar import GrammarError, build_grammar
 from contracts.identity import GGUFIdentity, read_gguf_identity
 from contracts.handoff import GREEDY_BELOW, KVHandoff, KVLayout, SamplingParams
 from contracts.kv_dtypes import kv_dtype
@@ -36,6 +39,9 @@ from prefill_cpu.prefix_cache import PrefixCache
 log = logging.getLogger(__name__)
 SEQ = 0  # the llama.cpp sequence a prompt occupies while it is prefilled (cached prompts use 1, 2, ...)
 MIN_LLAMA_CTX = 256  # the Llama object's own context, unused for prefill
+COMPILED_GRAMMARS = 64  # compiled structured-output grammars kept per worker, least recently used dropped
+# tokens that are no text: the grammar never admits them (xgrammar treats a token of empty bytes as special)
+NOT_TEXT = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN | llama_cpp.LLAMA_TOKEN_ATTR_UNUSED
 
 
 class PrefillError(RuntimeError):
@@ -110,6 +116,9 @@ class Prefiller:
         self.k_rotation, self.v_rotation = _rotations_from_log("".join(lines), self.identity)
         self.cache = PrefixCache(list(range(1, 1 + cache_entries)), config.prefix_cache_tokens)
         self._eog_ids = _eog_ids(self.llm._model.vocab)  # [n_eog] int64: what min_tokens bans
+        self._tokenizer_info = None  # xgrammar.TokenizerInfo of the vocabulary, built on the first structured request
+        self._grammar_compiler = None  # xgrammar.GrammarCompiler over it, likewise
+        self._grammars: OrderedDict[tuple[str, str], object] = OrderedDict()  # (kind, source) -> CompiledGrammar
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
         self._should_cancel = _never
         # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
@@ -170,6 +179,7 @@ class Prefiller:
         if len(tokens) >= self.config.n_ctx:
             raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds {self.config.n_ctx - 1}")
         self._check_logit_bias(request.sampling)  # before the prompt is computed, not after
+        grammar = self._compiled_grammar(request.sampling.structured)  # likewise: a bad constraint fails first
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
         cached = self._reuse_cached_prefix(memory, tokens)
@@ -181,7 +191,7 @@ class Prefiller:
             self._should_cancel = _never  # sampling and export are short; finish them
             # logprobs report the model's own distribution: copied before the output controls change the buffer
             raw = self._last_logits().copy() if request.sampling.logprobs is not None else None  # [vocab]
-            first_token = self._sample_first(request.sampling, tokens)
+            first_token = self._sample_first(request.sampling, tokens, grammar)
             exported = time.perf_counter()
             state = self._export_state()
             self._remember(memory, tokens)
@@ -257,10 +267,14 @@ class Prefiller:
             if not 0 <= token < n_vocab:
                 raise ValueError(f"logit_bias names token {token}, outside this model's vocabulary of {n_vocab}")
 
-    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int]) -> int:
-        """The first output token: the output controls change the logits in llama.cpp's buffer, then a
-        llama.cpp sampler chain draws (temperature, min_p, top-k, top-p, the draw; greedy takes the argmax)."""
-        self._apply_controls(self._last_logits(), params, prompt_tokens)
+    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int], grammar=None) -> int:
+        """The first output token: the output controls and the grammar (an xgrammar CompiledGrammar, or None) change
+        the logits in llama.cpp's buffer, then a llama.cpp sampler chain draws (temperature, min_p, top-k, top-p, the
+        draw; greedy takes the argmax). The grammar masks last, so no control can bring a forbidden token back."""
+        logits = self._last_logits()  # [vocab]
+        self._apply_controls(logits, params, prompt_tokens)
+        if grammar is not None:
+            _apply_grammar(logits, grammar)
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         try:
             if params.temperature < GREEDY_BELOW:
@@ -298,6 +312,63 @@ class Prefiller:
             picked = logits[seen]
             r = np.float32(params.repetition_penalty)
             logits[seen] = np.where(picked > 0, picked / r, picked * r)
+
+    def _compiled_grammar(self, structured: tuple[str, str] | None):
+        """The CompiledGrammar of a request's constraint (None without one). Compiling takes milliseconds to
+        seconds (a large JSON schema), and clients repeat their constraints, so the last COMPILED_GRAMMARS stay."""
+        if structured is None:
+            return None
+        compiled = self._grammars.get(structured)
+        if compiled is not None:
+            self._grammars.move_to_end(structured)
+            return compiled
+        grammar = build_grammar(*structured)  # GrammarError when it does not compile
+        try:
+            compiled = self._compiler().compile_grammar(grammar)
+        except Exception as err:  # xgrammar's RuntimeError: the gateway checked, so this is defensive
+            raise GrammarError(f"the {structured[0]} constraint does not compile for this vocabulary: {err}") from None
+        self._grammars[structured] = compiled
+        if len(self._grammars) > COMPILED_GRAMMARS:
+            self._grammars.popitem(last=False)
+        return compiled
+
+    def _compiler(self):
+        """xgrammar's compiler for this GGUF's vocabulary, built once, on the first structured request."""
+        if self._grammar_compiler is None:
+            import xgrammar as xgr
+            # our own LRU keeps compiled grammars; xgrammar's cache would be a second one, unbounded
+            self._grammar_compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=self.threads,
+                                                         cache_enabled=False)
+        return self._grammar_compiler
+
+    def tokenizer_info(self):
+        """The xgrammar.TokenizerInfo of this GGUF, built once, when first asked for: workers that never see a
+        structured request do not pay for it (nor import xgrammar). From llama.cpp's own vocabulary: each token's
+        bytes as llama.cpp detokenizes them (RAW: no byte-level or byte-fallback spelling to undo), so the grammar
+        sees exactly the text the client gets. Control, unknown and unused tokens get no bytes, which xgrammar
+        treats as special: never inside the grammar's text. The end-of-generation tokens end a finished grammar."""
+        if self._tokenizer_info is not None:
+            return self._tokenizer_info
+        import xgrammar as xgr
+        started = time.perf_counter()
+        vocab = self.llm._model.vocab
+        n_vocab = self.vocab_size
+        buf = ctypes.create_string_buffer(256)
+        pieces: list[bytes] = []
+        for token in range(n_vocab):
+            if llama_cpp.llama_vocab_get_attr(vocab, token) & NOT_TEXT:
+                pieces.append(b"")
+                continue
+            n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+            if n < 0:  # the piece is longer than buf: -n bytes
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
+            pieces.append(buf.raw[:n])
+        self._tokenizer_info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=n_vocab,
+                                                 stop_token_ids=[int(t) for t in self._eog_ids])
+        log.info("structured outputs: xgrammar tokenizer info for %d tokens (%d special) in %.3f s", n_vocab,
+                 len(self._tokenizer_info.special_token_ids), time.perf_counter() - started)
+        return self._tokenizer_info
 
     def _export_state(self) -> SeqKVState:
         size = llama_cpp.llama_state_seq_get_size(self.ctx, SEQ)
@@ -341,6 +412,21 @@ def _eog_ids(vocab) -> np.ndarray:
     rather than per request. # [n_eog] int64"""
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     return np.array([t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
+
+
+def _apply_grammar(logits: np.ndarray, grammar) -> None:
+    """-inf on every token the grammar does not allow first, in place. # logits: [vocab] float32
+    A fresh matcher: the first token is the grammar's first step."""
+    import xgrammar as xgr
+    n_vocab = logits.shape[0]
+    matcher = xgr.GrammarMatcher(grammar)
+    bitmask = np.zeros(xgr.get_bitmask_shape(1, n_vocab), dtype=np.int32)  # [1, ceil(vocab / 32)]
+    if not matcher.fill_next_token_bitmask(bitmask):
+        return  # every token is allowed
+    # bit j of word w is token 32 * w + j (an arithmetic shift of a negative word still leaves bit j in bit 0)
+    bits = (bitmask[0][:, None] >> np.arange(32, dtype=np.int32)) & 1  # [ceil(vocab / 32), 32]
+    allowed = bits.reshape(-1)[:n_vocab].astype(bool)  # [vocab]
+    logits[~allowed] = -np.inf
 
 
 def _never() -> bool:

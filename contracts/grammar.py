@@ -29,8 +29,8 @@ def build_grammar(kind: str, source: str):
     try:
         if kind == "json_schema":
             return xgr.Grammar.from_json_schema(source, any_whitespace=False)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # an object, as OpenAI's json_object means (xgrammar's builtin also takes arrays)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(source)
         if kind == "choice":

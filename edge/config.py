@@ -41,6 +41,7 @@ class ServeConfig:
     prefill_workers: int = 1
     threads_per_worker: int = 0  # 0: cores / workers
     device: str = "auto"
+    dtype: str = "auto"  # decode weights and activations: auto (bfloat16 on CUDA and bf16-capable CPUs), float32, ...
     kv_type: str = "auto"  # llama.cpp KV cache and wire format; auto: f16 next to the engine, q8_0 across hosts
     n_ctx: int = 4096
     n_batch: int = 128  # prompt tokens per llama.cpp call
@@ -66,6 +67,7 @@ class ServeConfig:
 
 
 CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda"),
+           "dtype": ("auto", "float32", "bfloat16", "float16"),
            "decode_yields_to_prefill": ("auto", "on", "off"),
            "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}

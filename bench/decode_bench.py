@@ -147,6 +147,32 @@ def step_times(prefiller, model, device, batches, context=256, steps=9) -> list[
     return rows
 
 
+SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": '
+          '{"type": "string"}}, "score": {"type": "number"}}, "required": ["name", "tags", "score"]}')
+
+
+def grammar_costs(prefiller, model, device, batches, steps=9) -> list[tuple[int, float, float]]:
+    """The decode step with every row under a JSON schema against the same rows unconstrained: what the
+    structured outputs' token masks cost (host: the matchers fill a bitmask; device: the mask is applied)."""
+    from decode_gpu.model_loader import load_tokenizer
+    tokenizer = load_tokenizer(prefiller.identity)
+    tokens = tuple(prefiller.tokenize("Describe a city as a JSON object with a name, tags and a score.")[:64])
+    rows = []
+    for batch in batches:
+        medians = []
+        for structured in (None, ("json_schema", SCHEMA)):
+            params = SamplingParams(temperature=0.0, max_tokens=400, structured=structured)
+            handoff = prefiller.prefill(PrefillRequest("g", tokens, params)).handoff
+            runner = ModelRunner(model, prefiller.identity, RunnerConfig(kv_cache_tokens=512 * batch), device)
+            engine = DecodeEngine(runner, EngineConfig(), tokenizer, (tokenizer.eos_token_id,))
+            for i in range(batch):
+                engine.add(_renamed(handoff, f"g{i}"))
+            engine.step()
+            medians.append(_timed(engine.step, steps, device))
+        rows.append((batch, *medians))
+    return rows
+
+
 def _renamed(handoff, request_id):
     import dataclasses
     return dataclasses.replace(handoff, request_id=request_id)
@@ -169,7 +195,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--outputs", default="16,32,64,128", help="output lengths, cycled over the 16 requests")
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--skip", default="", help="comma list of systems to skip: static,cb")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: ours,static,cb,steps,grammar")
     args = parser.parse_args()
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
@@ -178,8 +204,10 @@ def main() -> None:
     useful = sum(n for _, n in requests)
     ident = prefiller.identity
     per_token = bytes_per_token(ident.n_layer, ident.num_kv_heads, ident.head_dim_k, str(dtype).split(".")[-1])
-    results = {"ours (llama.cpp prefill + paged engine)": run_ours(prefiller, load_decode_model(ident, device, dtype),
-                                                                   device, requests)}
+    results = {}
+    if "ours" not in args.skip:
+        results["ours (llama.cpp prefill + paged engine)"] = run_ours(
+            prefiller, load_decode_model(ident, device, dtype), device, requests)
     if "static" not in args.skip:
         results["static batch (transformers generate)"] = run_static(load_decode_model(ident, device, dtype),
                                                                      requests, per_token)
@@ -193,15 +221,30 @@ def main() -> None:
         kv = f"{r['kv_bytes'] / 2**20:.1f}" if r["kv_bytes"] is not None else "n/a (pool preallocated)"
         print(f"| {name} | {useful / r['wall']:.1f} | {percentile(r['latencies'], 50):.2f} | "
               f"{percentile(r['latencies'], 99):.2f} | {r['wall']:.1f} | {kv} |")
-    rows = step_times(prefiller, load_decode_model(ident, device, dtype), device,
-                      [int(b) for b in args.batches.split(",")])
+    if "steps" not in args.skip:
+        print_step_times(step_times(prefiller, load_decode_model(ident, device, dtype), device,
+                                    [int(b) for b in args.batches.split(",")]))
+    if "grammar" not in args.skip:
+        print_grammar_costs(grammar_costs(prefiller, load_decode_model(ident, device, dtype), device, [16, 32]))
+    prefiller.close()
+
+
+def print_step_times(rows) -> None:
     print("\nDecode step time at context 256 (median of 9); before: the step before issue 11 (per-step metadata, "
           "per-token gather)")
     print("| batch | ours before ms | ours ms | after / before | transformers DynamicCache ms | ours / transformers |")
     print("|---|---|---|---|---|---|")
     for batch, before, ours, plain in rows:
         print(f"| {batch} | {before:.1f} | {ours:.1f} | {ours / before:.2f}x | {plain:.1f} | {ours / plain:.2f}x |")
-    prefiller.close()
+
+
+def print_grammar_costs(rows) -> None:
+    print("\nStructured outputs: the step with every row under a JSON schema (median of 9, context ~70)")
+    print("| batch | unconstrained ms | constrained ms | mask cost ms | share of the step |")
+    print("|---|---|---|---|---|")
+    for batch, plain, constrained in rows:
+        print(f"| {batch} | {plain:.1f} | {constrained:.1f} | {constrained - plain:.1f} | "
+              f"{(constrained - plain) / constrained:.0%} |")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     controls = batch.controls
     processed = apply_controls(logits, controls) if controls is not None else logits  # [n, vocab]
     if batch.token_mask is not None:  # structured outputs: what the grammar does not allow cannot be drawn
-        processed = processed.masked_fill(~allowed(batch.token_mask, logits.shape[-1]), float("-inf"))
+        rows, bitmask = batch.token_mask  # only the constrained rows are unpacked and touched
+        processed = processed.clone() if processed is logits else processed
+        processed[rows] = processed[rows].masked_fill(~allowed(bitmask, logits.shape[-1]), float("-inf"))
     if batch.any_random:
         scores = processed / batch.temperature[:, None]  # [n, vocab]
         if controls is not None and controls.min_p is not None:

@@ -98,7 +98,8 @@ class SamplingBatch:
     any_filter: bool
     num_logprobs: tuple[int | None, ...]  # per row: alternatives wanted, None for no logprobs
     controls: Controls | None = None  # logit_bias, penalties, min_p, banned end tokens; None when unused
-    token_mask: torch.Tensor | None = None  # [n, ceil(vocab / 32)] int32 allowed tokens (structured outputs)
+    # structured outputs: the constrained rows [m] int64 and their allowed tokens [m, ceil(vocab / 32)] int32
+    token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, rows: list[SamplingRow], device: torch.device) -> "SamplingBatch":

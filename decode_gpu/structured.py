@@ -41,14 +41,14 @@ class Grammars:
     def _compiled(self, kind: str, source: str):
         return self._compiler.compile_grammar(build_grammar(kind, source))
 
-    def bitmask(self, matchers: list, device: torch.device) -> torch.Tensor:
-        """Each row's allowed tokens as xgrammar's int32 bitmask (bit j of word w: token 32w + j), every bit
-        set on the rows without a matcher. # [len(matchers), ceil(vocab / 32)] on the device"""
-        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all allowed
-        for row, matcher in enumerate(matchers):
-            if matcher is not None:
-                matcher.fill_next_token_bitmask(mask, row)
-        return mask.to(device, non_blocking=True)
+    def bitmask(self, matchers: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that have a matcher [m] int64, and their allowed tokens as xgrammar's int32 bitmask (bit j
+        of word w: token 32w + j) [m, ceil(vocab / 32)], on the device."""
+        rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+        mask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, row in enumerate(rows):
+            matchers[row].fill_next_token_bitmask(mask, i)
+        return torch.tensor(rows, dtype=torch.int64).to(device), mask.to(device, non_blocking=True)
 
 
 def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from edge.tools import ToolError, ToolSpec, parse_tools, with_tools
+
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
-UNSUPPORTED_IF_SET = {"n": 1, "best_of": 1, "suffix": None, "tools": None, "functions": None}
+UNSUPPORTED_IF_SET = {"n": 1, "best_of": 1, "suffix": None, "functions": None, "function_call": None}
 TOKEN_ID_LIMIT = 1 << 31  # without a vocabulary size: llama.cpp's llama_token is an int32_t
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # llama.cpp counts tokens in int32; any real context is far smaller
 MAX_MESSAGES = 4096
@@ -47,6 +49,7 @@ class GenerateRequest:
     chat_logprobs: bool = False  # chat: logprobs as objects; completions: as parallel lists
     echo: bool = False  # completions: the answer starts with the prompt text
     structured_param: str | None = None  # the field a structured-output constraint came from (for errors)
+    tools: ToolSpec | None = None  # chat: the tools and tool_choice
     user_text: str = ""  # every piece of client text, for content filters
 
 
@@ -61,8 +64,13 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
     stream = _field(body, "stream", bool, default=False)
     stream_options = _field(body, "stream_options", dict, default=None) or {}
     include_usage = bool(stream_options.get("include_usage", False))
+    tools = None
     if kind == "chat":
-        messages, prompt, prompt_tokens = _messages(body), None, None
+        try:
+            tools = parse_tools(body)
+        except ToolError as err:
+            raise ApiError(400, str(err), err.param, "invalid_value") from None
+        messages, prompt, prompt_tokens = tuple(with_tools(list(_messages(body)), tools)), None, None
         chat_logprobs = _field(body, "logprobs", bool, default=False)
         top = _int(body, "top_logprobs", 0, 20, default=0)
         logprobs = top if chat_logprobs else None
@@ -75,12 +83,19 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
     echo = _echo(body, kind, prompt, logprobs)
     sampling = _sampling(body, kind, logprobs, vocab_size)
     param, sampling["structured"] = _structured(body)
+    if tools is not None and tools.constrained:
+        if sampling["structured"] is not None:
+            raise ApiError(400, f"tool_choice {tools.choice!r} and {param} both constrain the answer; use one",
+                           "tool_choice", "invalid_value")
+        param, sampling["structured"] = "tools", tools.constraint()
+    elif kind != "chat" and body.get("tools") is not None:
+        raise ApiError(400, "tools are a chat completions parameter", "tools", "unsupported_parameter")
     if sampling["structured"] is not None and sampling["ignore_eos"]:
         raise ApiError(400, "'ignore_eos' cannot be combined with a structured output: the grammar ends the answer",
                        "ignore_eos", "invalid_value")
     priority = _int(body, "priority", -1_000_000, 1_000_000, default=None)
     return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
-                           prompt_tokens, messages, chat_logprobs, echo, param, text)
+                           prompt_tokens, messages, chat_logprobs, echo, param, tools, text)
 
 
 async def check_structured(request: GenerateRequest) -> None:
@@ -333,8 +348,34 @@ def _messages(body: dict) -> tuple[dict, ...]:
         if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object with a role in {sorted(ROLES)}", f"messages[{i}]",
                            "invalid_value")
-        clean.append({"role": role, "content": _content_text(message.get("content"), i)})
+        calls = _tool_calls(message.get("tool_calls"), i) if role == "assistant" else ()
+        content = message.get("content")
+        text = "" if content is None and (calls or role == "assistant") else _content_text(content, i)
+        clean.append({"role": role, "content": text, "tool_calls": calls})
     return tuple(clean)
+
+
+def _tool_calls(calls, index: int) -> tuple[dict, ...]:
+    """An assistant message's earlier tool calls, as {"name", "arguments"} (arguments parsed when JSON)."""
+    if calls is None:
+        return ()
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{param} must be a list", param, "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", "{}"), str):
+            raise ApiError(400, f"{param}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                f"\"arguments\": <JSON text>}}}}", f"{param}[{j}]", "invalid_value")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass  # kept as the text the client sent
+        out.append({"name": _text(function["name"], f"{param}[{j}].function.name"), "arguments": arguments})
+    return tuple(out)
 
 
 def _content_text(content, index: int) -> str:

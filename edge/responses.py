@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from contracts.events import FinishReason, TokenEvent
 from edge.openai_api import GenerateRequest
+from edge.tools import may_be_a_call, parse_calls
 
 
 
@@ -24,6 +25,7 @@ class Completion:
     num_output_tokens: int = 0
     finish_reason: str | None = None  # a FinishReason value
     sent_role: bool = False  # chat: the first chunk carried the role; completions: it carried the echo
+    held: int = 0  # chat with tools: characters of text not streamed yet (it may be a tool call)
     error: object = None  # the ApiError that ended the request, if one did
 
     def add(self, event: TokenEvent) -> None:
@@ -43,7 +45,11 @@ class Completion:
         text = "".join(self.text)
         reason = _openai_finish(self.finish_reason)
         if self.request.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+            message = {"role": "assistant", "content": text}
+            calls, rest = self._calls(text)
+            if calls:
+                message, reason = {"role": "assistant", "content": rest or None, "tool_calls": calls}, "tool_calls"
+            choice = {"index": 0, "message": message, "finish_reason": reason,
                       "logprobs": chat_logprobs(self.logprobs) if self.request.chat_logprobs else None}
             obj = "chat.completion"
         else:
@@ -61,7 +67,9 @@ class Completion:
         if not event.text and reason is None and self.sent_role:
             return None
         if self.request.kind == "chat":
-            delta = {"content": event.text}
+            delta, reason = self._tool_delta(event, reason) if self._tools_on else ({"content": event.text}, reason)
+            if delta is None:
+                return None
             if not self.sent_role:
                 delta = {"role": "assistant", **delta}
             choice = {"index": 0, "delta": delta, "finish_reason": reason,
@@ -76,6 +84,31 @@ class Completion:
         self.sent_role = True
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
+
+    @property
+    def _tools_on(self) -> bool:
+        return self.request.tools is not None and self.request.tools.choice != "none"
+
+    def _calls(self, text: str) -> tuple[list[dict], str]:
+        if not self._tools_on or self.finish_reason not in ("stop", None) and not self.request.tools.constrained:
+            return [], text
+        return parse_calls(text, self.request.tools)
+
+    def _tool_delta(self, event: TokenEvent, reason: str | None) -> tuple[dict | None, str | None]:
+        """Text that may be a tool call is held back until it is clear; at the end, calls go out as one delta."""
+        text = "".join(self.text)
+        if reason is None:
+            if self.request.tools.constrained or may_be_a_call(text):
+                return ({} if not self.sent_role else None), None  # the role goes out at once, the text waits
+            pending, self.held = text[self.held:], len(text)
+            return ({"content": pending} if pending or not self.sent_role else None), None
+        calls, rest = parse_calls(text, self.request.tools) if reason == "stop" or self.request.tools.constrained \
+            else ([], text)
+        if calls:
+            return {"content": rest[self.held:] or None, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, \
+                "tool_calls"
+        pending, self.held = text[self.held:], len(text)
+        return {"content": pending}, reason
 
     def usage_chunk(self) -> dict:
         obj = "chat.completion.chunk" if self.request.kind == "chat" else "text_completion"

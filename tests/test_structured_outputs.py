@@ -144,3 +144,33 @@ def test_unconstrained_requests_in_a_mixed_batch_give_their_text_alone(client):
         mixed = list(pool.map(plain, plain_prompts))
         assert all(isinstance(f.result().message.parsed, BaseModel) for f in constrained)
     assert mixed == alone
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+class WeatherArgs(BaseModel):
+    city: str
+    unit: str
+
+
+def test_a_named_tool_choice_returns_a_call_whose_arguments_fit_the_schema(client):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                   tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   max_tokens=100, temperature=0)
+    choice = client.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = WeatherArgs.model_validate_json(call.function.arguments)
+    assert args.unit in ("celsius", "fahrenheit")
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)  # the call's JSON is not streamed as text
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert WeatherArgs.model_validate_json(calls[0].function.arguments) == args
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

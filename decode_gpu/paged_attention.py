@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from decode_gpu.kv_pool import KVPool
 
@@ -217,9 +216,8 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _no_mask(*args, **kwargs) -> None:
-    return None  # masking is done inside paged_attention from the block tables
-
-
+# No mask function is registered on purpose: for an attention implementation without one, transformers skips
+# mask creation entirely (masking is done inside paged_attention from the block tables). With one, it would
+# look for packed sequences in position_ids and read the answer back to the host every forward: a host sync
+# in eager steps, found by tests/test_static_step.py's CPU check of host reads.
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -124,6 +124,34 @@ def test_cpu_decode_uses_half_its_threads_while_a_prompt_is_in_prefill():
         torch.set_num_threads(before)
 
 
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records tensor-to-host reads (what would sync with a GPU): item, tolist, bool(tensor), .cpu(), ..."""
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_forward_reads_nothing_back_to_the_host():
+    """The CPU stand-in for the GPU's sync check: a registered mask function once made transformers read a
+    packed-sequence test back every forward (a host sync per step on CUDA, and no graph capture)."""
+    from decode_gpu.model_runner import ModelRunner, RunnerConfig
+    model, identity, _ = tiny_engine_setup("cpu")
+    runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=512), torch.device("cpu"))
+    seqs, tables = _sequences([5, 17, 40])
+    block_tables = {s.seq_id: t for s, t in zip(seqs, tables)}
+    runner.forward(seqs, block_tables)
+    with _HostReads() as reads:
+        runner.forward(seqs, block_tables)
+    assert reads.seen == []
+
+
 # --- on a GPU -------------------------------------------------------------------------------------------
 
 

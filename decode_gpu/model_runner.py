@@ -24,7 +24,7 @@ from decode_gpu.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.kv_pool import KVPool, PoolShape, device_index
 from decode_gpu.kv_sizing import MemoryProfile, kv_budget_bytes
-from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, choose_num_splits, resolve_backend
+from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, resolve_backend
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.sampler import sample_rows
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow
@@ -98,6 +98,11 @@ class ModelRunner:
         self._threads = _shared_threads(device, gate)
 
     @property
+    def shares_cpu(self) -> bool:
+        """Whether this runner halves its threads while a prompt is in prefill (decode on the CPU, yielding)."""
+        return self._threads is not None
+
+    @property
     def num_blocks(self) -> int:
         """Blocks sequences may own (the scratch block is not one of them)."""
         return self.pool.shape.num_blocks - 1
@@ -157,8 +162,7 @@ class ModelRunner:
         """The eager forward over the first `rows` rows of the step inputs. Without `longest` (graph capture,
         profiling) the KV splits are sized for max_model_len. # [rows, vocab] float32"""
         inputs = self.inputs
-        splits = choose_num_splits(rows, self._shape.num_kv_heads, longest or self.config.max_model_len, self.device)
-        paged = inputs.batch(rows, longest or self.config.max_model_len, splits)
+        paged = inputs.batch(rows, longest or self.config.max_model_len)  # its KV splits follow that length
         out = self.model(input_ids=inputs.input_ids[None, :rows], position_ids=inputs.positions[None, :rows],
                          paged=paged, use_cache=False)
         return out.logits[0].float()

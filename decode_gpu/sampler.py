@@ -12,7 +12,7 @@ import torch
 
 from decode_gpu.sampling_params import Controls, SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.seeded_noise import race_noise
-from decode_gpu.structured import allowed
+from decode_gpu.structured import apply_mask
 from contracts.handoff import SamplingParams
 
 # what a row's problem code means; 0 is none
@@ -55,9 +55,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     controls = batch.controls
     processed = apply_controls(logits, controls) if controls is not None else logits  # [n, vocab]
     if batch.token_mask is not None:  # structured outputs: what the grammar does not allow cannot be drawn
-        rows, bitmask = batch.token_mask  # only the constrained rows are unpacked and touched
-        processed = processed.clone() if processed is logits else processed
-        processed[rows] = processed[rows].masked_fill(~allowed(bitmask, logits.shape[-1]), float("-inf"))
+        processed = processed.clone() if processed is logits else processed  # logprobs keep the raw logits
+        apply_mask(processed, batch.token_mask)
     if batch.any_random:
         scores = processed / batch.temperature[:, None]  # [n, vocab]
         if controls is not None and controls.min_p is not None:

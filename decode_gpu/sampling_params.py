@@ -98,8 +98,8 @@ class SamplingBatch:
     any_filter: bool
     num_logprobs: tuple[int | None, ...]  # per row: alternatives wanted, None for no logprobs
     controls: Controls | None = None  # logit_bias, penalties, min_p, banned end tokens; None when unused
-    # structured outputs: the constrained rows [m] int64 and their allowed tokens [m, ceil(vocab / 32)] int32
-    token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # structured outputs: the constrained rows, and the batch's bitmask [n, ceil(vocab / 32)] int32 of allowed tokens
+    token_mask: tuple[list[int], torch.Tensor] | None = None
 
     @classmethod
     def build(cls, rows: list[SamplingRow], device: torch.device) -> "SamplingBatch":

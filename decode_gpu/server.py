@@ -64,8 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
     # decode on the CPU shares the cores with local prefill workers: they use half their threads while it decodes
     # (only when the engine halves its own threads too, with --yield-to-prefill on: one side alone at half its
     # threads next to the other at all of them is the worst split, docs/decode.md)
-    shares = engine.runner.device.type == "cpu" and engine.runner.gate is not None and engine.runner.gate.enabled
-    share = CpuShare(args.cpu_share_file) if args.cpu_share_file and shares else None
+    share = CpuShare(args.cpu_share_file) if args.cpu_share_file and engine.runner.shares_cpu else None
     service = EngineService(engine, loop, control_secret(args.listen), max_frame, args.max_gateway_queue_bytes, share)
     thread = threading.Thread(target=service.run_engine, name="engine", daemon=True)
     thread.start()

@@ -41,18 +41,19 @@ class Grammars:
     def _compiled(self, kind: str, source: str):
         return self._compiler.compile_grammar(build_grammar(kind, source))
 
-    def bitmask(self, matchers: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows that have a matcher [m] int64, and their allowed tokens as xgrammar's int32 bitmask (bit j
-        of word w: token 32w + j) [m, ceil(vocab / 32)], on the device."""
+    def bitmask(self, matchers: list, device: torch.device) -> tuple[list[int], torch.Tensor]:
+        """The rows that have a matcher, and the batch's xgrammar bitmask [len(matchers), ceil(vocab / 32)] int32
+        on the device, filled on those rows (bit j of word w: token 32w + j may be drawn)."""
         rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
-        mask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, row in enumerate(rows):
-            matchers[row].fill_next_token_bitmask(mask, i)
-        return torch.tensor(rows, dtype=torch.int64).to(device), mask.to(device, non_blocking=True)
+        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for row in rows:
+            matchers[row].fill_next_token_bitmask(mask, row)
+        return rows, mask.to(device, non_blocking=True)
 
 
-def allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Unpack a bitmask into booleans. # bitmask: [n, words] int32 -> [n, vocab] bool"""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [n, words, 32]
-    return bits.flatten(1)[:, :vocab].bool()
+def apply_mask(scores: torch.Tensor, token_mask: tuple[list[int], torch.Tensor]) -> None:
+    """-inf, in place, on what the grammar of each constrained row does not allow; the other rows are not
+    touched (xgrammar's kernel, on the CPU or the GPU). # scores: [n, vocab]"""
+    import xgrammar as xgr
+    rows, bitmask = token_mask
+    xgr.apply_token_bitmask_inplace(scores, bitmask, indices=rows)

@@ -212,10 +212,7 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
         except ValueError:
             raise ApiError(400, f"{param}: the keys of 'logit_bias' must be token ids (integers as strings)", param,
                            "invalid_value") from None
-        limit = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
-        if not 0 <= token < limit:
-            raise ApiError(400, f"{param}: {token} is not a token id: ids run from 0 to {limit - 1}", param,
-                           "invalid_value")
+        _check_token_id(token, param, vocab_size)
         pairs.append((token, _number({param: value}, param, -100.0, 100.0, default=0.0)))
     return tuple(pairs)
 
@@ -305,16 +302,20 @@ def _token_ids(values: list, name: str, vocab_size: int | None, max_count: int |
     if max_count is not None and len(values) > max_count:
         raise ApiError(400, f"{name!r} may hold at most {max_count} token ids, got {len(values)}", name,
                        "invalid_value")
-    limit = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
-    known = f"the vocabulary has {vocab_size} tokens" if vocab_size is not None else "token ids are 32-bit"
     for i, token in enumerate(values):
         if not isinstance(token, int) or isinstance(token, bool):
             raise ApiError(400, f"{name}[{i}] must be an integer token id, not {type(token).__name__}",
                            f"{name}[{i}]", "invalid_type")
-        if not 0 <= token < limit:
-            raise ApiError(400, f"{name}[{i}] is {_show(token)}, not a token id: ids run from 0 to {limit - 1} "
-                                f"({known})", f"{name}[{i}]", "invalid_value")
+        _check_token_id(token, f"{name}[{i}]", vocab_size)
     return tuple(values)
+
+
+def _check_token_id(token: int, param: str, vocab_size: int | None) -> None:
+    limit = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
+    if not 0 <= token < limit:
+        known = f"the vocabulary has {vocab_size} tokens" if vocab_size is not None else "token ids are 32-bit"
+        raise ApiError(400, f"{param} is {_show(token)}, not a token id: ids run from 0 to {limit - 1} ({known})",
+                       param, "invalid_value")
 
 
 def _prompt(body: dict, vocab_size: int | None) -> tuple[str | None, tuple[int, ...] | None]:

@@ -67,7 +67,7 @@ class Completion:
         if not event.text and reason is None and self.sent_role:
             return None
         if self.request.kind == "chat":
-            delta, reason = self._tool_delta(event, reason) if self._tools_on else ({"content": event.text}, reason)
+            delta, reason = self._tool_delta(reason) if self._tools_on else ({"content": event.text}, reason)
             if delta is None:
                 return None
             if not self.sent_role:
@@ -90,11 +90,13 @@ class Completion:
         return self.request.tools is not None and self.request.tools.choice != "none"
 
     def _calls(self, text: str) -> tuple[list[dict], str]:
-        if not self._tools_on or self.finish_reason not in ("stop", None) and not self.request.tools.constrained:
+        """The answer's tool calls and the text left: a forced call is parsed however it ended, a free one only
+        from an answer that ended by itself (not cut by max_tokens or an error)."""
+        if not self._tools_on or (self.finish_reason not in ("stop", None) and not self.request.tools.constrained):
             return [], text
         return parse_calls(text, self.request.tools)
 
-    def _tool_delta(self, event: TokenEvent, reason: str | None) -> tuple[dict | None, str | None]:
+    def _tool_delta(self, reason: str | None) -> tuple[dict | None, str | None]:
         """Text that may be a tool call is held back until it is clear; at the end, calls go out as one delta."""
         text = "".join(self.text)
         if reason is None:
@@ -102,8 +104,7 @@ class Completion:
                 return ({} if not self.sent_role else None), None  # the role goes out at once, the text waits
             pending, self.held = text[self.held:], len(text)
             return ({"content": pending} if pending or not self.sent_role else None), None
-        calls, rest = parse_calls(text, self.request.tools) if reason == "stop" or self.request.tools.constrained \
-            else ([], text)
+        calls, rest = self._calls(text)  # add() has recorded this event's finish reason
         if calls:
             return {"content": rest[self.held:] or None, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, \
                 "tool_calls"

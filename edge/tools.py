@@ -156,4 +156,4 @@ def _call(text: str, names: set[str]) -> dict | None:
 def may_be_a_call(text: str) -> bool:
     """Whether a streamed answer that starts like this may turn out to be a call (so it is held back)."""
     head = text.lstrip()
-    return head.startswith("{") or "<tool_call>".startswith(head[:11]) or head.startswith("<tool_call>")
+    return head.startswith("{") or "<tool_call>".startswith(head[:11])  # a prefix of the tag, or the tag itself

@@ -423,10 +423,8 @@ def _apply_grammar(logits: np.ndarray, grammar) -> None:
     bitmask = np.zeros(xgr.get_bitmask_shape(1, n_vocab), dtype=np.int32)  # [1, ceil(vocab / 32)]
     if not matcher.fill_next_token_bitmask(bitmask):
         return  # every token is allowed
-    # bit j of word w is token 32 * w + j (an arithmetic shift of a negative word still leaves bit j in bit 0)
-    bits = (bitmask[0][:, None] >> np.arange(32, dtype=np.int32)) & 1  # [ceil(vocab / 32), 32]
-    allowed = bits.reshape(-1)[:n_vocab].astype(bool)  # [vocab]
-    logits[~allowed] = -np.inf
+    import torch  # xgrammar imported it already; its kernel writes through to llama.cpp's buffer
+    xgr.apply_token_bitmask_inplace(torch.from_numpy(logits)[None], torch.from_numpy(bitmask))
 
 
 def _never() -> bool:

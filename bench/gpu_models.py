@@ -147,7 +147,7 @@ def time_ours(model, shape: ModelShape, device: torch.device, context: int, batc
         _engine_step(engine, device)  # imports every handoff, then the first decode step
         first_s, results, step_s = time.perf_counter() - started, {}, 0.0
         for batch in sorted(batches, reverse=True):  # a step is no slower than the last, larger batch's
-            for request_id in list(engine.sequences)[batch:]:
+            for request_id in list(engine.requests)[batch:]:
                 engine.abort(request_id)
             if time_left() < warmup * step_s * 1.5 + 2:
                 results[batch] = "skipped: time budget"
@@ -158,7 +158,7 @@ def time_ours(model, shape: ModelShape, device: torch.device, context: int, batc
                 continue
             times = [_engine_step(engine, device) for _ in range(steps)]
             step_s = max(times)
-            kv_tokens = sum(len(seq.tokens) for seq in engine.sequences.values()) - batch * (steps // 2)
+            kv_tokens = sum(len(seq.tokens) for seq in engine.sequences) - batch * (steps // 2)
             results[batch] = StepTiming(1e3 * sorted(times)[len(times) // 2], kv_tokens)
         return first_s, results
     finally:

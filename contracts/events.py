@@ -41,6 +41,10 @@ class TokenEvent:
     num_output_tokens: int = 0
     error_code: str = ""  # with ERROR: "engine_busy", "kv_cache_full", "engine_unavailable" (retry later: 503),
     # "" for a failure of the request itself (500)
+    # n > 1: the choice these tokens belong to. finish_reason ends the whole request (its last choice, or all of
+    # them: ERROR and ABORT end every choice); choice_finish ends choice `index` while others still run
+    index: int = 0
+    choice_finish: FinishReason | None = None
 
     @classmethod
     def ending(cls, request_id: str, reason: FinishReason, error: str | None = None,

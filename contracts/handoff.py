@@ -12,7 +12,8 @@ import msgspec
 
 from contracts.kv_dtypes import kv_dtype
 
-HANDOFF_VERSION = 3  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...)
+HANDOFF_VERSION = 4  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...);
+# 4: n choices (SamplingParams.n, KVHandoff.other_choices)
 
 
 class HandoffFormatError(ValueError):
@@ -46,6 +47,16 @@ class SamplingParams:
     ignore_eos: bool = False  # generation does not end at the end-of-sequence token (stop_token_ids still end it)
     # structured output: (kind, source) from contracts.grammar.KINDS, masking every token from the first on
     structured: tuple[str, str] | None = None
+    n: int = 1  # choices: the prompt is prefilled once, each choice samples with its own seed (choice_seed)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice `index` of a request samples with. Choice 0 keeps the request's own, so n = 1 samples as
+    it always did; the others get distinct, reproducible ones (a golden-ratio stride through the uint64 space).
+    None stays None: each choice then draws its own."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,14 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """A choice's first token, sampled by the prefill worker, with its log-probabilities when asked for."""
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token, logprob) alternatives, best first
+
+
+@dataclass(frozen=True)
 class KVHandoff:
     request_id: str
     model_fingerprint: str
@@ -76,6 +95,12 @@ class KVHandoff:
     priority: int = 0  # lower runs earlier
     first_logprob: float | None = None  # log-probability of first_token, when sampling.logprobs is set
     first_top_logprobs: tuple[tuple[int, float], ...] = ()  # (token, logprob) alternatives, best first
+    other_choices: tuple[FirstToken, ...] = ()  # choices 1 .. n-1: first tokens drawn from the same logits
+
+    @property
+    def first_tokens(self) -> tuple[FirstToken, ...]:
+        """Every choice's first token, choice 0 first."""
+        return (FirstToken(self.first_token, self.first_logprob, self.first_top_logprobs), *self.other_choices)
 
     @property
     def n_tokens(self) -> int:
@@ -143,5 +168,8 @@ def check_payload_sizes(handoff: KVHandoff) -> None:
         if len(k) != k_bytes or len(v) != v_bytes:
             raise HandoffFormatError(f"layer {il}: K {len(k)} / V {len(v)} bytes, expected {k_bytes} / {v_bytes} "
                                      f"for {handoff.n_tokens} tokens")
+    if len(handoff.other_choices) != handoff.sampling.n - 1:
+        raise HandoffFormatError(f"sampling asks for {handoff.sampling.n} choices, the handoff carries "
+                                 f"{len(handoff.other_choices) + 1} first tokens")
     if len(handoff.prompt_tokens) != handoff.n_tokens:
         raise HandoffFormatError(f"{len(handoff.prompt_tokens)} prompt tokens but {handoff.n_tokens} cached positions")

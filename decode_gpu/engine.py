@@ -71,64 +71,86 @@ class DecodeEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks,
                                    max_swap_blocks=config.swap_space_bytes // shape.bytes_per_block())
         self.backlog = Backlog(config.max_backlog_bytes)  # reserved by open (any thread), released here
-        self.sequences: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its choices still decoding (n > 1: several)
         self._arrivals = itertools.count()
         self._throughput = _Throughput()
         self._grammars: Grammars | None = None  # built on the first structured request
 
     @property
     def has_work(self) -> bool:
-        return bool(self.sequences)
+        return bool(self.requests)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """Every choice still decoding, of every request."""
+        return [seq for seqs in self.requests.values() for seq in seqs]
 
     @property
     def best_running_priority(self) -> int | None:
         """The best (lowest) priority among the sequences that decode, None when none does."""
-        return min((s.priority for s in self.sequences.values() if s.state is SeqState.RUNNING), default=None)
+        return min((s.priority for s in self.sequences if s.state is SeqState.RUNNING), default=None)
 
     def add(self, handoff: KVHandoff) -> list[TokenEvent]:
-        """Accept a handoff; its first token (sampled by the prefill worker) is reported at once."""
-        seq, event = self.open(handoff)
+        """Accept a handoff; its first tokens (sampled by the prefill worker) are reported at once."""
+        seq, events = self.open(handoff)
         if seq is not None:
             self.admit(seq)
-        return [event]
+        return events
 
-    def open(self, handoff: KVHandoff) -> tuple[Sequence | None, TokenEvent]:
-        """Check a handoff and report its first token, without touching the engine's state, so the engine
-        server can send the first token while a step runs. Returns the sequence for `admit`, or None when
-        the first token already ended the request (a stop token, or max_tokens 1). A sequence holds its KV
-        bytes in the backlog until imported; a full backlog refuses the handoff."""
+    def open(self, handoff: KVHandoff) -> tuple[Sequence | None, list[TokenEvent]]:
+        """Check a handoff and report each choice's first token, without touching the engine's state, so the
+        engine server can send the first tokens while a step runs. Returns the sequence for `admit` (the first
+        choice that goes on; the others that do are its `forks`), or None when the first tokens already ended
+        every choice (a stop token, or max_tokens 1). It holds the KV bytes in the backlog until imported; a
+        full backlog refuses the handoff."""
         self._check_admissible(handoff)
-        seq = Sequence(seq_id=handoff.request_id, priority=handoff.priority, arrival=next(self._arrivals),
-                       prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, handoff.first_token],
-                       sampling=handoff.sampling, handoff=handoff, seed=resolve_seed(handoff.sampling))
-        seq.meta["text"] = IncrementalText(self.tokenizer, handoff.sampling.stop)
-        first_logprobs = ()
-        if handoff.first_logprob is not None:
-            top = tuple(TopLogprob(token_id, logprob) for token_id, logprob in handoff.first_top_logprobs)
-            first_logprobs = (Logprob(handoff.first_token, handoff.first_logprob, top=top),)
-        reason, text = self._finish_reason_and_text(seq)
-        event = self._event(seq, (handoff.first_token,), text, reason, first_logprobs)
-        if reason is not None:
-            seq.handoff = None
-            return None, event
+        live, events = [], []
+        for index, first in enumerate(handoff.first_tokens):
+            seq = self._choice(handoff, index, first.token)
+            logprobs = ()
+            if first.logprob is not None:
+                logprobs = (Logprob(first.token, first.logprob,
+                                    top=tuple(TopLogprob(token_id, logprob) for token_id, logprob in first.top_logprobs)),)
+            reason, text = self._finish_reason_and_text(seq)
+            events.append(self._event(seq, (first.token,), text, None, logprobs))
+            if reason is None:
+                live.append(seq)
+            else:
+                events[-1] = dataclasses.replace(events[-1], choice_finish=FinishReason(reason))
+        if not live:  # the last choice's end is the request's
+            events[-1] = dataclasses.replace(events[-1], finish_reason=events[-1].choice_finish, choice_finish=None)
+            return None, events
         if not self.backlog.can_reserve(handoff.payload_bytes):
             raise HandoffRejectedError(self.backlog.full_message(handoff.payload_bytes), code="engine_busy")
+        root, root.forks = live[0], live[1:]
+        root.handoff = handoff
         self.backlog.reserve(handoff.payload_bytes)
-        seq.handoff_bytes = handoff.payload_bytes
-        return seq, event
+        root.handoff_bytes = handoff.payload_bytes
+        return root, events
+
+    def _choice(self, handoff: KVHandoff, index: int, first_token: int) -> Sequence:
+        seq_id = handoff.request_id if index == 0 else f"{handoff.request_id}#{index}"
+        seq = Sequence(seq_id=seq_id, priority=handoff.priority, arrival=next(self._arrivals),
+                       prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, first_token],
+                       sampling=handoff.sampling, seed=resolve_seed(handoff.sampling, index),
+                       request_id=handoff.request_id, index=index)
+        seq.meta["text"] = IncrementalText(self.tokenizer, handoff.sampling.stop)
+        return seq
 
     def admit(self, seq: Sequence) -> None:
-        """Start decoding an opened sequence (engine thread)."""
-        if seq.seq_id in self.sequences:
+        """Start decoding an opened request: its sequence and the choices forked from it (engine thread)."""
+        choices = [seq, *seq.forks]
+        if seq.request_id in self.requests:
             self._release(seq)
-            raise HandoffRejectedError(f"request id {seq.seq_id} is already decoding")
+            raise HandoffRejectedError(f"request id {seq.request_id} is already decoding")
         if seq.sampling.structured is not None:
             try:
-                seq.meta["matcher"] = self._matcher(seq)
+                for choice in choices:
+                    choice.meta["matcher"] = self._matcher(choice)
             except (GrammarError, ValueError) as err:
                 self._release(seq)
                 raise HandoffRejectedError(f"structured output: {err}") from None
-        self.sequences[seq.seq_id] = seq
+        self.requests[seq.request_id] = choices
         self.scheduler.add(seq)
 
     def _matcher(self, seq: Sequence):
@@ -143,17 +165,18 @@ class DecodeEngine:
         return matcher
 
     def abort(self, request_id: str, error: str | None = None) -> TokenEvent | None:
-        """End a request at any stage; with `error`, it ends as failed, saying why."""
-        seq = self.sequences.pop(request_id, None)
-        if seq is None:
+        """End a request (every choice) at any stage; with `error`, it ends as failed, saying why."""
+        choices = self.requests.pop(request_id, None)
+        if not choices:
             return None
-        self.scheduler.abort(request_id)
-        self._release(seq)
-        return self._event(seq, (), "", "abort" if error is None else "error", error=error)
+        for seq in choices:
+            self.scheduler.abort(seq.seq_id)
+            self._release(seq)
+        return self._event(choices[0], (), "", "abort" if error is None else "error", error=error)
 
     def fail_all(self, why: str) -> list[TokenEvent]:
         """End every request as failed (a failure no single sequence explains); the engine stays usable."""
-        return [self.abort(request_id, error=why) for request_id in list(self.sequences)]
+        return [self.abort(request_id, error=why) for request_id in list(self.requests)]
 
     def step(self) -> list[TokenEvent]:
         started = time.perf_counter()
@@ -173,8 +196,10 @@ class DecodeEngine:
         failures = self.runner.prepare(step)  # [(seq id, why)]: this sequence's own move failed
         for seq, _ in step.imports:
             self._drop_handoff(seq)  # its KV is in the pool (or failed to get there): free the bytes now
-        events.extend(self._fail(self.sequences[seq_id], why) for seq_id, why in failures
-                      if seq_id in self.sequences)
+        if failures:
+            by_id = {seq.seq_id: seq for seq in self.sequences}
+            events.extend(self._fail(by_id[seq_id], why) for seq_id, why in failures
+                          if seq_id in by_id and by_id[seq_id].state is not SeqState.FINISHED)
         decode = [seq for seq in step.decode if seq.state is SeqState.RUNNING]
         if not decode:
             return 0
@@ -243,7 +268,7 @@ class DecodeEngine:
         return dataclasses.replace(step, decode=urgent)
 
     def stats(self) -> EngineStats:
-        swapped = sum(1 for s in self.sequences.values() if s.state is SeqState.SWAPPED)
+        swapped = sum(1 for s in self.sequences if s.state is SeqState.SWAPPED)
         return EngineStats(
             kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
             kv_capacity_tokens=self.blocks.num_blocks * self.blocks.block_size,
@@ -263,6 +288,10 @@ class DecodeEngine:
             check_handoff_matches(handoff, self.runner.identity)
         except ValueError as err:
             raise HandoffRejectedError(str(err)) from None
+        n, most = handoff.sampling.n, self.config.scheduler.max_num_seqs
+        if n > most:
+            raise HandoffRejectedError(f"n = {n} choices, this engine decodes at most {most} sequences together "
+                                       f"(max_num_seqs)")
         total = handoff.n_tokens + handoff.sampling.max_tokens
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if total > min(capacity, self.config.max_model_len):
@@ -273,9 +302,15 @@ class DecodeEngine:
 
     def _after_token(self, seq: Sequence, logprobs: tuple) -> TokenEvent:
         reason, text = self._finish_reason_and_text(seq)
-        if reason is not None:
-            self.sequences.pop(seq.seq_id, None)
-            self.scheduler.finish(seq, reason)
+        if reason is None:
+            return self._event(seq, (seq.tokens[-1],), text, None, logprobs)
+        self.scheduler.finish(seq, reason)
+        choices = self.requests.get(seq.request_id, [])
+        choices[:] = [choice for choice in choices if choice is not seq]
+        if choices:  # other choices go on: this one's end is not the request's
+            event = self._event(seq, (seq.tokens[-1],), text, None, logprobs)
+            return dataclasses.replace(event, choice_finish=FinishReason(reason))
+        self.requests.pop(seq.request_id, None)
         return self._event(seq, (seq.tokens[-1],), text, reason, logprobs)
 
     def _finish_reason_and_text(self, seq: Sequence) -> tuple[str | None, str]:
@@ -297,11 +332,12 @@ class DecodeEngine:
         return reason, text
 
     def _fail(self, seq: Sequence, why: str) -> TokenEvent:
-        """End one sequence as failed, freeing its blocks, swap space and handoff bytes."""
-        if seq.state is not SeqState.FINISHED:
-            self.scheduler.finish(seq, "error")
-        self.sequences.pop(seq.seq_id, None)
-        self._release(seq)
+        """End a request as failed for one sequence's fault (with n > 1 its other choices end too: the client gets
+        all of them or an error), freeing blocks, swap space and handoff bytes."""
+        for choice in {id(s): s for s in (seq, *self.requests.pop(seq.request_id, ()))}.values():
+            if choice.state is not SeqState.FINISHED:
+                self.scheduler.finish(choice, "error")
+            self._release(choice)
         log.error("request %s failed in decode: %s", seq.seq_id, why)
         event = self._event(seq, (), "", "error", error=why)
         # running out of KV memory is load, not a fault: the gateway answers it like a full queue
@@ -320,7 +356,8 @@ class DecodeEngine:
     def _event(self, seq: Sequence, tokens: tuple, text: str, reason: str | None, logprobs: tuple = (),
                error: str | None = None) -> TokenEvent:
         reason = FinishReason(reason) if reason is not None else None
-        return TokenEvent(seq.seq_id, tokens, text, reason, error, logprobs, seq.prompt_len, len(seq.output_tokens))
+        return TokenEvent(seq.request_id, tokens, text, reason, error, logprobs, seq.prompt_len,
+                          len(seq.output_tokens), index=seq.index)
 
     @staticmethod
     def _logprobs(row: SampledRow) -> tuple:

@@ -92,14 +92,14 @@ class EngineService:
             self.engine.admit(seq)
             return []
         except HandoffRejectedError as err:
-            return [TokenEvent.ending(seq.seq_id, FinishReason.ERROR, str(err), seq.prompt_len, err.code)]
+            return [TokenEvent.ending(seq.request_id, FinishReason.ERROR, str(err), seq.prompt_len, err.code)]
 
     def _abort(self, request_id: str, error: str | None) -> list[TokenEvent]:
         event = self.engine.abort(request_id, error)
         return [] if event is None else [event]  # None: it ended on its own in the meantime
 
     def _abort_all(self) -> list[TokenEvent]:
-        return [self.engine.abort(request_id) for request_id in list(self.engine.sequences)]
+        return [self.engine.abort(request_id) for request_id in list(self.engine.requests)]
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if events:
@@ -128,7 +128,7 @@ class EngineService:
             log.error("handoff %s rejected: %s", request_id, err)
             self._send_events([TokenEvent.ending(request_id, FinishReason.ERROR, str(err), handoff.n_tokens, err.code)])
             return
-        self._send_events([first])
+        self._send_events(first)
         if seq is not None:
             self.live.add(request_id)
             self.inbox.put(("admit", seq))

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from decode_gpu.seeded_noise import row_keys
-from contracts.handoff import GREEDY_BELOW, SamplingParams
+from contracts.handoff import GREEDY_BELOW, SamplingParams, choice_seed
 
 
-def resolve_seed(params: SamplingParams) -> int:
-    """The seed a request samples with, as an int64: its own, or one drawn once at admission, so that an
-    unseeded row samples in the same batched op as the rest."""
-    seed = params.seed if params.seed is not None else secrets.randbits(64)
+def resolve_seed(params: SamplingParams, index: int = 0) -> int:
+    """The seed choice `index` of a request samples with, as an int64: from its own (contracts.handoff.choice_seed),
+    or one drawn once at admission, so that an unseeded row samples in the same batched op as the rest."""
+    seed = choice_seed(params.seed, index)
+    seed = seed if seed is not None else secrets.randbits(64)
     return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
 
 

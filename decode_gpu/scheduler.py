@@ -115,13 +115,15 @@ class Scheduler:
             if seq.seq_id in self._swapped_this_step:
                 return  # it just lost its blocks; resuming it in the same step would only thrash
             need = seq.num_cached + 1 if seq.state is SeqState.SWAPPED else seq.prompt_len + 1
-            if self.blocks.blocks_for(need) > self.blocks.num_blocks:
+            need_blocks = self.blocks.blocks_for(need) + len(seq.forks)  # a fork copies the last block at once
+            if need_blocks > self.blocks.num_blocks:
                 heapq.heappop(self.waiting)
                 self.finish(seq, "error")
-                step.failed.append((seq, f"needs {need} KV positions, the whole pool holds "
-                                         f"{self.blocks.num_blocks * self.blocks.block_size}"))
+                step.failed.append((seq, f"needs {need} KV positions for each of {1 + len(seq.forks)} choices, the "
+                                         f"whole pool holds {self.blocks.num_blocks * self.blocks.block_size}"))
                 continue
-            fits = self.blocks.can_allocate(need) and len(self.running) < self.config.max_num_seqs
+            fits = (need_blocks <= self.blocks.num_free_blocks
+                    and len(self.running) + 1 + len(seq.forks) <= self.config.max_num_seqs)
             if not fits:
                 if not self._make_room_for(seq, step):
                     return
@@ -140,6 +142,18 @@ class Scheduler:
                 seq.num_cached = seq.prompt_len
             seq.state = SeqState.RUNNING
             self.running[seq.seq_id] = seq
+            self._fork(seq, step)
+
+    def _fork(self, seq: Sequence, step: ScheduledStep) -> None:
+        """n > 1: the other choices share the prompt's blocks (copy-on-write); each copies the block its first
+        token goes into, after the import has written it (ScheduledStep's field order)."""
+        for child in seq.forks:
+            self.blocks.fork(seq.seq_id, child.seq_id)
+            if copy := self.blocks.append(child.seq_id, seq.prompt_len + 1):
+                step.copies.append(copy)
+            child.num_cached, child.state = seq.prompt_len, SeqState.RUNNING
+            self.running[child.seq_id] = child
+        seq.forks = []
 
     def _make_room_for(self, seq: Sequence, step: ScheduledStep) -> bool:
         """Swap out the worst running sequence if it has strictly lower priority than the waiter. With swap

@@ -32,6 +32,12 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     seed: int = 0  # int64 the sampler keys its noise with: the request's seed, or one drawn at admission
     meta: dict = field(default_factory=dict)  # timing and logprob bookkeeping filled by the engine
+    request_id: str = ""  # the request this sequence is a choice of ("": seq_id)
+    index: int = 0  # which choice (n > 1)
+    forks: list["Sequence"] = field(default_factory=list)  # choices that share this one's prompt KV once imported
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or self.seq_id
 
     @property
     def rank(self) -> tuple[int, int]:

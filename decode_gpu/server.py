@@ -75,7 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("decode engine ready on %s", args.listen)
     await stop.wait()
-    log.info("decode engine stopping: aborting %d in-flight requests", len(engine.sequences))
+    log.info("decode engine stopping: aborting %d in-flight requests", len(engine.requests))
     service.stopping.set()
     await asyncio.to_thread(thread.join, 10)
     await service.flush(timeout_s=2.0)  # let the abort events reach the gateway

@@ -86,7 +86,7 @@ class Gateway:
                            headers={"Connection": "close", "Retry-After": "5"})
         tenant = http.headers.get(self.enforcer.policy.tenant_header) if self.enforcer.policy.tenant_header else None
         facts = RequestFacts(_bearer(http), tenant, request.model, request.user_text,
-                             request.sampling["max_tokens"], request.sampling["logprobs"])
+                             request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"])
         try:
             decision = self.enforcer.decide(facts, {self.model_name})
         except PolicyRejection as err:
@@ -105,6 +105,9 @@ class Gateway:
             raise ApiError(503, f"the decode engine's backlog is full ({stats.backlog_bytes >> 20} MiB of KV "
                                 f"handoffs waiting); retry shortly", error_type="server_error", code="engine_busy",
                            headers={"Retry-After": "2"})
+        if request.sampling["n"] > self.config.max_num_seqs:  # the engine runs a request's choices together
+            raise ApiError(400, f"n = {request.sampling['n']} choices, this server decodes at most "
+                                f"{self.config.max_num_seqs} sequences together (max_num_seqs)", "n", "invalid_value")
         priority = request.priority if request.priority is not None else decision.priority
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)

@@ -13,11 +13,12 @@ from edge.tools import ToolError, ToolSpec, parse_tools, with_tools
 
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
-UNSUPPORTED_IF_SET = {"n": 1, "best_of": 1, "suffix": None, "functions": None, "function_call": None}
+UNSUPPORTED_IF_SET = {"best_of": 1, "suffix": None, "functions": None, "function_call": None}
 TOKEN_ID_LIMIT = 1 << 31  # without a vocabulary size: llama.cpp's llama_token is an int32_t
 MAX_TOKENS_LIMIT = (1 << 31) - 1  # llama.cpp counts tokens in int32; any real context is far smaller
 MAX_MESSAGES = 4096
 MAX_STOP_TOKEN_IDS = 256
+MAX_N = 128  # choices per request, OpenAI's limit (the engine also needs n <= its max_num_seqs)
 MAX_LOGIT_BIAS = 1024  # entries in logit_bias (OpenAI documents no limit; this keeps a body's work bounded)
 
 
@@ -195,6 +196,7 @@ def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | Non
         "min_p": _number(body, "min_p", 0.0, 1.0, default=0.0),
         "min_tokens": _int(body, "min_tokens", 0, MAX_TOKENS_LIMIT, default=0),
         "ignore_eos": _field(body, "ignore_eos", bool, default=False),
+        "n": _int(body, "n", 1, MAX_N, default=1),
     }
 
 
@@ -220,6 +222,8 @@ def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], 
 def _refuse_unsupported(body: dict) -> None:
     for name, neutral in UNSUPPORTED_IF_SET.items():
         value = body.get(name, neutral)
+        if name == "best_of" and value == body.get("n", 1):
+            continue  # best_of = n keeps every candidate: what n alone does
         if value not in (neutral, None):
             raise ApiError(400, f"{name}={_show(value)} is not supported by this server (leave it out"
                                 f"{'' if neutral is None else f' or set it to {neutral!r}'})", name,

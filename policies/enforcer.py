@@ -31,6 +31,7 @@ class RequestFacts:
     text: str  # all client-supplied text, for content rules
     max_tokens: int | None  # None: not given
     logprobs: int | None
+    n: int = 1  # choices: the output limits count n x max_tokens
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,15 @@ class PolicyEnforcer:
         if self.content_filter.check(facts.text) is not None:
             raise PolicyRejection(403, "content_blocked", "the request contains blocked content")
         output_limit = min(filters.max_output_tokens, cls.max_output_tokens or filters.max_output_tokens)
-        requested = facts.max_tokens if facts.max_tokens is not None else min(self.default_max_tokens, output_limit)
-        if requested > output_limit:
+        n = facts.n
+        requested = (facts.max_tokens if facts.max_tokens is not None
+                     else max(1, min(self.default_max_tokens, output_limit // n)))
+        if requested * n > output_limit:
+            got = f"{requested}" if n == 1 else f"{requested} for each of n = {n} choices ({requested * n} in all)"
             raise PolicyRejection(400, "invalid_value", f"'max_tokens' must be at most {output_limit} for class "
-                                  f"{cls.name!r}, got {requested}", param="max_tokens")
-        decision = self._degrade(cls, requested, facts.logprobs, filters.max_prompt_tokens)
+                                  f"{cls.name!r}{'' if n == 1 else ', counting every choice'}, got {got}",
+                                  param="max_tokens")
+        decision = self._degrade(cls, requested, facts.logprobs, filters.max_prompt_tokens, n)
         return dataclasses.replace(decision, ticket=self._admit(key_rule, cls))
 
     def release(self, decision: Decision) -> None:
@@ -111,7 +116,8 @@ class PolicyEnforcer:
         name = key_rule.client_class if key_rule else policy.tenant_classes.get(tenant or "", policy.default_class)
         return policy.classes[name]
 
-    def _degrade(self, cls: ClientClass, max_tokens: int, logprobs: int | None, prompt_limit: int) -> Decision:
+    def _degrade(self, cls: ClientClass, max_tokens: int, logprobs: int | None, prompt_limit: int,
+                 n: int = 1) -> Decision:
         tier, notes = self.evaluator.tier, []
         kv_type = ""
         if tier is not None:
@@ -119,9 +125,10 @@ class PolicyEnforcer:
             if cls.name in actions.shed_classes:
                 raise PolicyRejection(429, "shed_under_load", f"class {cls.name!r} is shed while the server is in "
                                       f"degradation tier {tier.name!r}; retry later", actions.retry_after_s)
-            if "cap_max_tokens" in allowed and actions.cap_max_tokens and max_tokens > actions.cap_max_tokens:
-                notes.append(f"max_tokens {max_tokens}->{actions.cap_max_tokens}")
-                max_tokens = actions.cap_max_tokens
+            if "cap_max_tokens" in allowed and actions.cap_max_tokens and max_tokens * n > actions.cap_max_tokens:
+                capped = max(1, actions.cap_max_tokens // n)  # the cap counts every choice's tokens
+                notes.append(f"max_tokens {max_tokens}->{capped}")
+                max_tokens = capped
             if "logprobs" in allowed and logprobs is not None and actions.logprobs != "allow":
                 if actions.logprobs == "refuse":
                     raise PolicyRejection(503, "logprobs_unavailable", f"logprobs are refused while the server is in "

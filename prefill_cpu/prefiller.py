@@ -30,7 +30,7 @@ from llama_cpp._internals import LlamaContext
 
 from contracts.grammar import GrammarError, build_grammar
 from contracts.identity import GGUFIdentity, read_gguf_identity
-from contracts.handoff import GREEDY_BELOW, KVHandoff, KVLayout, SamplingParams
+from contracts.handoff import GREEDY_BELOW, FirstToken, KVHandoff, KVLayout, SamplingParams, choice_seed
 from contracts.kv_dtypes import kv_dtype
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
@@ -191,7 +191,7 @@ class Prefiller:
             self._should_cancel = _never  # sampling and export are short; finish them
             # logprobs report the model's own distribution: copied before the output controls change the buffer
             raw = self._last_logits().copy() if request.sampling.logprobs is not None else None  # [vocab]
-            first_token = self._sample_first(request.sampling, tokens, grammar)
+            first_tokens = self._sample_first(request.sampling, tokens, grammar)  # one per choice
             exported = time.perf_counter()
             state = self._export_state()
             self._remember(memory, tokens)
@@ -202,7 +202,7 @@ class Prefiller:
         finally:
             self._should_cancel = _never
             llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty sequence
-        handoff = self._handoff(request, state, first_token, self._logprobs(first_token, request.sampling, raw))
+        handoff = self._handoff(request, state, [self._first(token, request.sampling, raw) for token in first_tokens])
         done = time.perf_counter()
         return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached)
 
@@ -267,14 +267,24 @@ class Prefiller:
             if not 0 <= token < n_vocab:
                 raise ValueError(f"logit_bias names token {token}, outside this model's vocabulary of {n_vocab}")
 
-    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int], grammar=None) -> int:
-        """The first output token: the output controls and the grammar (an xgrammar CompiledGrammar, or None) change
-        the logits in llama.cpp's buffer, then a llama.cpp sampler chain draws (temperature, min_p, top-k, top-p, the
-        draw; greedy takes the argmax). The grammar masks last, so no control can bring a forbidden token back."""
+    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int], grammar=None) -> list[int]:
+        """Each choice's first output token (params.n of them, from one prompt): the output controls and the grammar
+        (an xgrammar CompiledGrammar, or None) change the logits in llama.cpp's buffer, then a llama.cpp sampler
+        chain draws (temperature, min_p, top-k, top-p, the draw; greedy takes the argmax), choice i with
+        choice_seed(seed, i). The grammar masks last, so no control can bring a forbidden token back."""
         logits = self._last_logits()  # [vocab]
         self._apply_controls(logits, params, prompt_tokens)
         if grammar is not None:
             _apply_grammar(logits, grammar)
+        controlled = logits.copy() if params.n > 1 else None  # the chain scales the buffer in place
+        tokens = []
+        for index in range(params.n):
+            if index:
+                logits[:] = controlled
+            tokens.append(self._draw(params, choice_seed(params.seed, index)))
+        return tokens
+
+    def _draw(self, params: SamplingParams, seed: int | None) -> int:
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         try:
             if params.temperature < GREEDY_BELOW:
@@ -288,7 +298,7 @@ class Prefiller:
                 if params.top_k > 0:
                     llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-                seed = params.seed if params.seed is not None else llama_cpp.LLAMA_DEFAULT_SEED
+                seed = seed % (1 << 32) if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED  # a uint32 here
                 llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
             return int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
         finally:
@@ -380,15 +390,16 @@ class Prefiller:
         return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v)
 
     @staticmethod
-    def _logprobs(token: int, params: SamplingParams, logits: np.ndarray | None) -> tuple[float | None, tuple]:
-        """Of the raw logits (before the output controls), as OpenAI reports them. # logits: [vocab]"""
+    def _first(token: int, params: SamplingParams, logits: np.ndarray | None) -> FirstToken:
+        """A choice's first token with its log-probabilities, of the raw logits (before the output controls), as
+        OpenAI reports them. # logits: [vocab]"""
         if params.logprobs is None:
-            return None, ()
+            return FirstToken(token)
         logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
         top = np.argsort(-logprobs)[: params.logprobs]
-        return float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in top)
+        return FirstToken(token, float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in top))
 
-    def _handoff(self, request: PrefillRequest, state: SeqKVState, first_token: int, logprobs) -> KVHandoff:
+    def _handoff(self, request: PrefillRequest, state: SeqKVState, first: list[FirstToken]) -> KVHandoff:
         ident = self.identity
         layout = KVLayout(
             n_layer=ident.n_layer, num_kv_heads=ident.num_kv_heads, head_dim_k=ident.head_dim_k,
@@ -397,9 +408,9 @@ class Prefiller:
             rope_layout=ident.rope_layout)
         return KVHandoff(
             request_id=request.request_id, model_fingerprint=ident.fingerprint, layout=layout,
-            positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first_token,
+            positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first[0].token,
             k_layers=state.k_layers, v_layers=state.v_layers, sampling=request.sampling, priority=request.priority,
-            first_logprob=logprobs[0], first_top_logprobs=logprobs[1])
+            first_logprob=first[0].logprob, first_top_logprobs=first[0].top_logprobs, other_choices=tuple(first[1:]))
 
 
 def _free_sequences(memory, seq_ids: list[int]) -> None:

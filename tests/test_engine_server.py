@@ -104,7 +104,7 @@ def test_handoff_bytes_stay_in_the_backlog_until_imported():
     assert engine.stats().backlog_bytes == first.payload_bytes + second.payload_bytes
     engine.step()
     assert engine.stats().backlog_bytes == second.payload_bytes  # "second" still waits for blocks
-    assert engine.sequences["first"].handoff is None and engine.sequences["second"].handoff is second
+    assert engine.requests["first"][0].handoff is None and engine.requests["second"][0].handoff is second
     run_engine(engine, [])
     assert_idle(engine, runner)
 

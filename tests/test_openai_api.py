@@ -104,8 +104,10 @@ def _nested(depth: int) -> list:
 
 
 def test_deeply_nested_values_are_refused_without_recursing():
+    err = _refused(_chat(best_of=_nested(100_000)), "chat")
+    assert (err.param, err.code) == ("best_of", "unsupported_parameter")
     err = _refused(_chat(n=_nested(100_000)), "chat")
-    assert (err.param, err.code) == ("n", "unsupported_parameter")
+    assert (err.param, err.code) == ("n", "invalid_type")
     err = _refused(_chat(messages=[{"role": "user", "content": _nested(100_000)}]), "chat")
     assert err.param == "messages[0].content"
 

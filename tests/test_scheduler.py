@@ -89,7 +89,7 @@ def test_abort_frees_blocks_at_every_stage():
     engine.step()
     add(engine, outputs, "vip", list(range(3, 30)), max_tokens=5, priority=0)
     engine.step()
-    assert engine.sequences["swapped"].state.value == "swapped" and runner.swap_space
+    assert engine.requests["swapped"][0].state.value == "swapped" and runner.swap_space
     engine.abort("swapped")
     assert "swapped" not in runner.swap_space
     run_to_completion(engine)

@@ -1,7 +1,7 @@
 """Load a GGUF's weights into a transformers model, converting once and caching the result.
 
-transformers dequantizes a GGUF in tens of seconds; the converted float weights are saved as
-safetensors under a cache folder named by the GGUF's fingerprint, so later starts take seconds.
+Dequantizing a GGUF takes tens of seconds to minutes; the converted weights are saved as safetensors
+under a cache folder named by the GGUF's fingerprint and the storage dtype, so later starts take seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from contracts.identity import GGUFIdentity
+from decode_gpu.gguf_convert import convert_gguf
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,18 @@ def converted_dir(identity: GGUFIdentity, cache_dir: Path | None = None) -> Path
     return (cache_dir or default_cache_dir()) / identity.fingerprint.replace(":", "-")
 
 
+def converted_weights_dir(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path | None = None) -> Path:
+    """A subfolder per storage dtype: a bfloat16 load reads half the bytes a float32 one does."""
+    return converted_dir(identity, cache_dir) / str(dtype).removeprefix("torch.")
+
+
 def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch.dtype,
                       cache_dir: Path | None = None) -> PreTrainedModel:
-    converted = converted_dir(identity, cache_dir)
-    if not (converted / "config.json").exists():
-        _convert(identity, converted)
+    weights = converted_weights_dir(identity, dtype, cache_dir)
+    if not (weights / "config.json").exists():
+        _convert(identity, weights, dtype)
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device).eval()
     log.info("decode model %s loaded on %s as %s in %.1f s", os.path.basename(identity.path), device,
              dtype, time.perf_counter() - started)
     return model
@@ -54,18 +60,17 @@ def load_tokenizer(identity: GGUFIdentity, cache_dir: Path | None = None):
     return AutoTokenizer.from_pretrained(target)
 
 
-def _convert(identity: GGUFIdentity, target: Path) -> None:
-    log.info("converting %s to torch weights once (tens of seconds); cached in %s", identity.path, target)
-    started = time.perf_counter()
-    gguf_path = Path(identity.path)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    model.config.quantization_config = None  # the saved weights are plain floats, not GGUF blocks
-    if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
+def _convert(identity: GGUFIdentity, target: Path, dtype: torch.dtype) -> None:
+    log.info("converting %s to %s torch weights once (minutes for a large model); cached in %s",
+             identity.path, dtype, target)
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
-    model.save_pretrained(partial)
+    shutil.rmtree(partial, ignore_errors=True)  # left by a crashed run whose pid this one reuses
+    try:
+        convert_gguf(identity.path, partial, dtype)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed conversion's shards can be gigabytes
+        raise
     _publish(partial, target, "config.json")
-    log.info("converted in %.1f s", time.perf_counter() - started)
 
 
 def _publish(partial: Path, target: Path, marker: str) -> None:

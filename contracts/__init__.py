@@ -12,4 +12,5 @@ policies at the bottom.
 
 # Bumped whenever a frame's fields change; checked at the handshake, so a skewed peer is refused by name.
 PROTOCOL_VERSION = 4  # 3: SamplingParams output controls (penalties, logit_bias, min_p, min_tokens, ignore_eos);
-# 4: n choices (SamplingParams.n, TokenEvent.index/choice_finish)
+# 4: n choices (SamplingParams.n, TokenEvent.index/choice_finish,
+# EngineStats.weight_dtype/weight_bytes)

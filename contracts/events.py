@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class FinishReason(str, enum.Enum):
@@ -68,3 +68,5 @@ class EngineStats:
     decode_yielded_s: float = 0.0  # time decode waited for more important prefills (decode_gpu.priority_gate)
     backlog_bytes: int = 0  # handoff bytes accepted but not yet imported into the pool (admission control)
     backlog_limit_bytes: int = 0  # beyond this the engine refuses handoffs
+    weight_dtype: str = ""  # what the decode model's linear layers hold: int8, int4, bfloat16, ...
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # the model's parameters and buffers, by dtype

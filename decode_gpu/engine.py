@@ -20,6 +20,7 @@ from decode_gpu.sampling_params import SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
 from decode_gpu.structured import Grammars
+from decode_gpu.weight_quant import held_weight_dtype, weight_bytes
 from contracts.grammar import GrammarError
 from contracts.events import EngineStats, FinishReason, Logprob, TokenEvent, TopLogprob
 from contracts.handoff import KVHandoff
@@ -75,6 +76,8 @@ class DecodeEngine:
         self._arrivals = itertools.count()
         self._throughput = _Throughput()
         self._grammars: Grammars | None = None  # built on the first structured request
+        model = getattr(runner, "model", None)  # (test runners may have none)
+        self._weights = (held_weight_dtype(model), weight_bytes(model)) if model is not None else ("", {})
 
     @property
     def has_work(self) -> bool:
@@ -276,7 +279,8 @@ class DecodeEngine:
             num_preemptions=self.scheduler.num_preemptions, last_step_ms=self._throughput.last_step_ms,
             tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated,
             decode_yielded_s=self._gate.waited_s if self._gate else 0.0,
-            backlog_bytes=self.backlog.num_bytes, backlog_limit_bytes=self.backlog.limit_bytes)
+            backlog_bytes=self.backlog.num_bytes, backlog_limit_bytes=self.backlog.limit_bytes,
+            weight_dtype=self._weights[0], weight_bytes=self._weights[1])
 
     @property
     def _gate(self):

@@ -20,10 +20,11 @@ from decode_gpu.device import resolve_device, resolve_dtype
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.engine_service import EngineService
 from decode_gpu.gateway_link import DEFAULT_QUEUE_BYTES
-from decode_gpu.model_loader import load_decode_model, load_tokenizer
+from decode_gpu.model_loader import load_tokenizer
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import SchedulerConfig
+from decode_gpu.weight_quant import FLOAT_WEIGHTS, WEIGHT_DTYPES, load_weights
 from contracts.cpu_share import CpuShare
 from contracts.framing import control_secret, start_server
 from contracts.handoff import max_handoff_bytes
@@ -35,8 +36,12 @@ log = logging.getLogger("decode_gpu.server")
 def build_engine(args: argparse.Namespace) -> DecodeEngine:
     identity = read_gguf_identity(args.model)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    model = load_decode_model(identity, device, dtype)
+    float_weights = args.weight_dtype in FLOAT_WEIGHTS
+    if float_weights and args.dtype not in ("auto", args.weight_dtype):
+        raise SystemExit(f"--weight-dtype {args.weight_dtype} with --dtype {args.dtype}: float weights are in the "
+                         f"model's dtype; set one of the two")
+    dtype = resolve_dtype(args.weight_dtype if float_weights else args.dtype, device)
+    model, _ = load_weights(identity, device, dtype, args.weight_dtype, args.max_num_seqs)
     tokenizer = load_tokenizer(identity)
     # decode and llama.cpp prefill share the cores only when decode runs on the CPU
     yields = args.yield_to_prefill == "on" or (args.yield_to_prefill == "auto" and device.type == "cpu")
@@ -89,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--listen", required=True, help="unix:/path or tcp://host:port")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
+                        help="linear weights: int8 or int4 weight-only quantization, or a float dtype (= --dtype); "
+                             "auto: the GGUF's quantization on CUDA, a measurement on the CPU")
     parser.add_argument("--kv-storage", default="auto", help="auto, float32, float16, bfloat16 or int8")
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,

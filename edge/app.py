@@ -118,6 +118,7 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
     async def context(app: web.Application):
         config, supervisor = app[CONFIG], app[SUPERVISOR]
         engine_args = ["--model", model_path, "--listen", engine_address, "--device", config.device, "--dtype", config.dtype,
+                       "--weight-dtype", config.weight_dtype,
                        "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
                        "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
                        "--yield-to-prefill", config.decode_yields_to_prefill,

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, create_model
 
-from policies.validation import FileError, Invalid, Strict, parse_toml, read_text, validate
+from policies.validation import FileError, Invalid, Issue, Strict, parse_toml, read_text, validate
 
 
 class ConfigError(FileError):
@@ -42,6 +42,7 @@ class ServeConfig:
     threads_per_worker: int = 0  # 0: cores / workers
     device: str = "auto"
     dtype: str = "auto"  # decode weights and activations: auto (bfloat16 on CUDA and bf16-capable CPUs), float32, ...
+    weight_dtype: str = "auto"  # decode linear weights: auto | bfloat16 | float16 | float32 (= dtype) | int8 | int4
     kv_type: str = "auto"  # llama.cpp KV cache and wire format; auto: f16 next to the engine, q8_0 across hosts
     n_ctx: int = 4096
     n_batch: int = 128  # prompt tokens per llama.cpp call
@@ -68,6 +69,7 @@ class ServeConfig:
 
 CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda"),
            "dtype": ("auto", "float32", "bfloat16", "float16"),
+           "weight_dtype": ("auto", "bfloat16", "float16", "float32", "int8", "int4"),
            "decode_yields_to_prefill": ("auto", "on", "off"),
            "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
@@ -112,6 +114,10 @@ def load_config(path: str | None, overrides: dict) -> ServeConfig:
         issues = [dataclasses.replace(i, key="--" + i.key.replace("_", "-")) for i in err.issues]
         raise ConfigError("command line", issues) from None
     values = checked.model_dump()
+    weights, dtype = values["weight_dtype"], values["dtype"]
+    if weights in ("bfloat16", "float16", "float32") and dtype not in ("auto", weights):
+        raise ConfigError(path or "command line", [Issue("weight_dtype", f"{weights} weights with dtype {dtype}: "
+                                                   f"float weights are in the model's dtype; set one of the two")])
     limits = Limits(**values.pop("limits"))
     return ServeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}, limits=limits)
 

@@ -1,0 +1,294 @@
+"""Weight-only quantization of the decode model: its linear layers (and the tied embedding) stored as int8 per
+output channel or int4 in groups, multiplied by torch's own packed kernels; activations stay in the model's dtype.
+
+A decode step reads every weight once, so at small batches its time is the weights' bytes: int8 halves them
+against bfloat16, int4 quarters them. The layers are quantized one at a time on the device they run on, so an 8B
+model never sits there in bfloat16 (docs/decode.md, "Weights").
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+log = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "int4")
+FLOAT_WEIGHTS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# inputs per int4 (scale, zero) group: 32, the block of llama.cpp's Q4_0/Q4_1 (a Q4_1 GGUF's weights are then
+# nearly exact in int4: its blocks are min + k x step); a 128 group lost half the top-1 agreement on the embedded model
+INT4_GROUP = 32
+INT4_INNER_K_TILES = 2  # tinygemm's packing parameter (2, 4 or 8); 2 accepts any input size divisible by 32
+# GGUF tensor types (gguf.GGMLQuantizationType names) that `auto` maps to a quantized weight on CUDA
+GGUF_INT8 = {"Q8_0", "Q8_1", "Q8_K"}
+GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + b, with q int8 [out, in] and one scale per output channel (symmetric).
+
+    float_above: also keep the float weight and use it for inputs of more rows than this. On a CPU the int8 kernel
+    wins at batch 1 (it reads half the bytes) and loses at larger batches to the bfloat16 one (AMX); None: int8
+    only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 float_above: int | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()  # [out, in]
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(dtype))  # [out]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.float_above = float_above
+        self.weight = None if float_above is None else nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self._packed_kernel = _int8_kernel_works(weight.device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        x2 = x.reshape(-1, self.in_features)
+        if self.float_above is not None and x2.shape[0] > self.float_above:
+            return F.linear(x, self.weight, self.bias)
+        if self._packed_kernel:
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:  # no packed int8 kernel on this device: an int8 -> dtype cast of the layer per call (correct, slower)
+            y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+@functools.cache
+def _int8_kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch has a packed int8 kernel for this device and activation dtype (the CPU's always had one;
+    CUDA's depends on the build)."""
+    try:
+        torch._weight_int8pack_mm(torch.ones(1, 32, device=device, dtype=dtype),
+                                  torch.ones(8, 32, device=device, dtype=torch.int8),
+                                  torch.ones(8, device=device, dtype=dtype))
+        return True
+    except (RuntimeError, NotImplementedError):
+        log.warning("no packed int8 kernel on %s for %s: int8 layers cast their weight per call", device, dtype)
+        return False
+
+
+class Int4Linear(nn.Module):
+    """Asymmetric 4-bit groups along the input: w = (q - 8) * scale + zero, one (scale, zero) per group of
+    `group` inputs per output; tinygemm's packed layout (torch's _weight_int4pack_mm kernels)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        self.group = INT4_GROUP
+        if in_features % INT4_GROUP:
+            raise ValueError(f"int4 weights need an input size divisible by {INT4_GROUP}, this layer has {in_features}")
+        w = weight.detach().float().reshape(out_features, in_features // self.group, self.group)
+        low, high = w.amin(dim=2), w.amax(dim=2)  # [out, groups]
+        scales = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+        zeros = low + 8 * scales  # so that (q - 8) * scale + zero = q * scale + low
+        self.register_buffer("qweight", _pack_int4(q.reshape(out_features, in_features)))
+        self.register_buffer("scales_and_zeros", torch.stack([scales.T, zeros.T], dim=-1).to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda:
+            y = torch._weight_int4pack_mm(x2, self.qweight, self.group, self.scales_and_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Embedding(nn.Module):
+    """Rows of an int8 table times their scale: the input embedding, sharing the tied lm_head's int8 weight."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.qweight, self.scales = qweight, scales  # [vocab, hidden] int8, [vocab]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.qweight).to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: [out, in] int32 in [0, 15] -> tinygemm's packed layout for q's device."""
+    if q.is_cuda:
+        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two values a byte, the even one high
+        return torch._convert_weight_to_int4pack(packed, INT4_INNER_K_TILES)
+    return torch._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+
+
+@dataclass(frozen=True)
+class WeightReport:
+    weight_dtype: str  # what the linear layers hold
+    bytes_by_dtype: dict[str, int]  # every parameter and buffer of the model, by torch dtype name
+    why: str  # how `auto` chose, or "configured"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_dtype.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {n / 2**20:.0f} MiB" for name, n in sorted(self.bytes_by_dtype.items()))
+        return f"weights {self.weight_dtype} ({self.why}): {self.total_bytes / 2**20:.0f} MiB ({parts})"
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of every parameter and buffer, by dtype; a tensor shared by two modules counts once."""
+    seen, totals = set(), {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        name = str(tensor.dtype).removeprefix("torch.")
+        totals[name] = totals.get(name, 0) + tensor.numel() * tensor.element_size()
+    return totals
+
+
+def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dtype: torch.dtype,
+                   float_above: int | None = None) -> None:
+    """Replace the model's linear layers by `weight_dtype` ("int8" or "int4") ones, layer by layer on `device`,
+    then move the rest there. The input embedding is int8 either way, shared with a tied lm_head under int8
+    (the int4 layout cannot be read row by row). float_above (int8): keep the float weights too, for batches
+    of more rows (Int8Linear)."""
+    if weight_dtype not in ("int8", "int4"):
+        raise ValueError(f"quantize_model takes int8 or int4, not {weight_dtype!r}")
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    started = time.perf_counter()
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, module in linears:
+        weight, bias = module.weight.to(device), module.bias.to(device) if module.bias is not None else None
+        quantized = (Int8Linear(weight, bias, dtype, float_above) if weight_dtype == "int8"
+                     else Int4Linear(weight, bias, dtype))
+        _replace(model, name, quantized)
+    new_head = model.get_output_embeddings()
+    if tied and isinstance(new_head, Int8Linear):
+        table = Int8Embedding(new_head.qweight, new_head.scales)
+    else:
+        table = Int8Embedding(*_int8_rows(embedding.weight.to(device), dtype))
+    model.set_input_embeddings(table)
+    model.to(device)
+    log.info("quantized %d linear layers to %s on %s in %.1f s", len(linears), weight_dtype, device,
+             time.perf_counter() - started)
+
+
+def _int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = Int8Linear(weight, None, dtype)
+    return layer.qweight, layer.scales
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    weight_dtype: str  # "int8", "int4" or "float" (the model's dtype)
+    why: str
+    float_above: int | None = None  # int8: float weights too, for batches of more rows (Int8Linear)
+
+
+def auto_weight_plan(device: torch.device, gguf_types: set[str], model: nn.Module | None = None,
+                     max_batch: int = 32) -> WeightPlan:
+    """weight_dtype = auto. CUDA: the GGUF's own quantization. CPU: a measurement, per batch size, of int8
+    against the model's float weights on its largest layers."""
+    if device.type == "cuda":
+        if gguf_types & GGUF_INT4:
+            return WeightPlan("int4", f"the GGUF's weights are {'/'.join(sorted(gguf_types & GGUF_INT4))}")
+        if gguf_types & GGUF_INT8:
+            return WeightPlan("int8", f"the GGUF's weights are {'/'.join(sorted(gguf_types & GGUF_INT8))}")
+        return WeightPlan("float", "the GGUF's weights are not quantized")
+    if model is None:
+        return WeightPlan("float", "no model to measure")
+    return _measured_cpu_plan(model, max_batch)
+
+
+def _measured_cpu_plan(model: nn.Module, max_batch: int) -> WeightPlan:
+    """int8 for the batch sizes where it is at least 10% faster than the float weights, measured on the largest
+    linear layer of a decoder block and the lm_head (on this CPU, with this process's threads: the kernels' speed
+    depends on the ISA). int4 is never picked here: its fidelity is poor (docs/decode.md)."""
+    head = model.get_output_embeddings()
+    body = max((m for m in model.modules() if isinstance(m, nn.Linear) and m is not head),
+               key=lambda m: m.weight.numel())
+    layers = [(layer, Int8Linear(layer.weight, layer.bias, layer.weight.dtype)) for layer in (body, head)]
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
+    wins, timings = 0, []
+    for batch in batches:
+        float_s = sum(_time(layer, torch.randn(batch, layer.in_features, dtype=layer.weight.dtype))
+                      for layer, _ in layers)
+        int8_s = sum(_time(q, torch.randn(batch, q.in_features, dtype=q.scales.dtype)) for _, q in layers)
+        timings.append(f"{batch}: {float_s * 1e3:.2f}/{int8_s * 1e3:.2f}")
+        if int8_s >= 0.9 * float_s:
+            break
+        wins = batch
+    why = f"measured, ms float/int8 by batch {', '.join(timings)}"
+    if not wins:
+        return WeightPlan("float", why)
+    return WeightPlan("int8", why, None if wins >= max_batch else wins)
+
+
+@torch.inference_mode()
+def _time(layer: nn.Module, x: torch.Tensor, reps: int = 5) -> float:
+    layer(x)  # warm-up: packing, kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        layer(x)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def gguf_matrix_types(path: str) -> set[str]:
+    """The storage types of a GGUF's 2-D tensors (its weight matrices), e.g. {"Q4_K", "Q6_K"}."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+
+
+def held_weight_dtype(model: nn.Module) -> str:
+    """What the model's linear layers hold: int8, int4, or the float dtype."""
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            if isinstance(module, Int4Linear):
+                return "int4"
+            if module.float_above is None:
+                return "int8"
+            return f"int8 up to batch {module.float_above}, {dtype_name(module.weight.dtype)} above"
+    return dtype_name(next(model.parameters()).dtype)
+
+
+def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtype: str,
+                 max_batch: int) -> tuple[nn.Module, WeightReport]:
+    """The decode model on `device` with its weights as `weight_dtype` says (WEIGHT_DTYPES). A model to be quantized
+    is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there."""
+    from decode_gpu.model_loader import load_decode_model
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, not {weight_dtype!r}")
+    plan = WeightPlan(weight_dtype if weight_dtype in ("int8", "int4") else "float", "configured")
+    if weight_dtype == "auto" and device.type == "cuda":
+        plan = auto_weight_plan(device, gguf_matrix_types(identity.path))
+    measure = weight_dtype == "auto" and device.type == "cpu"
+    on_cpu = plan.weight_dtype != "float" or measure
+    model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype)
+    if measure:
+        plan = auto_weight_plan(device, set(), model, max_batch)
+    if plan.weight_dtype == "float":
+        model.to(device)
+    else:
+        quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above)
+    report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
+    log.info("decode %s", report.describe())
+    return model, report
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

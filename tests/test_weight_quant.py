@@ -1,0 +1,122 @@
+"""Weight-only int8/int4 decode weights: the layers compute their dequantized weight's product, a tied embedding
+shares the int8 head, the engine decodes with them as transformers does, and fidelity on the embedded model
+against float32 (teacher-forced) meets the issue's bar for int8 and is stated for int4."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from decode_gpu.weight_quant import (Int4Linear, Int8Embedding, Int8Linear, held_weight_dtype, quantize_model,
+                                     weight_bytes)
+from tiny_llama import TINY_LLAMA, greedy_tokens, handoff
+
+CPU = torch.device("cpu")
+
+
+def test_int8_linear_is_the_product_of_its_dequantized_weight():
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True)
+    layer = Int8Linear(linear.weight, linear.bias, torch.float32)
+    x = torch.randn(5, 3, 256)
+    dequantized = layer.qweight.float() * layer.scales[:, None]
+    torch.testing.assert_close(layer(x), x @ dequantized.T + linear.bias, rtol=1e-4, atol=1e-4)
+    assert (dequantized - linear.weight).abs().max() <= linear.weight.abs().max() / 127  # half a step, with margin
+
+
+@pytest.mark.parametrize("in_features, group", [(256, 32), (96, 32)])
+def test_int4_linear_is_the_product_of_its_dequantized_groups(in_features, group):
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, 64, bias=False)
+    layer = Int4Linear(linear.weight, None, torch.bfloat16)
+    assert layer.group == group
+    x = torch.randn(4, in_features, dtype=torch.bfloat16)
+    # the reference: dequantize with the stored (bfloat16) scales and zeros, then a float product
+    step, zero = (t.float().T.repeat_interleave(group, dim=1) for t in layer.scales_and_zeros.unbind(-1))
+    low = zero - 8 * step
+    q = torch.round((linear.weight.detach() - low) / step).clamp(0, 15)
+    reference = x.float() @ ((q - 8) * step + zero).T
+    torch.testing.assert_close(layer(x).float(), reference, rtol=2e-2, atol=5e-2)
+    assert ((q - 8) * step + zero - linear.weight).abs().max() <= step.max()  # within a step of the weight
+
+
+def test_a_tied_embedding_shares_the_int8_head_and_the_bytes_shrink():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, tie_word_embeddings=True)).eval()
+    before = sum(weight_bytes(model).values())
+    ids = torch.tensor([[5, 9, 200, 31]])
+    reference = model(ids).logits
+    quantize_model(model, "int8", CPU, torch.float32)
+    table = model.get_input_embeddings()
+    assert isinstance(table, Int8Embedding) and table.qweight is model.lm_head.qweight
+    assert held_weight_dtype(model) == "int8"
+    assert sum(weight_bytes(model).values()) < 0.3 * before
+    cosine = nn.functional.cosine_similarity(model(ids).logits.flatten(), reference.flatten(), dim=0)
+    assert cosine > 0.999
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_engine_decodes_quantized_weights_as_transformers_generate_does(weights):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from contracts.identity import GGUFIdentity
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+    quantize_model(model, weights, CPU, torch.float32 if weights == "int8" else torch.bfloat16)
+    if weights == "int4":
+        model.to(torch.bfloat16)
+    identity = GGUFIdentity(path="tiny-llama", fingerprint="sha256:tiny", arch="llama", n_layer=2, n_head=6,
+                            num_kv_heads=2, head_dim_k=64, head_dim_v=64, rope_layout="neox")
+    handoffs = [handoff(model, identity, f"r{i}", list(range(3, 3 + n))) for i, n in enumerate((7, 16))]
+    expected = {}
+    for h in handoffs:  # before the engine switches the model to its paged attention
+        prompt = torch.tensor([h.prompt_tokens])
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=h.sampling.max_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+        expected[h.request_id] = out[0, len(h.prompt_tokens):].tolist()
+    assert greedy_tokens(model, identity, handoffs, "cpu", "float32") == expected
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three laws of motion are", "To make a cup of tea, first", "Photosynthesis converts",
+           "SELECT name FROM users WHERE", "The best way to learn a language is"]
+
+
+def teacher_forced_fidelity(reference: nn.Module, candidate: nn.Module, tokenizer, positions: int = 32):
+    """(top-1 agreement, mean KL(reference || candidate)) over the continuation positions of PROMPTS, the
+    continuation being the reference's own greedy one, fed to both."""
+    agree = kl = count = 0
+    with torch.inference_mode():
+        for text in PROMPTS:
+            ids = torch.tensor([tokenizer(text).input_ids])
+            ids = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=positions,
+                                     min_new_tokens=positions, do_sample=False, pad_token_id=0)
+            ref = reference(ids).logits[0, -positions - 1:-1].float().log_softmax(-1)  # [positions, vocab]
+            got = candidate(ids).logits[0, -positions - 1:-1].float().log_softmax(-1)
+            agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+            kl += (ref.exp() * (ref - got)).sum(-1).sum().item()
+            count += positions
+    return agree / count, kl / count
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from decode_gpu.model_loader import load_decode_model, load_tokenizer
+    from prefill_cpu.embedded_model import embedded_model_path
+    from contracts.identity import read_gguf_identity
+    identity = read_gguf_identity(str(embedded_model_path()))
+    return load_decode_model(identity, CPU, torch.float32), load_tokenizer(identity)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights, top1, kl", [("int8", 0.97, 0.02), ("int4", 0.80, 0.25)])
+def test_fidelity_on_the_embedded_model_against_float32(embedded, weights, top1, kl):
+    """int8 must meet the issue's bar; int4's bar is looser (stated in docs/decode.md), which is why `auto` never
+    picks int4 on the CPU."""
+    reference, tokenizer = embedded
+    candidate = copy.deepcopy(reference).to(torch.bfloat16)
+    quantize_model(candidate, weights, CPU, torch.bfloat16)
+    agreement, divergence = teacher_forced_fidelity(reference, candidate, tokenizer)
+    print(f"{weights}: top-1 agreement {agreement:.3f}, mean KL {divergence:.4f}")
+    assert agreement >= top1 and divergence <= kl

@@ -81,42 +81,55 @@ def test_the_engine_decodes_quantized_weights_as_transformers_generate_does(weig
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of motion are", "To make a cup of tea, first", "Photosynthesis converts",
            "SELECT name FROM users WHERE", "The best way to learn a language is"]
-
-
-def teacher_forced_fidelity(reference: nn.Module, candidate: nn.Module, tokenizer, positions: int = 32):
-    """(top-1 agreement, mean KL(reference || candidate)) over the continuation positions of PROMPTS, the
-    continuation being the reference's own greedy one, fed to both."""
-    agree = kl = count = 0
-    with torch.inference_mode():
-        for text in PROMPTS:
-            ids = torch.tensor([tokenizer(text).input_ids])
-            ids = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=positions,
-                                     min_new_tokens=positions, do_sample=False, pad_token_id=0)
-            ref = reference(ids).logits[0, -positions - 1:-1].float().log_softmax(-1)  # [positions, vocab]
-            got = candidate(ids).logits[0, -positions - 1:-1].float().log_softmax(-1)
-            agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
-            kl += (ref.exp() * (ref - got)).sum(-1).sum().item()
-            count += positions
-    return agree / count, kl / count
+POSITIONS = 32
 
 
 @pytest.fixture(scope="module")
-def embedded():
+def reference():
+    """The embedded model in float32, and for each prompt: the prompt + its own 32-token greedy continuation, and
+    the log-probabilities it gives at those 32 positions (teacher forcing)."""
+    from contracts.identity import read_gguf_identity
     from decode_gpu.model_loader import load_decode_model, load_tokenizer
     from prefill_cpu.embedded_model import embedded_model_path
-    from contracts.identity import read_gguf_identity
     identity = read_gguf_identity(str(embedded_model_path()))
-    return load_decode_model(identity, CPU, torch.float32), load_tokenizer(identity)
+    model, tokenizer = load_decode_model(identity, CPU, torch.float32), load_tokenizer(identity)
+    runs = []
+    with torch.inference_mode():
+        for text in PROMPTS:
+            ids = torch.tensor([tokenizer(text).input_ids])
+            ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=POSITIONS,
+                                 min_new_tokens=POSITIONS, do_sample=False, pad_token_id=0)
+            runs.append((ids, _logprobs(model, ids)))
+    return model, runs
+
+
+def _logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits[0, -POSITIONS - 1:-1].float().log_softmax(-1)  # [POSITIONS, vocab]
+
+
+def fidelity(candidate: nn.Module, runs) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(reference || candidate)) over every prompt's continuation positions."""
+    agree = kl = 0.0
+    with torch.inference_mode():
+        for ids, ref in runs:
+            got = _logprobs(candidate, ids)
+            agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+            kl += (ref.exp() * (ref - got)).sum().item()
+    return agree / (len(runs) * POSITIONS), kl / (len(runs) * POSITIONS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights, top1, kl", [("int8", 0.97, 0.02), ("int4", 0.80, 0.25)])
-def test_fidelity_on_the_embedded_model_against_float32(embedded, weights, top1, kl):
-    """int8 must meet the issue's bar; int4's bar is looser (stated in docs/decode.md), which is why `auto` never
-    picks int4 on the CPU."""
-    reference, tokenizer = embedded
-    candidate = copy.deepcopy(reference).to(torch.bfloat16)
-    quantize_model(candidate, weights, CPU, torch.bfloat16)
-    agreement, divergence = teacher_forced_fidelity(reference, candidate, tokenizer)
+@pytest.mark.parametrize("weights, activations, top1, kl", [
+    ("int8", torch.float32, 0.97, 0.02),  # the issue's bar, for what int8 weights alone change
+    ("int4", torch.bfloat16, 0.85, 0.06),  # looser, as docs/decode.md states: `auto` never picks int4 on the CPU
+])
+def test_fidelity_on_the_embedded_model_against_float32(reference, weights, activations, top1, kl):
+    """Teacher-forced over 8 prompts x 32 positions. Measured (docs/decode.md): bfloat16 0.973 / 0.0011, int8 with
+    float32 activations 0.973 / 0.0047, int8 with bfloat16 activations 0.961 / 0.0059, int4 (groups of 32,
+    bfloat16) 0.875 / 0.045."""
+    model, runs = reference
+    candidate = copy.deepcopy(model).to(activations)
+    quantize_model(candidate, weights, CPU, activations)
+    agreement, divergence = fidelity(candidate, runs)
     print(f"{weights}: top-1 agreement {agreement:.3f}, mean KL {divergence:.4f}")
     assert agreement >= top1 and divergence <= kl

@@ -11,7 +11,8 @@ lengths cycling through --outputs. Three systems in one run, each doing prefill 
            max_new_tokens)
 Useful tokens are the tokens each request asked for; latency is from t=0 to the request's last token.
 Then the decode step time at batch 1/8/32 and context 256: our paged step vs a plain transformers
-forward with its own DynamicCache.
+forward with its own DynamicCache; the cost of structured-output masks; and the step by weight_dtype
+(bench/weights_bench.py).
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--outputs", default="16,32,64,128", help="output lengths, cycled over the 16 requests")
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: ours,static,cb,steps,grammar")
+    parser.add_argument("--skip", default="",
+                        help="comma list of parts to skip: ours,static,cb,steps,grammar,weights")
     args = parser.parse_args()
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
@@ -227,6 +229,10 @@ def main() -> None:
     if "grammar" not in args.skip:
         print_grammar_costs(grammar_costs(prefiller, load_decode_model(ident, device, dtype), device, [16, 32]))
     prefiller.close()
+    if "weights" not in args.skip:  # on the CPU, each weight dtype in a process of its own
+        from bench.weights_bench import print_weight_rows, weight_rows
+        batches = [int(b) for b in args.batches.split(",")]
+        print_weight_rows(weight_rows("float32,bfloat16,int8,int4,auto".split(","), batches, args.model), batches)
 
 
 def print_step_times(rows) -> None:

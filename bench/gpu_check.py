@@ -251,6 +251,12 @@ def run_benchmarks(args, device, report: Report, deadline: Deadline) -> None:
                             context) is None:
                 for batch in args.batches:
                     report.cell(_key(args, name, context, batch), "ours ms/step", "error (see stages)")
+    if models and deadline.left() > 120:
+        from bench.gpu_weights import weight_stage
+        name = list(models)[-1]  # the largest shape: where the weights' bytes matter
+        report.stage(f"weights {name}", weight_stage, gm, report, name, models[name], device, args.contexts[0],
+                     [b for b in args.batches if b in (1, 32)] or args.batches[:1], args.warmup, args.steps,
+                     lambda: deadline.left() - 60)
     if args.skip_baselines:
         return
     for context in args.contexts:

@@ -55,6 +55,9 @@ def test_tiny_cpu_run_fills_the_table_and_reports_a_failing_stage(tmp_path, monk
         generate = cells[column["generate ms/step"]]
         assert generate.startswith("error: RuntimeError: injected failure") if batch == 2 else _number(generate) > 0
     assert re.search(r"\| device \| ok \|", text) and "torch " in text and "copy bandwidth:" in text
+    for held in ("float32", "int8", "int4"):  # the weight_dtype stage (bench/gpu_weights.py)
+        assert re.search(rf"weights tiny context 32 {held}: [0-9.]+ GiB; batch 1: \d+ tok/s", text), held
+    assert re.search(r"int4 / float32 at batch 1 = [0-9.]+x", text)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure of the device stage")

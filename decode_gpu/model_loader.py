@@ -71,6 +71,19 @@ def _convert(identity: GGUFIdentity, target: Path, dtype: torch.dtype) -> None:
         shutil.rmtree(partial, ignore_errors=True)  # a failed conversion's shards can be gigabytes
         raise
     _publish(partial, target, "config.json")
+    _drop_old_layout(target.parent)
+
+
+def _drop_old_layout(folder: Path) -> None:
+    """Before 2026-12-01 the float32 weights lay in the fingerprint's folder itself (a whole model's worth of
+    float32: 32 GB for an 8B model); nothing reads them now."""
+    old = [folder / "config.json", folder / "generation_config.json", *folder.glob("model*.safetensors*")]
+    old = [path for path in old if path.is_file()]
+    if old:
+        log.info("removing the old converted weights in %s (%.0f MB)", folder,
+                 sum(path.stat().st_size for path in old) / 1e6)
+        for path in old:
+            path.unlink(missing_ok=True)
 
 
 def _publish(partial: Path, target: Path, marker: str) -> None:

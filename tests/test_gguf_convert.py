@@ -52,7 +52,12 @@ def test_streamed_equals_transformers_loader_on_embedded_q4_1_model(embedded_mod
 
 def test_each_dtype_has_its_own_cache_folder(tiny_gguf, tmp_path):
     identity = read_gguf_identity(str(tiny_gguf("qwen2", "f32")))
+    old_layout = converted_dir(identity, tmp_path)  # weights stored there before the per-dtype folders
+    old_layout.mkdir(parents=True)
+    (old_layout / "model.safetensors").write_bytes(b"old weights")
+    (old_layout / "config.json").write_text("{}")
     full = load_decode_model(identity, torch.device("cpu"), torch.float32, tmp_path)
+    assert not (old_layout / "model.safetensors").exists() and not (old_layout / "config.json").exists()
     half = load_decode_model(identity, torch.device("cpu"), torch.bfloat16, tmp_path)
     folders = {converted_weights_dir(identity, dtype, tmp_path) for dtype in (torch.float32, torch.bfloat16)}
     assert {folder.name for folder in folders} == {"float32", "bfloat16"}

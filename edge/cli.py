@@ -31,6 +31,11 @@ def main(argv=None) -> None:
                             "quantization on CUDA, a measurement on the CPU; docs/decode.md)")
     serve.add_argument("--enforce-eager", action="store_true", default=None,
                        help="no CUDA graphs in the decode step (slower; for debugging a GPU problem)")
+    serve.add_argument("--ssl-certfile", help="PEM certificate: serve HTTPS (vLLM's flag names)")
+    serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
+    serve.add_argument("--ssl-ca-certs", help="CA bundle: require client certificates it signed (mutual TLS)")
+    serve.add_argument("--audit-log", help="file for one JSON line per request (docs/audit.md)")
+    serve.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry request traces over OTLP to this URL")
     serve.add_argument("--log-level")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}

@@ -38,6 +38,13 @@ class ServeConfig:
     model_name: str = ""  # the id clients use; "" -> the GGUF file name without .gguf
     host: str = "127.0.0.1"
     port: int = 8000
+    ssl_certfile: str = ""  # PEM certificate (chain): serve HTTPS; "" serves plain HTTP
+    ssl_keyfile: str = ""  # its private key (PEM)
+    ssl_ca_certs: str = ""  # CA bundle: clients must present a certificate it signed (mutual TLS)
+    audit_log: str = ""  # file for one JSON line per request (docs/audit.md); "" writes none
+    audit_log_max_bytes: int = 100 << 20  # the audit log rotates past this size
+    audit_log_backups: int = 5  # rotated audit files kept
+    otlp_traces_endpoint: str = ""  # OTLP endpoint for OpenTelemetry request traces; "" traces nothing
     prefill_workers: int = 1
     threads_per_worker: int = 0  # 0: cores / workers
     device: str = "auto"
@@ -76,7 +83,7 @@ CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu",
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
 BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads_per_worker": {"ge": 0},
           "n_ctx": {"ge": 1}, "n_batch": {"ge": 1}, "prefix_cache_tokens": {"ge": 0}, "kv_cache_tokens": {"ge": 0},
-          "max_num_seqs": {"ge": 1}, "swap_space_gib": {"ge": 0}, "max_backlog_bytes": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "gpu_memory_utilization": {"gt": 0, "le": 1}, "max_body_bytes": {"ge": 1},
+          "max_num_seqs": {"ge": 1}, "audit_log_max_bytes": {"ge": 4096}, "audit_log_backups": {"ge": 0}, "swap_space_gib": {"ge": 0}, "max_backlog_bytes": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "gpu_memory_utilization": {"gt": 0, "le": 1}, "max_body_bytes": {"ge": 1},
           "default_max_tokens": {"ge": 1}, "prefill_queue_size": {"ge": 1}, "header_timeout_s": {"gt": 0},
           "body_timeout_s": {"gt": 0}, "request_timeout_s": {"gt": 0}, "shutdown_grace_s": {"ge": 0}}
 

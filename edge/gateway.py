@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -40,6 +41,32 @@ PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, 
 }
 
 
+@dataclass(frozen=True)
+class RequestRecord:
+    """How one request ended, for the gateway's observers (audit log, status page). It never holds the API key
+    (key_id is a hash of it); prompt_text is the client's text, for an observer to hash or, if told to, keep."""
+    time: float  # wall clock (epoch seconds) at the end
+    request_id: str  # "" for a request refused before it got one
+    key_id: str | None  # "sha256:<16 hex>" of the bearer token; None without one
+    client_class: str  # "" when refused before the policy chose one
+    tenant: str | None
+    model: str
+    kind: str  # "chat" or "completion"
+    client: str  # the peer's address
+    status: str  # "finished", "aborted", "failed" or "rejected"
+    finish_reason: str  # "stop", "length", "abort", "error", or the error code of a refusal
+    http_status: int  # 200 for a finished request, else the status answered (0: the client went away)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    degradation: tuple[str, ...] = ()  # what the degradation tier changed
+    tier: str = ""
+    priority: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None  # mean time per output token after the first
+    e2e_s: float | None = None
+    prompt_text: str = ""
+
+
 @dataclass
 class Run:
     """An accepted request as its handler sees it."""
@@ -47,6 +74,9 @@ class Run:
     request: GenerateRequest  # with the policy's decisions applied to its sampling
     decision: Decision
     deadline: float
+    key_id: str | None = None
+    tenant: str | None = None
+    client: str = ""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -67,6 +97,7 @@ class Gateway:
         self.enforcer = enforcer
         self.ttft_window = TTFTWindow()
         self.shutting_down = False
+        self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
 
     @property
     def ready(self) -> bool:
@@ -92,10 +123,12 @@ class Gateway:
         except PolicyRejection as err:
             raise _api_error(err) from None
         try:
-            return self._queue(request, decision)
+            run = self._queue(request, decision)
         except ApiError:
             self.enforcer.release(decision)
             raise
+        run.key_id, run.tenant, run.client = key_id(_bearer(http)), tenant, http.remote or ""
+        return run
 
     def _queue(self, request: GenerateRequest, decision: Decision) -> Run:
         if not self.ready:
@@ -227,12 +260,15 @@ class Gateway:
                            error_type="server_error", code="aborted")
         return event
 
-    async def end(self, run: Run, status: RequestStatus, reason: str) -> None:
-        """Record the one terminal state; stop any work still going on for the request."""
+    async def end(self, run: Run, status: RequestStatus, reason: str, usage: dict | None = None,
+                  error: ApiError | None = None) -> None:
+        """Record the one terminal state; stop any work still going on for the request. usage: OpenAI's usage
+        object of what was produced; error: what the client was answered, if it failed."""
         inflight = run.inflight
         was = inflight.status
         if not inflight.advance(status):
             return
+        self._notify(self._record(run, status, reason, usage or {}, error))
         self.enforcer.release(run.decision)
         if status is not RequestStatus.FINISHED:
             if was <= RequestStatus.PREFILLING:
@@ -247,6 +283,35 @@ class Gateway:
         log.info("request %s (priority %d) %s (%s) after %.2f s; %s", inflight.request_id, inflight.priority,
                  status.name.lower(), reason, time.perf_counter() - inflight.created,
                  inflight.ttft_breakdown() or "no first token")
+
+    def rejected(self, http: web.Request, err: ApiError, request: GenerateRequest | None) -> None:
+        """A request refused before it was queued (bad input, auth, policy, load): observers hear of it too."""
+        tenant_header = self.enforcer.policy.tenant_header
+        self._notify(RequestRecord(
+            time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
+            request.model if request else "", request.kind if request else "", http.remote or "", "rejected",
+            err.code or "", err.status, prompt_text=request.user_text if request else ""))
+
+    def _record(self, run: Run, status: RequestStatus, reason: str, usage: dict, error: ApiError | None):
+        inflight, now = run.inflight, time.perf_counter()
+        completion = usage.get("completion_tokens", 0)
+        ttft = inflight.first_token_at - inflight.created if inflight.first_token_at is not None else None
+        tpot = None
+        if completion > 1 and inflight.first_token_at is not None and inflight.last_token_at is not None:
+            tpot = (inflight.last_token_at - inflight.first_token_at) / (completion - 1)
+        http_status = 200 if status is RequestStatus.FINISHED else error.status if error is not None else 0
+        return RequestRecord(time.time(), inflight.request_id, run.key_id, run.decision.client_class, run.tenant,
+                             run.request.model, run.request.kind, run.client, status.name.lower(), reason,
+                             http_status, usage.get("prompt_tokens", 0), completion, run.decision.notes,
+                             run.decision.tier, inflight.priority, ttft, tpot, now - inflight.created,
+                             run.request.user_text)
+
+    def _notify(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:  # an observer's fault (a full disk for the audit log) must not fail the request
+                log.exception("request observer %r failed", observer)
 
     def refresh_metrics(self) -> None:
         m, stats = self.metrics, self.engine_stats
@@ -280,6 +345,11 @@ def _advance_counter(counter, seen: int, total: int) -> int:
     """Mirror an engine-side running total into a Prometheus counter (a restarted engine starts again at 0)."""
     counter.inc(max(0, total - seen) if total >= seen else total)
     return total
+
+
+def key_id(api_key: str | None) -> str | None:
+    """What logs and observers may say about an API key: a short hash, never the key."""
+    return None if api_key is None else "sha256:" + hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest()[:16]
 
 
 def _bearer(request: web.Request) -> str | None:

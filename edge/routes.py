@@ -30,6 +30,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     gateway: Gateway = request.app[GATEWAY]
+    parsed = None
     try:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
@@ -38,6 +39,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
+        gateway.rejected(request, err, parsed)
         return err.response()
     completion = Completion(run.inflight.request_id, run.request, gateway.model_name)
     status, reason = RequestStatus.ABORTED, "abort"
@@ -55,7 +57,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         status, reason = RequestStatus.ABORTED, "abort"  # the client went away
         raise
     finally:
-        await asyncio.shield(gateway.end(run, status, reason))
+        await asyncio.shield(gateway.end(run, status, reason, completion.usage, completion.error))
 
 
 async def _read_json(request: web.Request, gateway: Gateway):

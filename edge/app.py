@@ -16,6 +16,7 @@ from aiohttp.web_runner import GracefulExit
 from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret
 from contracts.tasks import spawn
+from edge.audit import AuditLog, quota_state_path
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
@@ -27,6 +28,7 @@ from edge.routes import add_routes
 from edge.state import CONFIG, GATEWAY, RELOADER, SUPERVISOR
 from policies.enforcer import PolicyEnforcer
 from policies.loader import load_policy
+from policies.quota import TokenQuotas
 from policies.reloader import PolicyReloader
 from prefill_cpu.embedded_model import embedded_model_path
 
@@ -83,9 +85,32 @@ def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
     return os.environ.get(SECRET_ENV, "").encode()
 
 
+def _enforcer(config: ServeConfig) -> PolicyEnforcer:
+    policy = load_policy(policy_path(config))
+    if not config.audit_log and any(rule.tokens_per_day or rule.tokens_per_month for rule in policy.keys.values()):
+        log.warning("token quotas are counted in memory only: a restart starts them at zero (set audit_log to "
+                    "keep them next to it)")
+    quotas = TokenQuotas(quota_state_path(config.audit_log))  # a bad state file: ValueError, edge serve stops
+    return PolicyEnforcer(policy, config.limits.default_max_tokens, quotas=quotas)
+
+
+def _observe(gateway: Gateway, app: web.Application, audit: AuditLog | None) -> None:
+    """Every request's ending counts against its key's quotas and, when configured, goes to the audit log."""
+    gateway.observers.append(gateway.enforcer.count_tokens)
+    if audit is not None:
+        gateway.observers.append(audit)
+
+        async def close(_: web.Application) -> None:
+            audit.close()
+        app.on_cleanup.append(close)  # after the drain: the last requests' lines are written
+
+
 def make_app(config: ServeConfig) -> web.Application:
     model_path = config.model or embedded_model_path()
     model_name = config.model_name or Path(model_path).name.removesuffix(".gguf")
+    enforcer = _enforcer(config)  # these two before the run dir: a refusal here leaves nothing behind
+    audit = (AuditLog(config.audit_log, config.audit_log_max_bytes, config.audit_log_backups, enforcer)
+             if config.audit_log else None)
     run_dir = _make_run_dir(config)
     engine_address, worker_addresses = resolve_addresses(config, run_dir)
     secret = _control_secret(config, [engine_address, *worker_addresses.values()])
@@ -94,9 +119,9 @@ def make_app(config: ServeConfig) -> web.Application:
                        config.worker_heartbeat_timeout_s)
     engine = EngineClient(engine_address, registry, secret)
     pool.on_best_priority = engine.prefill_priority_changed
-    enforcer = PolicyEnforcer(load_policy(policy_path(config)), config.limits.default_max_tokens)
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
+    _observe(gateway, app, audit)
     app[CONFIG] = config
     app[GATEWAY] = gateway
     app[RELOADER] = PolicyReloader(policy_path(config), enforcer)

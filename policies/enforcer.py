@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from policies.content_filter import ContentFilter
 from policies.evaluator import TierEvaluator, TierState, Transition
+from policies.quota import TokenQuotas, key_id
 from policies.rate_limit import RateLimiter
 from policies.schema import ApiKeyRule, ClientClass, Policy
 
@@ -48,10 +49,12 @@ class Decision:
 
 
 class PolicyEnforcer:
-    def __init__(self, policy: Policy, default_max_tokens: int = 256, clock=time.monotonic) -> None:
+    def __init__(self, policy: Policy, default_max_tokens: int = 256, clock=time.monotonic,
+                 quotas: TokenQuotas | None = None) -> None:
         self.clock = clock
         self.default_max_tokens = default_max_tokens
         self.rate_limiter = RateLimiter(clock)
+        self.quotas = quotas or TokenQuotas()  # outlives any one policy: a reload keeps the counts
         self.active: Counter = Counter()  # concurrency per "key:..." and "class:..."
         self.evaluator = TierEvaluator((), clock())
         self.install(policy)
@@ -60,6 +63,7 @@ class PolicyEnforcer:
         """Switch to a new policy (hot reload); the tier in force is kept when the new policy still has it."""
         current = self.evaluator.state.name
         self.policy = policy
+        self.rules_by_key_id = {key_id(rule.key): rule for rule in policy.keys.values()}  # for observers' records
         self.content_filter = ContentFilter(policy.filters.blocked_words, policy.filters.blocked_patterns)
         evaluator = TierEvaluator(policy.tiers, self.clock())
         for index, tier in enumerate(policy.tiers):
@@ -79,6 +83,7 @@ class PolicyEnforcer:
     def decide(self, facts: RequestFacts, served_models: set[str]) -> Decision:
         filters = self.policy.filters
         key_rule = self._authenticate(facts.api_key)
+        self._check_quota(key_rule)
         cls = self._class_for(key_rule, facts.tenant)
         if facts.model not in served_models or (filters.allowed_models and facts.model not in filters.allowed_models):
             allowed = sorted(set(filters.allowed_models or served_models) & served_models)
@@ -110,6 +115,29 @@ class PolicyEnforcer:
         if rule is None:
             raise PolicyRejection(401, "invalid_api_key", "missing or wrong API key (send 'Authorization: Bearer <key>')")
         return rule
+
+    def _check_quota(self, rule: ApiKeyRule | None) -> None:
+        if rule is None or not (rule.tokens_per_day or rule.tokens_per_month):
+            return
+        if over := self.quotas.exceeded(key_id(rule.key), rule.tokens_per_day, rule.tokens_per_month):
+            who = f"key {rule.id!r}" if rule.id else "this key"
+            when = "UTC midnight" if over.quota == "tokens_per_day" else "the first of the month, UTC"
+            raise PolicyRejection(429, "quota_exceeded", f"{who} has used {over.used} tokens, its {over.quota} "
+                                  f"quota is {over.limit}; it resets at {over.resets_at:%Y-%m-%dT%H:%M:%SZ} "
+                                  f"({when})", over.retry_after_s)
+
+    def count_tokens(self, record) -> None:
+        """A request observer (takes edge.gateway.RequestRecord): an ended request's prompt + completion tokens
+        count against its key's quotas. Only the policy's keys are counted, so made-up keys sent to a server
+        without authentication cannot grow the counts."""
+        tokens = record.prompt_tokens + record.completion_tokens
+        if tokens and record.key_id in self.rules_by_key_id:
+            self.quotas.add(record.key_id, tokens)
+
+    def key_name(self, key_hash: str | None) -> str | None:
+        """What logs call a key: its rule's id when the policy gives one, else its hash."""
+        rule = self.rules_by_key_id.get(key_hash)
+        return rule.id if rule is not None and rule.id else key_hash
 
     def _class_for(self, key_rule: ApiKeyRule | None, tenant: str | None) -> ClientClass:
         policy = self.policy

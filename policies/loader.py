@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, ValidationInfo, create_model, field_validator
 
 from policies.content_filter import pattern_error
-from policies.schema import (ACTIONS, PROTECTIONS, SIGNALS, ApiKeyRule, ClientClass, Filters, Policy, Tier,
-                             TierActions)
+from policies.schema import (ACTIONS, PROTECTIONS, SIGNALS, ApiKeyRule, AuditRules, ClientClass, Filters, Policy,
+                             Tier, TierActions)
 from policies.validation import FileError, Invalid, Issue, Strict, issue_at, parse_toml, read_text, validate
 
 PolicyIssue = Issue  # the name this module has always exported
@@ -69,6 +69,12 @@ def _regex(pattern: str) -> str:
     return pattern
 
 
+def _key_name(name: str) -> str:
+    if name.startswith("sha256:"):  # the audit log shows either a name or a hash: keep them apart
+        raise ValueError(f"a key id may not start with 'sha256:' (the form of a key's hash), got {name!r}")
+    return name
+
+
 ClassName = Annotated[str, AfterValidator(_defined_class)]
 ClassNames = Annotated[list[str], AfterValidator(_defined)]
 NonNegative = Annotated[int, Field(ge=0)]
@@ -111,9 +117,18 @@ class KeyFile(Strict):
     client_class: ClassName = Field(alias="class")
     requests_per_minute: NonNegative = 0
     max_concurrent: NonNegative = 0
+    tokens_per_day: NonNegative = 0
+    tokens_per_month: NonNegative = 0
+    id: Annotated[str, Field(min_length=1), AfterValidator(_key_name)] | None = None
+    admin: bool = False
 
     def build(self) -> ApiKeyRule:
-        return ApiKeyRule(self.key, self.client_class, self.requests_per_minute, self.max_concurrent)
+        return ApiKeyRule(self.key, self.client_class, self.requests_per_minute, self.max_concurrent,
+                          self.tokens_per_day, self.tokens_per_month, self.id or "", self.admin)
+
+
+class AuditFile(Strict):
+    log_text: bool = False
 
 
 class TenantsFile(Strict):
@@ -163,6 +178,7 @@ class PolicyFile(Strict):
     keys: list[KeyFile] = []
     tenants: TenantsFile = TenantsFile()
     tiers: list[TierFile] = []
+    audit: AuditFile = AuditFile()
 
     @field_validator("version")
     @classmethod
@@ -179,22 +195,26 @@ class PolicyFile(Strict):
         tiers = tuple(tier.build(name) for tier, name in zip(self.tiers, self.tier_names()))
         return Policy(source, self.filters.build(), classes, self.default_class or next(iter(classes)),
                       {entry.key: entry.build() for entry in self.keys}, self.tenants.header,
-                      dict(self.tenants.classes), tiers, tuple(self.allow_weaker_protection))
+                      dict(self.tenants.classes), tiers, tuple(self.allow_weaker_protection),
+                      AuditRules(self.audit.log_text))
 
 
 # --- checks that relate entries to each other: (key path, message) for each mistake ---
 def _relations(document: PolicyFile) -> Iterator[tuple[str, str]]:
     yield from _duplicates([entry.key for entry in document.keys], "keys[{}].key",
                            lambda key: "this API key is listed twice")
+    yield from _duplicates([entry.id for entry in document.keys], "keys[{}].id",
+                           lambda name: f"key id {name!r} is used twice (the audit log could not tell them apart)")
     yield from _duplicates(document.tier_names(), "tiers[{}].name", lambda name: f"tier name {name!r} is used twice")
     for i, tier in enumerate(document.tiers):
         yield from _hysteresis(tier, f"tiers[{i}]")
 
 
-def _duplicates(values: list[str], where: str, message) -> Iterator[tuple[str, str]]:
-    seen: set[str] = set()
+def _duplicates(values: list[str | None], where: str, message) -> Iterator[tuple[str, str]]:
+    """None (a key without an id) is never a duplicate."""
+    seen: set[str | None] = set()
     for i, value in enumerate(values):
-        if value in seen:
+        if value is not None and value in seen:
             yield where.format(i), message(value)
         seen.add(value)
 

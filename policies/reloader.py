@@ -2,7 +2,7 @@
 with its errors logged, and the policy in force stays.
 
 A reload is also refused when it would remove a protection entirely (every API key, every blocked word
-and pattern, every rate or concurrency limit) and the new file does not say so in
+and pattern, every rate or concurrency limit or token quota) and the new file does not say so in
 allow_weaker_protection: an empty or truncated file saved by mistake must not open the service up."""
 
 from __future__ import annotations
@@ -20,9 +20,14 @@ log = logging.getLogger("policies.reloader")
 _IN_FORCE = {
     "keys": lambda policy: bool(policy.keys),
     "blocked_content": lambda policy: bool(policy.filters.blocked_words or policy.filters.blocked_patterns),
-    "rate_limits": lambda policy: any(rule.requests_per_minute or rule.max_concurrent
-                                      for rule in (*policy.classes.values(), *policy.keys.values())),
+    "rate_limits": lambda policy: _limits_in_force(policy),
 }
+
+
+def _limits_in_force(policy: Policy) -> bool:
+    keys = policy.keys.values()
+    return (any(rule.requests_per_minute or rule.max_concurrent for rule in (*policy.classes.values(), *keys))
+            or any(rule.tokens_per_day or rule.tokens_per_month for rule in keys))
 
 
 def removed_protections(old: Policy, new: Policy) -> list[str]:

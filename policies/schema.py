@@ -21,7 +21,7 @@ ACTIONS = ("cap_max_tokens", "logprobs", "max_prompt_tokens", "shed", "kv_type")
 PROTECTIONS = {
     "keys": "every API key (authentication would be off)",
     "blocked_content": "every blocked word and pattern",
-    "rate_limits": "every requests_per_minute and max_concurrent limit (of classes and keys)",
+    "rate_limits": "every requests_per_minute and max_concurrent limit (of classes and keys) and token quota",
 }
 
 
@@ -50,6 +50,15 @@ class ApiKeyRule:
     client_class: str
     requests_per_minute: int = 0
     max_concurrent: int = 0
+    tokens_per_day: int = 0  # prompt + completion tokens per UTC day; 0: unlimited
+    tokens_per_month: int = 0  # ... per UTC calendar month
+    id: str = ""  # the name logs show instead of the key's hash; "": the hash
+    admin: bool = False  # may see the operator's status page
+
+
+@dataclass(frozen=True)
+class AuditRules:
+    log_text: bool = False  # the audit log keeps the prompt text itself, not only its hash
 
 
 @dataclass(frozen=True)
@@ -82,3 +91,4 @@ class Policy:
     tenant_classes: dict[str, str] = field(default_factory=dict)
     tiers: tuple[Tier, ...] = ()  # in order of severity: later tiers are heavier
     allow_weaker_protection: tuple[str, ...] = ()  # PROTECTIONS this file may remove on reload
+    audit: AuditRules = field(default_factory=AuditRules)

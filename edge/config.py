@@ -88,6 +88,9 @@ BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads
           "body_timeout_s": {"gt": 0}, "request_timeout_s": {"gt": 0}, "shutdown_grace_s": {"ge": 0}}
 
 
+PATH_KEYS = ("policy", "audit_log", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
+
+
 def _file_model(cls, **extra):
     """A pydantic model with the dataclass's keys and defaults, plus the choices and bounds above."""
     hints = typing.get_type_hints(cls)
@@ -136,8 +139,9 @@ def _file_values(path: str) -> dict:
         values = validate(ServeFile, data, lines).model_dump(exclude_unset=True)
     except Invalid as err:
         raise ConfigError(path, err.issues) from None
-    if values.get("policy") and not os.path.isabs(values["policy"]):
-        values["policy"] = os.path.join(os.path.dirname(os.path.abspath(path)), values["policy"])
+    for key in PATH_KEYS:  # a relative path in the file is relative to the file, not to where edge serve starts
+        if values.get(key) and not os.path.isabs(values[key]):
+            values[key] = os.path.join(os.path.dirname(os.path.abspath(path)), values[key])
     return values
 
 

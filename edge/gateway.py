@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import time
 import uuid
@@ -26,6 +25,7 @@ from contracts.handoff import SamplingParams
 from contracts.messages import ChatMessage, PrefillDone, PrefillFailed, PrefillJob
 from edge.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
+from policies.quota import key_id
 from policies.signals import TTFTWindow, box_signals
 
 log = logging.getLogger("edge.gateway")
@@ -345,11 +345,6 @@ def _advance_counter(counter, seen: int, total: int) -> int:
     """Mirror an engine-side running total into a Prometheus counter (a restarted engine starts again at 0)."""
     counter.inc(max(0, total - seen) if total >= seen else total)
     return total
-
-
-def key_id(api_key: str | None) -> str | None:
-    """What logs and observers may say about an API key: a short hash, never the key."""
-    return None if api_key is None else "sha256:" + hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest()[:16]
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -16,7 +16,7 @@ STATE_VERSION = 1
 
 
 def key_id(api_key: str | None) -> str | None:
-    """An API key's short hash, as logs and the state file name it (the same as edge.gateway.key_id)."""
+    """An API key's short hash, as logs, the gateway's observers and the state file name it."""
     return None if api_key is None else "sha256:" + hashlib.sha256(api_key.encode("utf-8", "replace")).hexdigest()[:16]
 
 

@@ -94,15 +94,17 @@ def _enforcer(config: ServeConfig) -> PolicyEnforcer:
     return PolicyEnforcer(policy, config.limits.default_max_tokens, quotas=quotas)
 
 
-def _observe(gateway: Gateway, app: web.Application, audit: AuditLog | None) -> None:
-    """Every request's ending counts against its key's quotas and, when configured, goes to the audit log."""
+def _observe(gateway: Gateway, app: web.Application, audit: AuditLog | None, tracer) -> None:
+    """Every request's ending counts against its key's quotas and, when configured, goes to the audit log and
+    becomes a trace."""
     gateway.observers.append(gateway.enforcer.count_tokens)
-    if audit is not None:
-        gateway.observers.append(audit)
+    closing = [observer for observer in (audit, tracer) if observer is not None]
+    gateway.observers.extend(closing)
 
-        async def close(_: web.Application) -> None:
-            audit.close()
-        app.on_cleanup.append(close)  # after the drain: the last requests' lines are written
+    async def close(_: web.Application) -> None:
+        for observer in closing:
+            observer.close()
+    app.on_cleanup.append(close)  # after the drain: the last requests' lines and spans are written
 
 
 def make_app(config: ServeConfig) -> web.Application:
@@ -111,6 +113,10 @@ def make_app(config: ServeConfig) -> web.Application:
     enforcer = _enforcer(config)  # these two before the run dir: a refusal here leaves nothing behind
     audit = (AuditLog(config.audit_log, config.audit_log_max_bytes, config.audit_log_backups, enforcer)
              if config.audit_log else None)
+    tracer = None
+    if config.otlp_traces_endpoint:  # OpenTelemetry is imported only then (an optional dependency)
+        from edge.tracing import RequestTracer
+        tracer = RequestTracer(config.otlp_traces_endpoint)
     run_dir = _make_run_dir(config)
     engine_address, worker_addresses = resolve_addresses(config, run_dir)
     secret = _control_secret(config, [engine_address, *worker_addresses.values()])
@@ -121,7 +127,7 @@ def make_app(config: ServeConfig) -> web.Application:
     pool.on_best_priority = engine.prefill_priority_changed
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
-    _observe(gateway, app, audit)
+    _observe(gateway, app, audit, tracer)
     app[CONFIG] = config
     app[GATEWAY] = gateway
     app[RELOADER] = PolicyReloader(policy_path(config), enforcer)

@@ -65,6 +65,9 @@ class RequestRecord:
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float | None = None
     prompt_text: str = ""
+    # wall-clock times (epoch seconds) of the request's phases that happened: created, prefill_started (the
+    # last dispatch to a worker), handed_off, first_token; the end is `time`
+    marks: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -300,11 +303,15 @@ class Gateway:
         if completion > 1 and inflight.first_token_at is not None and inflight.last_token_at is not None:
             tpot = (inflight.last_token_at - inflight.first_token_at) / (completion - 1)
         http_status = 200 if status is RequestStatus.FINISHED else error.status if error is not None else 0
-        return RequestRecord(time.time(), inflight.request_id, run.key_id, run.decision.client_class, run.tenant,
+        wall = time.time()
+        marks = tuple((name, wall - (now - at)) for name, at in (
+            ("created", inflight.created), ("prefill_started", inflight.prefill_started_at),
+            ("handed_off", inflight.handed_off_at), ("first_token", inflight.first_token_at)) if at is not None)
+        return RequestRecord(wall, inflight.request_id, run.key_id, run.decision.client_class, run.tenant,
                              run.request.model, run.request.kind, run.client, status.name.lower(), reason,
                              http_status, usage.get("prompt_tokens", 0), completion, run.decision.notes,
                              run.decision.tier, inflight.priority, ttft, tpot, now - inflight.created,
-                             run.request.user_text)
+                             run.request.user_text, marks)
 
     def _notify(self, record: RequestRecord) -> None:
         for observer in self.observers:

@@ -9,6 +9,7 @@ import sys
 from aiohttp import web
 
 from edge.config import ConfigError, load_config, policy_path
+from edge.tls import TLSError, server_context
 from policies.loader import PolicyError, load_policy
 
 
@@ -42,15 +43,19 @@ def main(argv=None) -> None:
     try:
         config = load_config(args.config, overrides)
         load_policy(policy_path(config))  # refuse a bad policy before starting anything
-    except (ConfigError, PolicyError) as err:
+        ssl_context = server_context(config)  # ... and bad TLS files, before the model loads
+    except (ConfigError, PolicyError, TLSError) as err:
         sys.exit(f"edge: {err}")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
+    if config.ssl_ca_certs:
+        logging.getLogger("edge").info("mutual TLS: clients need a certificate signed by %s", config.ssl_ca_certs)
     from edge.app import make_app  # after logging is set up: loading the app logs
     try:
         app = make_app(config)
     except (ValueError, FileNotFoundError) as err:  # a bad secret file, TCP without a secret, no model
         sys.exit(f"edge: {err}")
-    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True,
+    # with ssl_context, aiohttp's "Running on https://..." line below names the scheme clients must use
+    web.run_app(app, host=config.host, port=config.port, ssl_context=ssl_context, handler_cancellation=True,
                 shutdown_timeout=config.limits.shutdown_grace_s + 5,
                 keepalive_timeout=config.limits.header_timeout_s,  # a new or idle connection must send its headers in time
                 print=lambda msg: logging.getLogger("edge").info(msg.strip()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,7 +21,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, config_text: str, workdir: Path, policy_text: str | None = None) -> None:
+    """tls: the client side's context (the CA to trust, a client certificate for mutual TLS) when the config
+    makes the server speak HTTPS; base, the readiness poll, health() and metric() then use https with it."""
+
+    def __init__(self, config_text: str, workdir: Path, policy_text: str | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.port = free_port()
         self.config = workdir / "serve.toml"
         self.policy = workdir / "policy.toml"
@@ -29,7 +34,8 @@ class ServerProcess:
             config_text = f'policy = "{self.policy}"\n' + config_text
         self.config.write_text(config_text)
         self.log_path = workdir / "serve.log"
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.verify = tls or True  # httpx's default for everyone else
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0) -> "ServerProcess":
@@ -41,7 +47,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + "/health", timeout=2, verify=self.verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -49,10 +55,10 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy in {timeout_s} s:\n{self.log_path.read_text()[-3000:]}")
 
     def health(self) -> dict:
-        return httpx.get(self.base + "/health", timeout=5).json()
+        return httpx.get(self.base + "/health", timeout=5, verify=self.verify).json()
 
     def metric(self, name: str) -> float:
-        for line in httpx.get(self.base + "/metrics", timeout=5).text.splitlines():
+        for line in httpx.get(self.base + "/metrics", timeout=5, verify=self.verify).text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)

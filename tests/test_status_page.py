@@ -1,0 +1,396 @@
+"""The operator's status page (/status, /status.json): who may see it, what its board keeps, and in a real headless
+Chromium against the real server that it renders, agrees with /metrics under load, and shows a tier change
+within 3 s. Chromium is driven over the DevTools protocol with aiohttp's websocket client (no extra package)."""
+
+import asyncio
+import base64
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+
+import aiohttp
+import httpx
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from edge.config import ServeConfig
+from edge.gateway import Gateway, RequestRecord
+from edge.lifecycle import InFlightRegistry
+from edge.metrics import Metrics
+from edge.routes import add_routes
+from edge.state import GATEWAY
+from edge.status import WINDOW_S, StatusBoard
+from policies.enforcer import PolicyEnforcer
+from policies.schema import Policy, Tier
+
+from server_process import ServerProcess, wait_for
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+ADMIN, USER, BATCH = "admin-key-0123", "user-key-0123", "batch-key-0123"
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")  # what `make install` looks for too
+CONFIG = """
+kv_cache_tokens = 2048
+[limits]
+shutdown_grace_s = 1.0
+"""
+POLICY = f"""
+version = 1
+default_class = "standard"
+[classes.ops]
+priority = 0
+[classes.standard]
+priority = 0
+[classes.batch]
+priority = 10
+[[keys]]
+key = "{ADMIN}"
+class = "ops"
+admin = true
+[[keys]]
+key = "{USER}"
+class = "standard"
+[[keys]]
+key = "{BATCH}"
+class = "batch"
+"""
+# waiting_requests >= 0 always holds and the exit (< -1) never does: the tier is entered at the next tick
+FORCED_TIER = POLICY + """
+[[tiers]]
+name = "forced"
+min_dwell_s = 0
+enter = { waiting_requests = 0 }
+exit = { waiting_requests = -1 }
+"""
+
+
+# --- who may see the page (a stub gateway: only its policy matters) ---------------------------------------------
+
+def _status(policy_keys: dict, path: str, **kwargs):
+    app = web.Application()
+    app[GATEWAY] = SimpleNamespace(enforcer=SimpleNamespace(policy=SimpleNamespace(keys=policy_keys)))
+    add_routes(app)
+
+    async def run():
+        async with TestClient(TestServer(app)) as client:
+            response = await client.get(path, **kwargs)
+            return response.status, response.headers, await response.text()
+    return asyncio.run(run())
+
+
+KEYS = {ADMIN: SimpleNamespace(admin=True), USER: SimpleNamespace(admin=False)}
+
+
+@pytest.mark.parametrize("path", ["/", "/status"])
+def test_the_page_asks_a_browser_for_a_key(path):
+    status, headers, body = _status(KEYS, path)
+    assert status == 401 and headers["WWW-Authenticate"].startswith("Basic ")
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+def test_the_json_refuses_without_a_browser_dialog():
+    status, headers, _ = _status(KEYS, "/status.json")
+    assert status == 401 and "WWW-Authenticate" not in headers
+
+
+def test_a_key_without_admin_is_forbidden():
+    status, _, body = _status(KEYS, "/status", headers={"Authorization": f"Bearer {USER}"})
+    assert status == 403 and json.loads(body)["error"]["code"] == "not_admin"
+
+
+@pytest.mark.parametrize("auth", ["bearer", "basic"])
+def test_an_admin_key_opens_the_page_and_travels_in_it_for_the_polls(auth):
+    header = f"Bearer {ADMIN}" if auth == "bearer" else "Basic " + base64.b64encode(f"ops:{ADMIN}".encode()).decode()
+    status, headers, body = _status(KEYS, "/status", headers={"Authorization": header})
+    assert status == 200 and headers["Cache-Control"] == "no-store"
+    assert f'<meta name="edge-key" content="{ADMIN}">' in body
+
+
+def test_without_keys_the_page_is_open_and_carries_no_key():
+    status, _, body = _status({}, "/status")
+    assert status == 200 and '<meta name="edge-key" content="">' in body and "<canvas" in body
+
+
+# --- what the board keeps (a real Gateway around stub peers) ---------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _board(policy: Policy = Policy("test")) -> tuple[StatusBoard, Gateway, Clock]:
+    pool = SimpleNamespace(queue_length=0, tokens_per_s=0.0, workers={}, num_ready=0)
+    engine = SimpleNamespace(stats=None, state="ready", last_error=None)
+    gateway = Gateway(ServeConfig(), "m", pool, engine, InFlightRegistry(), Metrics("m"), PolicyEnforcer(policy))
+    clock = Clock()
+    return StatusBoard(gateway, clock=clock), gateway, clock
+
+
+def _record(clock: Clock, client_class: str, ttft: float | None = None, tpot: float | None = None,
+            status: str = "finished", reason: str = "stop") -> RequestRecord:
+    return RequestRecord(clock.now, "id", None, client_class, None, "m", "chat", "", status, reason, 200,
+                         ttft_s=ttft, tpot_s=tpot)
+
+
+def test_latency_percentiles_per_class_over_the_last_15_minutes():
+    board, _, clock = _board()
+    for i in range(1, 101):
+        board.observe(_record(clock, "standard", ttft=i / 100, tpot=i / 1000))
+    board.observe(_record(clock, "batch", ttft=None, reason="abort"))  # ended before its first token
+    latency = board.snapshot()["latency"]
+    assert latency["standard"] == {"requests": 100, "ttft_p50_s": 0.5, "ttft_p95_s": 0.95, "tpot_p50_s": 0.05,
+                                   "tpot_p95_s": 0.095}
+    assert latency["batch"] == {"requests": 1, "ttft_p50_s": None, "ttft_p95_s": None, "tpot_p50_s": None,
+                                "tpot_p95_s": None}
+    clock.now += WINDOW_S / 2
+    board.observe(_record(clock, "standard", ttft=2.0))
+    clock.now += WINDOW_S / 2 + 1  # the first hundred and the batch request are older than the window now
+    snapshot = board.snapshot()
+    assert snapshot["latency"] == {"standard": {"requests": 1, "ttft_p50_s": 2.0, "ttft_p95_s": 2.0,
+                                                "tpot_p50_s": None, "tpot_p95_s": None}}
+    assert snapshot["requests"] == {"finished": 102, "finished_by_reason": {"stop": 101, "abort": 1}, "rejected": 0}
+
+
+def test_rejections_by_reason_recent_and_since_start():
+    board, _, clock = _board()
+    board.observe(_record(clock, "", status="rejected", reason="invalid_api_key"))
+    clock.now += WINDOW_S + 1
+    board.observe(_record(clock, "", status="rejected", reason="queue_full"))
+    board.observe(_record(clock, "", status="rejected", reason="queue_full"))
+    snapshot = board.snapshot()
+    assert snapshot["rejections"] == {"recent": {"queue_full": 2},
+                                      "total": {"invalid_api_key": 1, "queue_full": 2}}
+    assert snapshot["requests"]["rejected"] == 3 and snapshot["latency"] == {}
+
+
+def test_the_ring_buffer_holds_15_minutes_and_polls_get_only_newer_samples():
+    board, _, clock = _board()
+    for _ in range(1000):
+        board.sample()
+        clock.now += 1
+    samples = board.snapshot()["samples"]
+    assert len(samples) == 900 and samples[0][0] == clock.now - 900
+    assert [s[0] for s in board.snapshot(since=clock.now - 3)["samples"]] == [clock.now - 2, clock.now - 1]
+
+
+def test_tier_changes_are_stamped_when_seen():
+    tier = Tier("busy", {"waiting_requests": 1.0}, {"waiting_requests": 0.5}, min_dwell_s=0)
+    board, gateway, clock = _board(Policy("test", tiers=(tier,)))
+    gateway.enforcer.update_signals({"waiting_requests": 2.0})
+    snapshot = board.snapshot()
+    assert snapshot["tier"]["name"] == "busy" and snapshot["tier"]["tiers"] == ["normal", "busy"]
+    assert snapshot["transitions"] == [{"time": clock.now, "before": "normal", "after": "busy",
+                                        "reason": "busy enter holds: waiting_requests=2 >= 1"}]
+    clock.now += 5
+    assert board.snapshot()["transitions"][0]["time"] == clock.now - 5  # stamped once
+
+
+# --- the real server in a real browser ---------------------------------------------------------------------------
+
+READ_PAGE = """(() => {
+  if (!document.body || document.body.dataset.polls === undefined) return {polls: -1};  // not (yet) the page
+  const out = {polls: Number(document.body.dataset.polls), tables: {}};
+  for (const e of document.querySelectorAll('[id^="v-"]')) out[e.id] = e.textContent;
+  for (const t of document.querySelectorAll("table"))
+    out.tables[t.id] = Object.fromEntries([...t.tBodies[0].rows].map(r => [r.dataset.key,
+                                                                              [...r.cells].map(c => c.textContent)]));
+  return out;
+})()"""
+
+
+class Page:
+    """One browser tab, spoken to over the DevTools protocol."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws, self.last_id = ws, 0
+
+    async def call(self, method: str, **params) -> dict:
+        self.last_id += 1
+        await self.ws.send_json({"id": self.last_id, "method": method, "params": params})
+        async for message in self.ws:  # events arrive in between; the answer carries our id
+            data = json.loads(message.data)
+            if data.get("id") == self.last_id:
+                if "error" in data:
+                    raise RuntimeError(f"{method}: {data['error']}")
+                return data["result"]
+        raise RuntimeError(f"{method}: the browser closed the connection")
+
+    async def read(self) -> dict:
+        result = await self.call("Runtime.evaluate", expression=READ_PAGE, returnByValue=True)
+        return result["result"]["value"]
+
+    async def until(self, predicate, timeout_s: float = 10.0) -> dict:
+        """Read the page every 0.1 s until predicate(page) holds; the last reading either way."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            page = await self.read()
+            if (page["polls"] >= 0 and predicate(page)) or time.monotonic() > deadline:
+                return page
+            await asyncio.sleep(0.1)
+
+
+class Browser:
+    def __init__(self, binary: str, workdir) -> None:
+        port_file = workdir / "DevToolsActivePort"  # "<port>\n<path>" once it listens
+        port_file.unlink(missing_ok=True)  # a reused profile's is stale
+        self.process = subprocess.Popen(
+            [binary, "--headless=new", "--disable-gpu", "--no-sandbox", "--no-first-run", "--remote-debugging-port=0",
+             f"--user-data-dir={workdir}", "--window-size=1280,1000", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert wait_for(lambda: port_file.exists() and len(port_file.read_text().split()) == 2, 60), \
+            "chromium did not open its DevTools port"
+        self.port = int(port_file.read_text().split()[0])
+
+    @contextlib.asynccontextmanager
+    async def open(self, url: str):
+        devtools = f"http://127.0.0.1:{self.port}"
+        async with aiohttp.ClientSession() as session:
+            async with session.put(f"{devtools}/json/new") as response:
+                target = await response.json(content_type=None)
+            try:
+                async with session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                    page = Page(ws)
+                    await page.call("Page.navigate", url=url)
+                    yield page
+            finally:
+                async with session.get(f"{devtools}/json/close/{target['id']}"):
+                    pass
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("status-serve"), POLICY).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    binary = next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
+    if binary is None:
+        pytest.skip(f"no Chromium binary ({', '.join(CHROMIUM_NAMES)}) on PATH; as root with apt-get, "
+                    f"`make install` installs Debian's")
+    browser = Browser(binary, tmp_path_factory.mktemp("chromium"))
+    yield browser
+    browser.close()
+
+
+def page_url(server) -> str:
+    """Basic auth in the URL: what a browser sends after asking the operator (any user name, the key)."""
+    return server.base.replace("http://", f"http://ops:{ADMIN}@") + "/status"
+
+
+def metrics(server) -> str:
+    return httpx.get(server.base + "/metrics", timeout=5).text
+
+
+def metric_sum(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if re.match(re.escape(name) + r"[{ ]", line) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def idle(text: str) -> bool:
+    return metric_sum(text, "edge:kv_cache_blocks_used") == 0 and metric_sum(text, "vllm:num_requests_running") == 0
+
+
+def complete(server, key: str, max_tokens: int = 24) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "Counting: 1, 2, 3,", "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(server.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=120)
+
+
+@pytest.mark.slow
+def test_the_real_server_lets_only_an_admin_key_see_it(server):
+    assert httpx.get(server.base + "/status", timeout=5).status_code == 401
+    assert httpx.get(server.base + "/status", headers={"Authorization": f"Bearer {USER}"}, timeout=5).status_code == 403
+    assert httpx.get(server.base + "/", auth=("ops", ADMIN), timeout=5).status_code == 200
+    body = httpx.get(server.base + "/status.json", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=5).json()
+    assert set(body["processes"]) == {"decode_engine", "prefill-0"} and body["tier"]["name"] == "normal"
+
+
+@pytest.mark.slow
+def test_the_page_renders_its_numbers(server, browser):
+    async def scenario():
+        async with browser.open(page_url(server)) as page:
+            shown = await page.until(lambda p: p["polls"] >= 2)
+        assert shown["polls"] >= 2 and shown["v-error"] == "", shown
+        assert shown["v-tier"] == "normal" and shown["v-model"] == MODEL
+        assert shown["v-kv-total"] == str(int(metric_sum(metrics(server), "edge:kv_cache_blocks_total")))
+        processes = shown["tables"]["processes"]
+        assert set(processes) == {"decode_engine", "prefill-0"}
+        assert all(row[1:3] == ["running", "ready"] for row in processes.values()), processes
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_under_load_its_numbers_match_metrics(server, browser):
+    async def scenario():
+        async with browser.open(page_url(server)) as page:
+            await page.until(lambda p: p["polls"] >= 1)
+            before = await page.read()
+            threads = [threading.Thread(target=complete, args=(server, key)) for key in (USER, USER, BATCH, BATCH)]
+            for t in threads:
+                t.start()
+            await asyncio.to_thread(complete, server, "wrong-key")
+            await asyncio.to_thread(complete, server, USER, -1)  # max_tokens out of range
+            for t in threads:
+                await asyncio.to_thread(t.join)
+            done = int(before["v-finished"]) + 4
+            # the engine reports its stats periodically: compare once it says the batch has left the pool
+            assert await asyncio.to_thread(wait_for, lambda: idle(metrics(server)), 10)
+            shown = await page.until(lambda p: p["v-finished"] == str(done) and p["v-kv-used"] == "0", 3)
+        text = metrics(server)
+        assert shown["v-finished"] == str(done) == str(int(metric_sum(text, "vllm:request_success_total")))
+        rejected = {reason: int(row[2]) for reason, row in shown["tables"]["rejections"].items()}
+        assert rejected == {"invalid_api_key": 1, "invalid_value": 1}
+        assert all(rejected[r] == metric_sum(text, "edge:requests_rejected_total", reason=r) for r in rejected)
+        assert shown["v-rejected"] == "2"
+        assert shown["v-kv-used"] == str(int(metric_sum(text, "edge:kv_cache_blocks_used")))
+        assert shown["v-kv-total"] == str(int(metric_sum(text, "edge:kv_cache_blocks_total")))
+        assert shown["v-tier"] == "normal" and metric_sum(text, "edge:degradation_tier") == 0
+        latency = shown["tables"]["latency"]
+        assert latency["standard"][1] == "2" and latency["batch"][1] == "2", latency
+        assert all(row[2].endswith(" ms") or row[2].endswith(" s") for row in latency.values()), latency
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_forced_tier_change_shows_within_3_s(server, browser):
+    async def scenario():
+        async with browser.open(page_url(server)) as page, aiohttp.ClientSession() as http:
+            await page.until(lambda p: p["polls"] >= 1)
+            server.policy.write_text(FORCED_TIER)  # the gateway polls the file every second
+            server_at = page_at = None
+            deadline = time.monotonic() + 15
+            while (server_at is None or page_at is None) and time.monotonic() < deadline:
+                if server_at is None:
+                    async with http.get(server.base + "/health") as response:
+                        if (await response.json())["policy"]["tier"] == "forced":
+                            server_at = time.monotonic()
+                if page_at is None and (await page.read())["v-tier"] == "forced":
+                    page_at = time.monotonic()
+                await asyncio.sleep(0.05)
+            shown = await page.read()
+        assert server_at is not None and page_at is not None, shown
+        assert page_at - server_at <= 3.0, f"the page showed the new tier {page_at - server_at:.1f} s after the server"
+        assert shown["tables"]["transitions"]["0"][1:3] == ["normal", "forced"]
+        assert "waiting_requests" in shown["v-tier-reason"]
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.policy.write_text(POLICY)

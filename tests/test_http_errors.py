@@ -18,12 +18,16 @@ class StubGateway:
 
     def __init__(self) -> None:
         self.config = ServeConfig()
-        self.rejected: list[str] = []
+        self.reasons: list[str] = []  # the rejection metric's labels
+        self.observed: list = []  # what the gateway's observers were told
         self.metrics = SimpleNamespace(rejected="rejected", label=self._label)
         self.pool = SimpleNamespace(vocab_size=49152)  # what the workers report at their handshake
 
     def _label(self, metric, reason: str):
-        return SimpleNamespace(inc=lambda: self.rejected.append(reason))
+        return SimpleNamespace(inc=lambda: self.reasons.append(reason))
+
+    def rejected(self, http, err, parsed) -> None:
+        self.observed.append((err.status, err.code))
 
     def check_key(self, request) -> None:
         pass
@@ -71,6 +75,14 @@ def test_deep_nesting_at_top_level_is_400_json():
     status, _, body = _post_chat(b"[" * 100_000 + b"]" * 100_000)
     assert (status, body["error"]["code"]) == (400, "invalid_json")
     assert "nest" in body["error"]["message"]
+
+
+def test_a_refused_request_is_counted_and_told_to_the_observers():
+    app = _app()
+    status, _, _ = _call("POST", "/v1/chat/completions", app=app, data=b"{not json",
+                         headers={"Content-Type": "application/json"})
+    assert status == 400
+    assert app[GATEWAY].reasons == ["invalid_json"] and app[GATEWAY].observed == [(400, "invalid_json")]
 
 
 def test_deep_nesting_inside_messages_is_400_json():

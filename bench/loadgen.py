@@ -124,17 +124,20 @@ def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[int, float]:
 def summarize(results: list[RequestResult], wall_s: float, slo: dict[str, float]) -> dict:
     ok = [r for r in results if r.ok]
     errors: dict[str, int] = {}
+    messages: dict[str, int] = {}  # what went wrong, to tell a server's fault from the client's
     for r in results:
         if not r.ok:
             key = str(r.status) if r.status != 200 else "stream error"
             errors[key] = errors.get(key, 0) + 1
+            message = (r.error or "no first token")[:160]
+            messages[message] = messages.get(message, 0) + 1
 
     def meets(r: RequestResult) -> bool:
         return ((slo.get("ttft_s") is None or r.ttft_s <= slo["ttft_s"]) and
                 (slo.get("tpot_s") is None or (r.tpot_s or 0) <= slo["tpot_s"]) and
                 (slo.get("e2e_s") is None or r.e2e_s <= slo["e2e_s"]))
     return {
-        "requests": len(results), "completed": len(ok), "errors": errors,
+        "requests": len(results), "completed": len(ok), "errors": errors, "error_messages": messages,
         "request_throughput": len(ok) / wall_s, "output_throughput": sum(r.output_tokens for r in ok) / wall_s,
         "goodput": sum(1 for r in ok if meets(r)) / wall_s,
         "ttft": percentiles([r.ttft_s for r in ok]), "tpot": percentiles([r.tpot_s for r in ok if r.tpot_s]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,10 +45,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(dtype))  # [out]
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-        self.float_above = float_above
-        self.weight = None if float_above is None else nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+        self.keep_float(weight, float_above)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self._packed_kernel = _int8_kernel_works(weight.device, dtype)
+
+    def keep_float(self, weight: torch.Tensor, float_above: int | None) -> None:
+        """Hold the float weight too, for inputs of more rows than float_above (None: int8 only)."""
+        self.float_above = float_above
+        self.weight = (None if float_above is None
+                       else nn.Parameter(weight.detach().to(self.scales.dtype), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
         x2 = x.reshape(-1, self.in_features)
@@ -153,11 +158,12 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dtype: torch.dtype,
-                   float_above: int | None = None) -> None:
+                   float_above: int | None = None, prebuilt: dict[str, "Int8Linear"] | None = None) -> None:
     """Replace the model's linear layers by `weight_dtype` ("int8" or "int4") ones, layer by layer on `device`,
     then move the rest there. The input embedding is int8 either way, shared with a tied lm_head under int8
     (the int4 layout cannot be read row by row). float_above (int8): keep the float weights too, for batches
-    of more rows (Int8Linear)."""
+    of more rows (Int8Linear). prebuilt: int8 layers by module name, already made from these weights on `device`
+    (the CPU measurement's), used instead of quantizing them again."""
     if weight_dtype not in ("int8", "int4"):
         raise ValueError(f"quantize_model takes int8 or int4, not {weight_dtype!r}")
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -165,9 +171,13 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
     started = time.perf_counter()
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in linears:
-        weight, bias = module.weight.to(device), module.bias.to(device) if module.bias is not None else None
-        quantized = (Int8Linear(weight, bias, dtype, float_above) if weight_dtype == "int8"
-                     else Int4Linear(weight, bias, dtype))
+        quantized = (prebuilt or {}).get(name) if weight_dtype == "int8" else None
+        if quantized is not None:
+            quantized.keep_float(module.weight, float_above)
+        else:
+            weight, bias = module.weight.to(device), module.bias.to(device) if module.bias is not None else None
+            quantized = (Int8Linear(weight, bias, dtype, float_above) if weight_dtype == "int8"
+                         else Int4Linear(weight, bias, dtype))
         _replace(model, name, quantized)
     new_head = model.get_output_embeddings()
     if tied and isinstance(new_head, Int8Linear):
@@ -195,6 +205,7 @@ class WeightPlan:
     weight_dtype: str  # "int8", "int4" or "float" (the model's dtype)
     why: str
     float_above: int | None = None  # int8: float weights too, for batches of more rows (Int8Linear)
+    prebuilt: dict = field(default_factory=dict, repr=False)  # int8 layers the measurement made, by module name
 
 
 def auto_weight_plan(device: torch.device, gguf_types: set[str], model: nn.Module | None = None,
@@ -218,8 +229,9 @@ def _measured_cpu_plan(model: nn.Module, max_batch: int) -> WeightPlan:
     alone fits, and then the float kernel looks better than it is). On this CPU, in this process: the kernels'
     speed depends on the ISA and the thread count. int4 is never picked here: its fidelity is poor
     (docs/decode.md)."""
-    floats = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    int8s = [Int8Linear(m.weight, m.bias, m.weight.dtype) for m in floats]
+    named = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    built = {name: Int8Linear(m.weight, m.bias, m.weight.dtype) for name, m in named.items()}
+    floats, int8s = list(named.values()), list(built.values())
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     wins, timings = 0, []
     for batch in batches:
@@ -233,7 +245,7 @@ def _measured_cpu_plan(model: nn.Module, max_batch: int) -> WeightPlan:
     why = f"measured over the model's linear layers, ms float/int8 by batch {', '.join(timings)}"
     if not wins:
         return WeightPlan("float", why)
-    return WeightPlan("int8", why, None if wins >= max_batch else wins)
+    return WeightPlan("int8", why, None if wins >= max_batch else wins, built)
 
 
 @torch.inference_mode()
@@ -284,7 +296,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     if plan.weight_dtype == "float":
         model.to(device)
     else:
-        quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above)
+        quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above, plan.prebuilt)
     report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
     log.info("decode %s", report.describe())
     return model, report

@@ -133,3 +133,17 @@ def test_fidelity_on_the_embedded_model_against_float32(reference, weights, acti
     agreement, divergence = fidelity(candidate, runs)
     print(f"{weights}: top-1 agreement {agreement:.3f}, mean KL {divergence:.4f}")
     assert agreement >= top1 and divergence <= kl
+
+
+def test_layers_prebuilt_by_the_cpu_measurement_give_the_model_it_would_have_built():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    fresh = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+    reused = copy.deepcopy(fresh)
+    prebuilt = {name: Int8Linear(m.weight, m.bias, torch.float32)
+                for name, m in reused.named_modules() if isinstance(m, nn.Linear)}
+    quantize_model(fresh, "int8", CPU, torch.float32, float_above=4)
+    quantize_model(reused, "int8", CPU, torch.float32, float_above=4, prebuilt=prebuilt)
+    assert reused.lm_head is prebuilt["lm_head"] and reused.lm_head.weight is not None
+    for ids in (torch.tensor([[5, 9, 200]]), torch.randint(0, 300, (8, 3))):  # the int8 path, then the float one
+        assert torch.equal(fresh(ids).logits, reused(ids).logits)

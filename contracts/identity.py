@@ -48,18 +48,28 @@ def read_gguf_identity(path: str) -> GGUFIdentity:
     return _read_identity(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
 
 
+def check_supported(path: str) -> None:
+    """Raise UnsupportedModelError (or FileNotFoundError) if the handoff cannot carry this GGUF's KV: what `edge serve`
+    refuses at start and `edge check-model` reports. Reads metadata only; no fingerprint of the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    _read_shape(gguf.GGUFReader(path), path)
+
+
 @functools.lru_cache(maxsize=16)
 def _read_identity(path: str, size: int, mtime_ns: int) -> GGUFIdentity:
-    reader = gguf.GGUFReader(path)
+    shape = _read_shape(gguf.GGUFReader(path), path)
+    return GGUFIdentity(path=path, fingerprint=file_fingerprint(path), **shape)
+
+
+def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
     arch = _field(reader, "general.architecture", path)
     if arch not in ROPE_LAYOUTS:
         raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported; supported: {sorted(ROPE_LAYOUTS)}")
     n_head = int(_field(reader, f"{arch}.attention.head_count", path))
     n_embd = int(_field(reader, f"{arch}.embedding_length", path))
     head_dim_k = int(_field(reader, f"{arch}.attention.key_length", path, default=n_embd // n_head))
-    return GGUFIdentity(
-        path=path,
-        fingerprint=file_fingerprint(path),
+    return dict(
         arch=arch,
         n_layer=int(_field(reader, f"{arch}.block_count", path)),
         n_head=n_head,

@@ -1,4 +1,5 @@
-"""`edge serve`: start the gateway, the prefill workers and the decode engine from one command."""
+"""`edge serve`: start the gateway, the prefill workers and the decode engine from one command.
+`edge check-model PATH.gguf`: say whether a GGUF is supported and fits, before serving it (edge/check_model.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import sys
 
 from aiohttp import web
 
+from contracts.identity import UnsupportedModelError, check_supported
 from edge.config import ConfigError, load_config, policy_path
 from edge.tls import TLSError, server_context
 from policies.loader import PolicyError, load_policy
+from prefill_cpu.embedded_model import embedded_model_path
 
 
 def main(argv=None) -> None:
@@ -38,13 +41,20 @@ def main(argv=None) -> None:
     serve.add_argument("--audit-log", help="file for one JSON line per request (docs/audit.md)")
     serve.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry request traces over OTLP to this URL")
     serve.add_argument("--log-level")
+    check = commands.add_parser("check-model", help="check a GGUF before serving it: support, sizes, fidelity")
+    from edge.check_model import add_arguments  # the command's own flags live with it
+    add_arguments(check)
     args = parser.parse_args(argv)
+    if args.command == "check-model":
+        from edge.check_model import run
+        sys.exit(run(args))
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)
         load_policy(policy_path(config))  # refuse a bad policy before starting anything
         ssl_context = server_context(config)  # ... and bad TLS files, before the model loads
-    except (ConfigError, PolicyError, TLSError) as err:
+        check_supported(config.model or embedded_model_path())  # ... and a model family the handoff cannot carry
+    except (ConfigError, PolicyError, TLSError, UnsupportedModelError, FileNotFoundError) as err:
         sys.exit(f"edge: {err}")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
     if config.ssl_ca_certs:

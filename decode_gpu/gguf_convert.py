@@ -29,6 +29,8 @@ from transformers.modeling_gguf_pytorch_utils import (
     read_field,
 )
 
+from decode_gpu.family_config import complete_config
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 512 * 2**20
@@ -40,7 +42,7 @@ def convert_gguf(gguf_path: str | Path, target: Path, dtype: torch.dtype,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write `target`: config.json, `dtype` safetensors shards and their index, loadable by from_pretrained."""
     config_dict = load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"]
-    skeleton = _skeleton(config_dict, dtype)
+    skeleton = _skeleton(config_dict, dtype, str(gguf_path))
     target.mkdir(parents=True)
     skeleton.config.save_pretrained(target)
     arch, tensors = _read_tensors(gguf_path)
@@ -52,9 +54,10 @@ def convert_gguf(gguf_path: str | Path, target: Path, dtype: torch.dtype,
         raise ValueError(f"{gguf_path}: no tensor for {sorted(missing)[:5]} ({len(missing)} in all)")
 
 
-def _skeleton(config_dict: dict, dtype: torch.dtype) -> PreTrainedModel:
+def _skeleton(config_dict: dict, dtype: torch.dtype, gguf_path: str) -> PreTrainedModel:
     """The model on the meta device: it only lends its config and parameter names."""
     config = AutoConfig.for_model(**config_dict)
+    complete_config(config, gguf_path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]

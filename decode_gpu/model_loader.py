@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from contracts.identity import GGUFIdentity
+from decode_gpu.family_config import apply_rope_freqs
 from decode_gpu.gguf_convert import convert_gguf
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch
         _convert(identity, weights, dtype)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device).eval()
+    apply_rope_freqs(model)
     log.info("decode model %s loaded on %s as %s in %.1f s", os.path.basename(identity.path), device,
              dtype, time.perf_counter() - started)
     return model

@@ -32,7 +32,7 @@ def embedded_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
-    """Factory: tiny_gguf("llama" | "qwen2", "f32" | "f16") -> path of a tiny random-weight GGUF."""
+    """Factory: tiny_gguf(arch in tiny_gguf.ARCHS, "f32" | "f16") -> path of a tiny random-weight GGUF."""
     made: dict[tuple[str, str], Path] = {}
 
     def make(arch: str, weight_dtype: str = "f32") -> Path:

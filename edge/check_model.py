@@ -1,25 +1,349 @@
 """`edge check-model PATH.gguf`: what an operator runs before trusting a new model.
 
-Reads the GGUF without starting the service and says whether the handoff can carry its KV. Exit status 0 when
-every check passes, 1 when one fails, with the reason on one line: never a traceback.
+Reads the GGUF without starting the service: its shape, whether the handoff can carry its KV, its weight and KV
+bytes, and how many KV tokens a device of `--memory` holds for each decode weight_dtype. Then a short fidelity
+check: llama.cpp prefills a few prompts, their KV crosses the handoff into the torch model, and decoding from it
+is compared with decoding from transformers' own prefill of the same prompt (tests/test_handoff_embedded_model.py
+holds the same comparison to the same thresholds). Exit 0 when every check passes, 1 when one fails, with the
+reason on one line, never a traceback; 2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import logging
+import re
+import sys
+from dataclasses import dataclass
 
-from contracts.identity import UnsupportedModelError, check_supported
+from contracts.identity import GGUFIdentity, UnsupportedModelError, check_supported, read_gguf_identity
+from contracts.kv_dtypes import KV_DTYPES
+from edge.config import ServeConfig
+
+log = logging.getLogger(__name__)
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # weight_quant's, less "auto"
+QUANTIZED_ACTIVATIONS = "bfloat16"  # int8/int4 layers' scales and activations: the engine's dtype on CUDA
+# the handoff's fidelity bounds on the embedded model (issue 15; tests/test_handoff_embedded_model.py)
+MIN_TOP1, MAX_KL = 0.95, 0.01
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nGive me three tips for staying focused while studying.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter who",
+)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class CheckFailed(Exception):
+    """A check the model failed; the message is the one line the operator reads."""
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24GB', '512MiB', '1.5GiB' or plain bytes -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match[2].lower() not in _UNITS or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size; write e.g. 24GiB, 24GB or 512MiB")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", metavar="PATH.gguf", help="the model file to check")
+    parser.add_argument("--memory", type=parse_size, default=parse_size("24GiB"),
+                        help="decode device memory to size the KV pool for (default 24GiB; e.g. 8GiB, 80GB)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=ServeConfig.gpu_memory_utilization,
+                        help="the engine's share of that memory, as in the config (default %(default)s)")
+    parser.add_argument("--kv-type", action="append", choices=sorted(KV_DTYPES),
+                        help="handoff KV type(s) the fidelity check prefills with (default: f16 and q8_0)")
+    parser.add_argument("--no-fidelity", action="store_true", help="skip the prefill/decode comparison")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
+    _quiet_logs()
+    report: dict = {"path": args.gguf}
     try:
-        check_supported(args.gguf)
+        report["model"] = dataclasses.asdict(read_model(args.gguf, args.memory, args.gpu_memory_utilization))
+        if not args.json:
+            print_model(report["model"], args.memory, args.gpu_memory_utilization)
+        if not args.no_fidelity:
+            report["fidelity"] = [dataclasses.asdict(f) for f in check_fidelity(args.gguf, args.kv_type or ["f16", "q8_0"])]
+            if not args.json:
+                print_fidelity(report["fidelity"])
+    except CheckFailed as err:
+        report.update(passed=False, error=str(err))
+    else:
+        report["passed"] = all(f["passed"] for f in report.get("fidelity", []))
+        report["error"] = None if report["passed"] else "the fidelity check failed"
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("PASS" if report["passed"] else f"FAIL: {report['error']}")
+    return 0 if report["passed"] else 1
+
+
+def _quiet_logs() -> None:
+    """Progress lines on stderr for what is slow (conversion, loading); the table alone on stdout."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="edge check-model: %(message)s")
+    for name in (__name__, "decode_gpu.model_loader", "decode_gpu.gguf_convert"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    # llama.cpp's warnings (prefill_cpu.llama_log) are noise here; a load error is in the failure's own line
+    logging.getLogger("prefill_cpu.llama_log").setLevel(logging.ERROR)
+
+
+# ---- what the GGUF holds and what it takes on the decode device ----
+
+@dataclass(frozen=True)
+class ModelReport:
+    arch: str
+    rope_layout: str
+    n_layer: int
+    n_head: int
+    num_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    num_params: int  # elements of every GGUF tensor
+    gguf_bytes: dict[str, int]  # the GGUF's tensor bytes by ggml type
+    weight_bytes: dict[str, int | None]  # on the decode device, by weight_dtype (None: this model cannot be held so)
+    handoff_kv_bytes: dict[str, int | None]  # per token, by handoff KV type (None: rows are not whole blocks)
+    pool_kv_bytes: dict[str, int]  # per token, by decode pool storage
+    pool_tokens: dict[str, dict[str, int]]  # weight_dtype -> pool storage -> KV tokens that fit --memory
+
+
+def read_model(path: str, memory: int, utilization: float) -> ModelReport:
+    import gguf
+    try:
+        check_supported(path)
+        identity = read_gguf_identity(path)
+        tensors = gguf.GGUFReader(path).tensors
     except (UnsupportedModelError, FileNotFoundError) as err:
-        print(f"FAIL: {err}")
-        return 1
-    print(f"PASS: {args.gguf} is supported")
-    return 0
+        raise CheckFailed(str(err)) from None  # word for word what `edge serve` refuses with
+    except Exception as err:  # the gguf reader's numpy errors on a truncated or corrupt file
+        raise CheckFailed(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+    check_attention_shapes(identity, {t.name: [int(n) for n in t.shape] for t in tensors})
+    gguf_bytes: dict[str, int] = {}
+    for tensor in tensors:
+        gguf_bytes[tensor.tensor_type.name] = gguf_bytes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    weights = decode_weight_bytes(path)
+    pool = pool_kv_bytes(identity)
+    return ModelReport(
+        arch=identity.arch, rope_layout=identity.rope_layout, n_layer=identity.n_layer, n_head=identity.n_head,
+        num_kv_heads=identity.num_kv_heads, head_dim_k=identity.head_dim_k, head_dim_v=identity.head_dim_v,
+        num_params=sum(int(t.n_elements) for t in tensors), gguf_bytes=gguf_bytes, weight_bytes=weights,
+        handoff_kv_bytes=handoff_kv_bytes(identity), pool_kv_bytes=pool,
+        pool_tokens={dtype: {storage: pool_tokens(memory, utilization, held, per_token)
+                             for storage, per_token in pool.items()}
+                     for dtype, held in weights.items() if held is not None})
+
+
+def check_attention_shapes(identity: GGUFIdentity, shapes: dict[str, list[int]]) -> None:
+    """The metadata's head counts against the attention tensors themselves: a head count that does not divide the
+    embedding, or disagrees with the tensors, would otherwise surface as a shape error deep in llama.cpp or torch.
+    GGUF shapes are ggml's: [inputs, outputs]. A fused qkv tensor (no attn_q) is not checked here."""
+    expected = {"attn_q": ("heads", identity.n_head, identity.head_dim_k),
+                "attn_k": ("KV heads", identity.num_kv_heads, identity.head_dim_k),
+                "attn_v": ("KV heads", identity.num_kv_heads, identity.head_dim_v)}
+    for layer in range(identity.n_layer):
+        for name, (what, count, size) in expected.items():
+            shape = shapes.get(f"blk.{layer}.{name}.weight")
+            if shape is not None and shape[1] != count * size:
+                raise CheckFailed(f"{identity.path}: blk.{layer}.{name} has {shape[1]} outputs, but the metadata's "
+                                  f"{count} {what} of size {size} make {count * size}: wrong head count?")
+
+
+def decode_weight_bytes(path: str) -> dict[str, int | None]:
+    """Bytes the decode model holds for each weight_dtype, from the model built on the meta device (no memory,
+    no conversion) and quantized by the engine's own quantize_model: its numbers are what the engine holds."""
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from decode_gpu.gguf_convert import _skeleton
+    from decode_gpu.weight_quant import FLOAT_WEIGHTS, quantize_model
+    try:
+        config = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    except Exception as err:  # transformers' GGUF loader refuses architectures it does not map
+        raise CheckFailed(f"{path}: transformers cannot read this GGUF's config ({type(err).__name__}: {err})") from None
+    held: dict[str, int | None] = {}
+    for weight_dtype in WEIGHT_DTYPES:
+        dtype = FLOAT_WEIGHTS.get(weight_dtype, FLOAT_WEIGHTS[QUANTIZED_ACTIVATIONS])
+        model = _skeleton(config, dtype, path).to(dtype)
+        try:
+            if weight_dtype in ("int8", "int4"):
+                quantize_model(model, weight_dtype, torch.device("meta"), dtype)
+            held[weight_dtype] = _held_bytes(model)
+        except ValueError as err:  # int4 needs layer inputs divisible by its group
+            log.warning("%s weights: %s", weight_dtype, err)
+            held[weight_dtype] = None
+    return held
+
+
+def _held_bytes(model) -> int:
+    """Bytes of every tensor the model holds, each once. Not weight_quant.weight_bytes: it tells tensors apart by
+    data_ptr, which is 0 for every meta tensor, and it misses Int8Embedding's table, a plain attribute."""
+    from decode_gpu.weight_quant import Int8Embedding
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for module in model.modules():
+        if isinstance(module, Int8Embedding):
+            tensors.update({id(module.qweight): module.qweight, id(module.scales): module.scales})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def handoff_kv_bytes(identity: GGUFIdentity) -> dict[str, int | None]:
+    """Per token on the wire: a K row of n_embd_k and a V row of n_embd_v elements per layer, in ggml blocks."""
+    sizes: dict[str, int | None] = {}
+    for name, kv in KV_DTYPES.items():
+        try:
+            sizes[name] = identity.n_layer * (kv.row_bytes(identity.n_embd_k) + kv.row_bytes(identity.n_embd_v))
+        except ValueError:
+            sizes[name] = None
+    return sizes
+
+
+def pool_kv_bytes(identity: GGUFIdentity) -> dict[str, int]:
+    from decode_gpu.kv_pool import INT8_GROUP, STORAGE_DTYPES, bytes_per_token
+    return {storage: bytes_per_token(identity.n_layer, identity.num_kv_heads, identity.head_dim_k, storage)
+            for storage in STORAGE_DTYPES if storage != "int8" or identity.head_dim_k % INT8_GROUP == 0}
+
+
+def pool_tokens(memory: int, utilization: float, weights: int, per_token: int) -> int:
+    """The engine's own sizing (kv_sizing.kv_budget_bytes) with nothing but the weights measured: activations and
+    the CUDA context come off at start, so this is an upper bound."""
+    from decode_gpu.kv_sizing import MemoryProfile, kv_budget_bytes
+    profile = MemoryProfile(total=memory, free=memory - weights, torch_allocated=weights, torch_reserved=weights,
+                            peak_activation=0)
+    try:
+        return kv_budget_bytes(profile, utilization, per_token) // per_token
+    except ValueError:  # no room left for even one token
+        return 0
+
+
+# ---- fidelity: llama.cpp's prefill, through the handoff, against transformers' own ----
+
+POSITIONS = 32  # teacher-forced continuation tokens per prompt
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    kv_type: str
+    num_prompts: int
+    num_positions: int  # next-token predictions compared, all prompts together: first tokens and teacher-forced
+    top1_agreement: float  # the same token from llama.cpp (first) or the imported KV (later) as from transformers
+    mean_kl: float  # nats per position, KL(from transformers' prompt KV || from the imported KV)
+    first_tokens_agree: int  # prompts whose llama.cpp first token is transformers' argmax after the prompt
+    passed: bool
+    min_top1: float = MIN_TOP1
+    max_kl: float = MAX_KL
+
+
+def check_fidelity(path: str, kv_types: list[str]) -> list[Fidelity]:
+    import torch
+    from decode_gpu.model_loader import load_decode_model
+    prefiller = _open_prefiller(path, kv_types[0])  # first: llama.cpp refusing the file is the common failure
+    try:
+        log.info("loading the decode model as float32 on the CPU (converted once and cached)")
+        try:
+            model = load_decode_model(read_gguf_identity(path), torch.device("cpu"), torch.float32)
+        except Exception as err:
+            raise CheckFailed(f"transformers could not load {path}: {type(err).__name__}: {err}") from None
+        return [_fidelity_at(prefiller, kv_type, model) for kv_type in kv_types]
+    finally:
+        prefiller.close()
+
+
+def _open_prefiller(path: str, kv_type: str):
+    from prefill_cpu.llama_log import captured_llama_log
+    from prefill_cpu.prefiller import PrefillConfig, Prefiller
+    lines: list[str] = []
+    try:
+        with captured_llama_log(lines):  # llama.cpp's load log stays off the terminal; its errors explain a failure
+            return Prefiller(PrefillConfig(path, n_ctx=512, kv_type=kv_type))
+    except Exception as err:
+        errors = [line.strip() for line in lines if "error" in line.lower() or "fail" in line.lower()]
+        raise CheckFailed(f"llama.cpp could not load {path}: {errors[-1] if errors else err}") from None
+
+
+def _fidelity_at(prefiller, kv_type: str, model) -> Fidelity:
+    """Every prompt prefilled with `kv_type` KV, imported, and decoded teacher-forced both ways."""
+    import torch
+    log.info("fidelity check: %d prompts x %d positions with %s KV", len(PROMPTS), POSITIONS, kv_type)
+    other = prefiller if kv_type == prefiller.config.kv_type else prefiller.with_kv_type(kv_type)
+    agree, kls, first = [], [], []
+    try:
+        for i, text in enumerate(PROMPTS):
+            want, got, first_agrees = _both_ways(other, model, f"check-{i}", other.tokenize(text))
+            agree.append((want.argmax(-1) == got.argmax(-1)).float())  # [POSITIONS]
+            kls.append(torch.sum(want.softmax(-1) * (want.log_softmax(-1) - got.log_softmax(-1)), dim=-1))
+            first.append(torch.tensor([float(first_agrees)]))  # [1]
+    except CheckFailed:
+        raise
+    except Exception as err:  # a handoff the decode model cannot take: a shape or layout it does not know
+        raise CheckFailed(f"the {kv_type} handoff failed: {type(err).__name__}: {err}") from None
+    finally:
+        if other is not prefiller:
+            other.close()
+    # a first token is one more next-token prediction: counted in the agreement (a near-tie may flip it, as any)
+    top1, kl = float(torch.cat(agree + first).mean()), float(torch.cat(kls).mean())
+    return Fidelity(kv_type, len(PROMPTS), len(PROMPTS) * (POSITIONS + 1), top1, kl, int(sum(first)),
+                    passed=top1 >= MIN_TOP1 and kl <= MAX_KL)
+
+
+def _both_ways(prefiller, model, request_id: str, tokens: list[int]):
+    """Logits over torch's greedy continuation of the prompt, from transformers' prompt KV (want) and from
+    llama.cpp's handoff (got), both [POSITIONS, vocab]; and whether the first tokens agree."""
+    import torch
+    from contracts.handoff import SamplingParams
+    from decode_gpu.dense_decoder import decode, prompt_cache, teacher_forced_logits
+    from decode_gpu.kv_cache import DenseKVCache
+    from decode_gpu.kv_import import import_handoff
+    from prefill_cpu.prefiller import PrefillRequest
+    handoff = prefiller.prefill(PrefillRequest(request_id, tuple(tokens), SamplingParams(temperature=0))).handoff
+    reference, last_logits = prompt_cache(model, tokens)  # last_logits: [vocab]
+    continuation = decode(model, reference, handoff.first_token, POSITIONS)
+    reference, _ = prompt_cache(model, tokens)  # decode grew the first one
+    imported = DenseKVCache(model.config, torch.float32)
+    import_handoff(handoff, prefiller.identity, imported, torch.device("cpu"))
+    want = teacher_forced_logits(model, reference, continuation)  # [POSITIONS, vocab]
+    got = teacher_forced_logits(model, imported.cache, continuation)
+    return want, got, handoff.first_token == int(last_logits.argmax())
+
+
+# ---- the table ----
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def print_model(m: dict, memory: int, utilization: float) -> None:
+    rows = [
+        ("architecture", f"{m['arch']} ({m['rope_layout']} RoPE), supported: the handoff carries its KV"),
+        ("shape", f"{m['n_layer']} layers, {m['n_head']} heads, {m['num_kv_heads']} KV heads, "
+                  f"head size K {m['head_dim_k']} / V {m['head_dim_v']}"),
+        ("parameters", f"{m['num_params'] / 1e6:.1f} M"),
+        ("GGUF weights", f"{_size(sum(m['gguf_bytes'].values()))}: "
+                         + ", ".join(f"{k} {_size(v)}" for k, v in sorted(m["gguf_bytes"].items()))),
+        ("KV per token", "handoff " + ", ".join(f"{k} {_size(v)}" for k, v in m["handoff_kv_bytes"].items())),
+        ("", "decode pool " + ", ".join(f"{k} {_size(v)}" for k, v in m["pool_kv_bytes"].items())),
+    ]
+    for name, value in rows:
+        print(f"{name:<14}{value}")
+    storages = list(m["pool_kv_bytes"])
+    print(f"\ndecode weights, and KV tokens in {_size(memory)} x {utilization:.2f} by pool storage "
+          "(upper bound: activations and the CUDA context come off at start)")
+    print(f"  {'weight_dtype':<14}{'weights':>12}" + "".join(f"{s:>12}" for s in storages))
+    for dtype, held in m["weight_bytes"].items():
+        tokens = m["pool_tokens"].get(dtype, {})
+        print(f"  {dtype:<14}{_size(held):>12}" + "".join(f"{tokens.get(s, 'n/a'):>12}" for s in storages))
+
+
+def print_fidelity(results: list[dict]) -> None:
+    print("\nfidelity: llama.cpp prefill + handoff against transformers' own prefill, teacher-forced")
+    for f in results:
+        print(f"  KV {f['kv_type']:<6}top-1 {f['top1_agreement']:.3f} (>= {f['min_top1']}), mean KL "
+              f"{f['mean_kl']:.4f} nats (<= {f['max_kl']}), first token {f['first_tokens_agree']}/{f['num_prompts']} "
+              f"prompts, over {f['num_positions']} positions: {'PASS' if f['passed'] else 'FAIL'}")

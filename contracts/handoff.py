@@ -12,8 +12,8 @@ import msgspec
 
 from contracts.kv_dtypes import kv_dtype
 
-HANDOFF_VERSION = 4  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...);
-# 4: n choices (SamplingParams.n, KVHandoff.other_choices)
+HANDOFF_VERSION = 5  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...);
+# 4: n choices (SamplingParams.n, KVHandoff.other_choices); 5: sliding-window layers (KVLayout.swa_layers/swa_start)
 
 
 class HandoffFormatError(ValueError):
@@ -71,6 +71,14 @@ class KVLayout:
     k_rotation: int  # 0: none; n: each run of n head elements multiplied by the n x n Walsh-Hadamard matrix
     v_rotation: int
     rope_layout: str  # "interleaved": llama.cpp index 2i is HF index i, 2i+1 is i + d/2; "neox": same as HF
+    # Sliding-window layers (Gemma 2/3) carry only the cells llama.cpp keeps for the window: positions swa_start
+    # to the end. The importer fills the positions before with zeros, which no query attends to.
+    swa_layers: tuple[int, ...] = ()
+    swa_start: int = 0
+
+    def rows(self, layer: int, n_tokens: int) -> int:
+        """How many tokens' K/V the handoff carries for this layer."""
+        return n_tokens - self.swa_start if layer in self.swa_layers else n_tokens
 
 
 @dataclass(frozen=True)
@@ -154,20 +162,24 @@ _DECODER = msgspec.msgpack.Decoder(_Envelope)
 
 
 def check_payload_sizes(handoff: KVHandoff) -> None:
-    """Each layer's bytes must be exactly n_tokens rows of the declared dtype."""
+    """Each layer's bytes must be exactly its rows (n_tokens, or a sliding window's tail) of the declared dtype."""
     lay = handoff.layout
     if not (len(handoff.k_layers) == len(handoff.v_layers) == lay.n_layer):
         raise HandoffFormatError(f"handoff has {len(handoff.k_layers)} K and {len(handoff.v_layers)} V layers, "
                                  f"layout says {lay.n_layer}")
+    if not 0 <= lay.swa_start < max(1, handoff.n_tokens) or not all(0 <= il < lay.n_layer for il in lay.swa_layers):
+        raise HandoffFormatError(f"sliding-window layers {lay.swa_layers} from position {lay.swa_start} do not fit "
+                                 f"{lay.n_layer} layers of {handoff.n_tokens} tokens")
     try:
-        k_bytes = kv_dtype(lay.k_dtype).row_bytes(lay.num_kv_heads * lay.head_dim_k) * handoff.n_tokens
-        v_bytes = kv_dtype(lay.v_dtype).row_bytes(lay.num_kv_heads * lay.head_dim_v) * handoff.n_tokens
+        k_row = kv_dtype(lay.k_dtype).row_bytes(lay.num_kv_heads * lay.head_dim_k)
+        v_row = kv_dtype(lay.v_dtype).row_bytes(lay.num_kv_heads * lay.head_dim_v)
     except ValueError as err:
         raise HandoffFormatError(str(err)) from None
     for il, (k, v) in enumerate(zip(handoff.k_layers, handoff.v_layers)):
-        if len(k) != k_bytes or len(v) != v_bytes:
-            raise HandoffFormatError(f"layer {il}: K {len(k)} / V {len(v)} bytes, expected {k_bytes} / {v_bytes} "
-                                     f"for {handoff.n_tokens} tokens")
+        rows = lay.rows(il, handoff.n_tokens)
+        if len(k) != k_row * rows or len(v) != v_row * rows:
+            raise HandoffFormatError(f"layer {il}: K {len(k)} / V {len(v)} bytes, expected {k_row * rows} / "
+                                     f"{v_row * rows} for {rows} tokens")
     if len(handoff.other_choices) != handoff.sampling.n - 1:
         raise HandoffFormatError(f"sampling asks for {handoff.sampling.n} choices, the handoff carries "
                                  f"{len(handoff.other_choices) + 1} first tokens")

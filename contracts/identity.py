@@ -15,7 +15,12 @@ import gguf
 
 # How llama.cpp stores K heads relative to the Hugging Face layout, per architecture.
 # LLaMA GGUFs have q/k rows permuted by the converter (interleaved RoPE); NEOX families are not.
-ROPE_LAYOUTS = {"llama": "interleaved", "qwen2": "neox", "qwen3": "neox", "phi3": "neox"}
+ROPE_LAYOUTS = {"llama": "interleaved", "qwen2": "neox", "qwen3": "neox", "phi3": "neox", "gemma2": "neox",
+                "gemma3": "neox"}
+# Families with sliding-window layers: llama.cpp's default window and layer pattern when the GGUF states none
+# (src/models/gemma2.cpp, gemma3.cpp). Gemma 3 without a window key has no sliding layers at all.
+DEFAULT_WINDOWS = {"gemma2": 4096}
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
 
 
 class UnsupportedModelError(ValueError):
@@ -33,6 +38,8 @@ class GGUFIdentity:
     head_dim_k: int
     head_dim_v: int
     rope_layout: str  # "interleaved" or "neox"
+    sliding_window: int = 0  # keys a sliding-window layer attends to, the query's own included; 0: no such layer
+    swa_layers: tuple[int, ...] = ()  # the sliding-window layers (Gemma 2/3); every other layer is global
 
     @property
     def n_embd_k(self) -> int:
@@ -66,18 +73,35 @@ def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
     arch = _field(reader, "general.architecture", path)
     if arch not in ROPE_LAYOUTS:
         raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported; supported: {sorted(ROPE_LAYOUTS)}")
+    n_layer = int(_field(reader, f"{arch}.block_count", path))
     n_head = int(_field(reader, f"{arch}.attention.head_count", path))
     n_embd = int(_field(reader, f"{arch}.embedding_length", path))
     head_dim_k = int(_field(reader, f"{arch}.attention.key_length", path, default=n_embd // n_head))
     return dict(
         arch=arch,
-        n_layer=int(_field(reader, f"{arch}.block_count", path)),
+        n_layer=n_layer,
         n_head=n_head,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, default=n_head)),
         head_dim_k=head_dim_k,
         head_dim_v=int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim_k)),
         rope_layout=ROPE_LAYOUTS[arch],
+        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", path, default=DEFAULT_WINDOWS.get(arch, 0))),
+        swa_layers=tuple(il for il, swa in enumerate(sliding_layers(reader, arch, n_layer)) if swa),
     )
+
+
+def sliding_layers(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[bool]:
+    """Which layers attend through a sliding window, as llama.cpp decides: an explicit per-layer array, or a
+    pattern n where every n-th layer is global (Gemma 2: 2, Gemma 3: 6). All False for a family without SWA."""
+    default_pattern = SWA_PATTERNS.get(arch)
+    window = reader.get_field(f"{arch}.attention.sliding_window")
+    if default_pattern is None or (window is not None and window.contents() == 0):
+        return [False] * n_layer
+    field = reader.get_field(f"{arch}.attention.sliding_window_pattern")
+    pattern = default_pattern if field is None else field.contents()
+    if isinstance(pattern, list):
+        return [bool(x) for x in pattern]
+    return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
 
 
 _MISSING = object()

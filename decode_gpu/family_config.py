@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from contracts.identity import DEFAULT_WINDOWS, sliding_layers
+
 ROPE_FREQS_KEY = "edge_rope_freqs"  # config.json field: the GGUF's rope_freqs (Llama 3.x), see apply_rope_freqs
 _LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models, whose query scale llama.cpp takes from n_embd
 
@@ -61,27 +63,16 @@ def _rope_scaling(config: PretrainedConfig, meta: _Metadata) -> None:
 def _gemma(config: PretrainedConfig, meta: _Metadata, arch: str, n_embd: int, n_head: int) -> None:
     large = meta.get("block_count") == _LARGE_GEMMA_LAYERS[arch]
     config.query_pre_attn_scalar = n_embd // n_head if large else config.head_dim
-    config.sliding_window = meta.get("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    config.sliding_window = meta.get("attention.sliding_window", DEFAULT_WINDOWS.get(arch))
     config.final_logit_softcapping = meta.get("final_logit_softcapping", 30.0 if arch == "gemma2" else None)
     config.attn_logit_softcapping = meta.get("attn_logit_softcapping", 50.0) if arch == "gemma2" else None
+    n_layer = meta.get("block_count")
     config.layer_types = [("sliding_attention" if swa else "full_attention")
-                          for swa in sliding_layers(meta.reader, arch, meta.get("block_count"))]
+                          for swa in sliding_layers(meta.reader, arch, n_layer)]
     if arch == "gemma3":
         local_base = meta.get("rope.freq_base_swa", 10000.0)
         config.rope_parameters["sliding_attention"]["rope_theta"] = local_base
         config.rope_parameters["full_attention"]["rope_theta"] = meta.get("rope.freq_base", 1000000.0)
-
-
-def sliding_layers(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[bool]:
-    """Which layers attend through a sliding window, as llama.cpp decides: an explicit per-layer array, or a
-    pattern n where every n-th layer is global (Gemma 2: 2, Gemma 3: 6). All False for a family without SWA."""
-    default_pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
-    if default_pattern is None or _value(reader, f"{arch}.attention.sliding_window", 1) == 0:
-        return [False] * n_layer
-    pattern = _value(reader, f"{arch}.attention.sliding_window_pattern", default_pattern)
-    if isinstance(pattern, list):
-        return [bool(x) for x in pattern]
-    return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
 
 
 class _Metadata:

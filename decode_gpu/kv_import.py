@@ -30,6 +30,7 @@ def check_handoff_matches(handoff: KVHandoff, model: GGUFIdentity) -> None:
         "K head size": (lay.head_dim_k, model.head_dim_k),
         "V head size": (lay.head_dim_v, model.head_dim_v),
         "RoPE layout": (lay.rope_layout, model.rope_layout),
+        "sliding-window layers": (lay.swa_layers, model.swa_layers),
     }
     diffs = [f"{name}: handoff {got!r}, decode model {want!r}" for name, (got, want) in expected.items() if got != want]
     if diffs:
@@ -62,14 +63,20 @@ def unpermute_interleaved(k: torch.Tensor) -> torch.Tensor:
 def import_handoff(handoff: KVHandoff, model: GGUFIdentity, writer: KVWriter, device: torch.device) -> None:
     check_handoff_matches(handoff, model)
     lay = handoff.layout
-    n_tokens = handoff.n_tokens
     for layer in range(lay.n_layer):
+        n_rows = lay.rows(layer, handoff.n_tokens)
         keys = dequantize(handoff.k_layers[layer], lay.k_dtype, lay.num_kv_heads * lay.head_dim_k, device)
-        keys = unrotate(keys.view(n_tokens, lay.num_kv_heads, lay.head_dim_k), lay.k_rotation)
+        keys = unrotate(keys.view(n_rows, lay.num_kv_heads, lay.head_dim_k), lay.k_rotation)
         if lay.rope_layout == "interleaved":
             keys = unpermute_interleaved(keys)
-        values = _values(handoff.v_layers[layer], lay, n_tokens, device)
-        writer.write_layer(layer, keys, unrotate(values, lay.v_rotation))
+        values = unrotate(_values(handoff.v_layers[layer], lay, n_rows, device), lay.v_rotation)
+        skipped = handoff.n_tokens - n_rows  # before a sliding window: never attended, written as zeros
+        writer.write_layer(layer, _pad_front(keys, skipped), _pad_front(values, skipped))
+
+
+def _pad_front(x: torch.Tensor, n: int) -> torch.Tensor:
+    """n zero rows before x. # [n_rows, heads, head_dim] -> [n + n_rows, heads, head_dim]"""
+    return x if n == 0 else torch.cat([x.new_zeros(n, *x.shape[1:]), x])
 
 
 def _values(raw: bytes, lay, n_tokens: int, device: torch.device) -> torch.Tensor:

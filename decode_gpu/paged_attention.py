@@ -150,17 +150,37 @@ def _dense_index(bs: int, block_tables: list[list[int]], context_lens: list[int]
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    paged: PagedBatch | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                    paged: PagedBatch | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
     """query: [1, n_heads, n_new, head_dim]; key/value: [1, num_kv_heads, n_new, head_dim] (after RoPE).
-    Returns [1, n_new, n_heads, head_dim] as transformers expects."""
+    sliding_window: a query sees only the last `sliding_window` positions, its own included (Gemma's local
+    layers); softcap: scores pass through softcap * tanh(score / softcap) (Gemma 2). Both on the torch path only:
+    the model runner picks it for models that use them. Returns [1, n_new, n_heads, head_dim] as transformers expects."""
     if paged is None:
         raise RuntimeError("edge_paged attention needs a PagedBatch passed as `paged=` to the model forward")
     q = _unit_last_stride(query[0].transpose(0, 1))  # [n_new, n_heads, head_dim]
     new_k = _unit_last_stride(key[0].transpose(0, 1))  # [n_new, num_kv_heads, head_dim]
     new_v = _unit_last_stride(value[0].transpose(0, 1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    attend = _triton_attention if paged.backend == "triton" else _torch_attention
-    return attend(paged, module.layer_idx, q, new_k, new_v, scale)[None], None
+    if paged.backend == "triton":
+        if sliding_window or softcap:
+            raise RuntimeError("the Triton paged attention has no sliding window or soft-capping; "
+                               "the model runner should have picked the torch path")
+        return _triton_attention(paged, module.layer_idx, q, new_k, new_v, scale)[None], None
+    extras = _Extras(sliding_window or None, softcap or None)
+    return _torch_attention(paged, module.layer_idx, q, new_k, new_v, scale, extras)[None], None
+
+
+@dataclass(frozen=True)
+class _Extras:
+    window: int | None
+    softcap: float | None
+
+
+def needs_torch_path(config) -> bool:
+    """Does the model attend with a sliding window or soft-capped scores (which the Triton kernel lacks)?"""
+    layer_types = getattr(config, "layer_types", None) or ()
+    return bool(getattr(config, "attn_logit_softcapping", None)) or "sliding_attention" in layer_types
 
 
 def _triton_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
@@ -184,32 +204,55 @@ def _triton_kernels():
 
 
 def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, extras: _Extras = _Extras(None, None)) -> torch.Tensor:
     """Gather every context into dense tensors, then one masked SDPA. # [n_new, n_heads, head_dim]"""
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
     if paged.decode_blocks is not None:
-        return _torch_decode_attention(paged, layer, q, scale)
+        return _torch_decode_attention(paged, layer, q, scale, extras)
     k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, q.dtype)  # [n_seqs, max_ctx, num_kv_heads, head_dim]
     q_seq = q[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
-    out = F.scaled_dot_product_attention(
-        q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),  # [n_seqs, heads, len, head_dim]
-        attn_mask=paged.query_mask[:, None], scale=scale, enable_gqa=True)  # [n_seqs, n_heads, max_query, head_dim]
+    mask = paged.query_mask  # [n_seqs, max_query, max_ctx]
+    if extras.window:
+        max_q, max_ctx = mask.shape[1:]
+        query_pos = (paged.context_lens - paged.query_lens)[:, None] + torch.arange(max_q, device=q.device)  # [n_seqs, max_q]
+        key_pos = torch.arange(max_ctx, device=q.device)  # [max_ctx]
+        in_window = key_pos[None, None, :] > query_pos[:, :, None] - extras.window  # [n_seqs, max_q, max_ctx]
+        mask = mask & (in_window | ~paged.query_valid[:, :, None])  # padded rows keep their one key
+    out = _attend(q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),  # [n_seqs, heads, len, head_dim]
+                  mask[:, None], scale, extras.softcap)  # [n_seqs, n_heads, max_query, head_dim]
     out = out.transpose(1, 2)  # [n_seqs, max_query, n_heads, head_dim]
     flat = torch.empty(q.shape[0], *out.shape[2:], dtype=out.dtype, device=out.device)  # [n_new, n_heads, head_dim]
     flat[paged.query_index[paged.query_valid]] = out[paged.query_valid]
     return flat
 
 
-def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale: float,
+                            extras: _Extras) -> torch.Tensor:
     """One new token per sequence: gather whole blocks (one copy per block, not per token) and mask each
     row past its context. # q: [n_seqs, n_heads, head_dim] -> [n_seqs, n_heads, head_dim]"""
     n_seqs = q.shape[0]
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:]).transpose(1, 2)  # [n_seqs, kv_heads, span, head_dim]
     v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None], k_ctx, v_ctx, attn_mask=paged.decode_mask, scale=scale,
-                                         enable_gqa=True)  # [n_seqs, n_heads, 1, head_dim]
+    mask = paged.decode_mask  # [n_seqs, 1, 1, span]
+    if extras.window:  # the query sits at context_len - 1
+        span = torch.arange(mask.shape[-1], device=q.device)  # [span]
+        mask = mask & (span[None, :] >= paged.context_lens[:, None] - extras.window)[:, None, None]
+    out = _attend(q[:, :, None], k_ctx, v_ctx, mask, scale, extras.softcap)  # [n_seqs, n_heads, 1, head_dim]
     return out[:, :, 0]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Masked attention; SDPA unless the scores are soft-capped, which SDPA cannot do.
+    q: [n, n_heads, n_q, d]; k, v: [n, kv_heads, n_k, d]; mask: broadcastable to [n, n_heads, n_q, n_k]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [n, n_heads, n_k, d]
+    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)  # [n, n_heads, n_q, n_k]
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return weights @ v
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,10 @@ Layout (vendor/llama.cpp/src/llama-context.cpp and llama-kv-cache.cpp, `state_wr
 Cells come in cell order, which is position order for a fresh prompt but not for one that reused cached
 cells (prefill_cpu.prefix_cache); the parser puts them in position order. Any other deviation raises
 KVStateFormatError: we never hand garbage to the decoder.
+
+A model with sliding-window layers (Gemma 2/3) has two caches (llama-kv-cache-iswa.cpp): after the header come
+the global layers' streams, then the sliding layers' streams, each as above with its own layer count. The
+sliding cache exports only the cells its window still sees: the last positions of the prompt.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class SeqKVState:
     v_dtype: KVDType
     k_layers: tuple[bytes, ...]  # per layer: n_cells rows of n_embd_k elements, as llama.cpp stores them
     v_layers: tuple[bytes, ...]  # per layer: rows (v_transposed False) or n_embd_v columns of n_cells elements
+    swa_layers: tuple[int, ...] = ()  # sliding-window layers: their cells are positions swa_start .. n-1 only
+    swa_start: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -65,32 +71,58 @@ class _Reader:
         return out
 
 
-def parse_seq_state(buf: bytes, n_layer: int, n_embd_k: int, n_embd_v: int) -> SeqKVState:
+def parse_seq_state(buf: bytes, n_layer: int, n_embd_k: int, n_embd_v: int,
+                    swa_layers: tuple[int, ...] = ()) -> SeqKVState:
     """Parse one sequence's exported state; n_layer/n_embd_* come from the GGUF and are checked, not trusted."""
     r = _Reader(buf)
-    magic, seq_id, n_stream = r.unpack("<IiI", "header")
+    magic, seq_id = r.unpack("<Ii", "header")
     if magic != STATE_SEQ_MAGIC:
         raise KVStateFormatError(f"bad magic 0x{magic:08x}, expected 0x{STATE_SEQ_MAGIC:08x} "
                                  "(is llama-cpp-python pinned to 0.3.36?)")
+    found = _parse_cache(r, seq_id, n_layer - len(swa_layers), n_embd_k, n_embd_v, "the KV cache")
+    if swa_layers:
+        window = _parse_cache(r, seq_id, len(swa_layers), n_embd_k, n_embd_v, "the sliding-window KV cache",
+                              n_tokens=found.n_tokens)
+        found = _merge_window(found, window, n_layer, swa_layers)
+    if r.pos != len(r.buf):
+        raise KVStateFormatError(f"{len(r.buf) - r.pos} trailing bytes after the last stream")
+    return found
+
+
+def _parse_cache(r: _Reader, seq_id: int, n_layer: int, n_embd_k: int, n_embd_v: int, what: str,
+                 n_tokens: int | None = None) -> SeqKVState:
+    """One cache's streams. n_tokens: the prompt's length, for a sliding-window cache that holds its tail only."""
+    (n_stream,) = r.unpack("<I", f"stream count of {what}")
     if not 1 <= n_stream <= 4096:
-        raise KVStateFormatError(f"implausible stream count {n_stream}")
+        raise KVStateFormatError(f"implausible stream count {n_stream} in {what}")
     found = None
     for _ in range(n_stream):
         (cell_count,) = r.unpack("<I", "cell count")
         if cell_count == 0:
             continue
         if found is not None:
-            raise KVStateFormatError("more than one stream holds cells for one sequence")
-        found = _parse_stream(r, seq_id, cell_count, n_layer, n_embd_k, n_embd_v)
-    if r.pos != len(r.buf):
-        raise KVStateFormatError(f"{len(r.buf) - r.pos} trailing bytes after the last stream")
+            raise KVStateFormatError(f"more than one stream of {what} holds cells for one sequence")
+        first = 0 if n_tokens is None else n_tokens - cell_count
+        found = _parse_stream(r, seq_id, cell_count, n_layer, n_embd_k, n_embd_v, first)
     if found is None:
-        raise KVStateFormatError(f"sequence {seq_id} has no cells in the KV cache")
+        raise KVStateFormatError(f"sequence {seq_id} has no cells in {what}")
     return found
 
 
-def _parse_stream(r: _Reader, seq_id: int, cell_count: int, n_layer: int, n_embd_k: int, n_embd_v: int) -> SeqKVState:
-    order = _parse_cells(r, seq_id, cell_count)  # cell indices in position order
+def _merge_window(base: SeqKVState, window: SeqKVState, n_layer: int, swa_layers: tuple[int, ...]) -> SeqKVState:
+    """The model's layers in order: the global ones from the base cache, the sliding ones from the window's."""
+    if (window.k_dtype, window.v_dtype, window.v_transposed) != (base.k_dtype, base.v_dtype, base.v_transposed):
+        raise KVStateFormatError("the sliding-window cache's types or V layout differ from the base cache's")
+    k_base, v_base, k_window, v_window = (iter(x) for x in (base.k_layers, base.v_layers, window.k_layers, window.v_layers))
+    k_layers = tuple(next(k_window if il in swa_layers else k_base) for il in range(n_layer))
+    v_layers = tuple(next(v_window if il in swa_layers else v_base) for il in range(n_layer))
+    return SeqKVState(base.seq_id, base.positions, base.v_transposed, base.k_dtype, base.v_dtype, k_layers, v_layers,
+                      tuple(swa_layers), window.positions[0])
+
+
+def _parse_stream(r: _Reader, seq_id: int, cell_count: int, n_layer: int, n_embd_k: int, n_embd_v: int,
+                  first: int = 0) -> SeqKVState:
+    order = _parse_cells(r, seq_id, cell_count, first)  # cell indices in position order
     v_trans, layers_in_state = r.unpack("<II", "v_trans and n_layer")
     if v_trans not in (0, 1):
         raise KVStateFormatError(f"v_trans is {v_trans}, expected 0 or 1")
@@ -105,7 +137,8 @@ def _parse_stream(r: _Reader, seq_id: int, cell_count: int, n_layer: int, n_embd
         k_layers = tuple(_reorder_rows(layer, order) for layer in k_layers)
         v_layers = tuple(_reorder_columns(layer, order, n_embd_v) if v_trans else _reorder_rows(layer, order)
                          for layer in v_layers)
-    return SeqKVState(seq_id, tuple(range(cell_count)), bool(v_trans), k_dtype, v_dtype, k_layers, v_layers)
+    return SeqKVState(seq_id, tuple(range(first, first + cell_count)), bool(v_trans), k_dtype, v_dtype, k_layers,
+                      v_layers)
 
 
 def _reorder_rows(layer: bytes, order: np.ndarray) -> bytes:
@@ -118,8 +151,8 @@ def _reorder_columns(layer: bytes, order: np.ndarray, n_embd: int) -> bytes:
     return columns[:, order, :].tobytes()
 
 
-def _parse_cells(r: _Reader, seq_id: int, cell_count: int) -> np.ndarray | None:
-    """None when the cells are already in position order 0..n-1, else the cell order that makes them so."""
+def _parse_cells(r: _Reader, seq_id: int, cell_count: int, first: int) -> np.ndarray | None:
+    """None when the cells are already in position order first..first+n-1, else the cell order that makes them so."""
     positions = []
     for i in range(cell_count):
         pos, n_seq = r.unpack("<iI", f"cell {i}")
@@ -129,10 +162,12 @@ def _parse_cells(r: _Reader, seq_id: int, cell_count: int) -> np.ndarray | None:
         if owner != seq_id:
             raise KVStateFormatError(f"cell {i} belongs to sequence {owner}, expected {seq_id}")
         positions.append(pos)
-    if positions == list(range(cell_count)):
+    expected = list(range(first, first + cell_count))
+    if positions == expected:
         return None
-    if sorted(positions) != list(range(cell_count)):
-        raise KVStateFormatError("cell positions are not a permutation of 0..n-1; the sequence is not one prompt")
+    if sorted(positions) != expected:
+        raise KVStateFormatError(f"cell positions are not a permutation of {first}..{first + cell_count - 1}; "
+                                 "the sequence is not one prompt")
     return np.argsort(np.asarray(positions), kind="stable")
 
 

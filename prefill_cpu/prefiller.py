@@ -98,6 +98,11 @@ class Prefiller:
         self.identity: GGUFIdentity = read_gguf_identity(config.model_path)
         threads = config.n_threads or os.cpu_count() or 1
         cache_entries = config.prefix_cache_entries if config.prefix_cache_tokens > 0 else 0
+        if cache_entries and self.identity.swa_layers:
+            # a sliding-window cache forgets cells its window has passed, so an earlier prompt's cells cannot
+            # stand in for a new prompt's prefix
+            log.info("prompt cache off: %s has sliding-window layers", os.path.basename(config.model_path))
+            cache_entries = 0
         self._owns_model = model is None
         # the Llama object gives us the model, tokenizer and metadata; its own context stays minimal because
         # the prompt cache needs several sequences in one unified KV buffer, which Llama() cannot ask for
@@ -387,7 +392,7 @@ class Prefiller:
         if written != size:
             raise PrefillError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         ident = self.identity
-        return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v)
+        return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v, ident.swa_layers)
 
     @staticmethod
     def _first(token: int, params: SamplingParams, logits: np.ndarray | None) -> FirstToken:
@@ -405,7 +410,7 @@ class Prefiller:
             n_layer=ident.n_layer, num_kv_heads=ident.num_kv_heads, head_dim_k=ident.head_dim_k,
             head_dim_v=ident.head_dim_v, k_dtype=state.k_dtype.name, v_dtype=state.v_dtype.name,
             v_transposed=state.v_transposed, k_rotation=self.k_rotation, v_rotation=self.v_rotation,
-            rope_layout=ident.rope_layout)
+            rope_layout=ident.rope_layout, swa_layers=state.swa_layers, swa_start=state.swa_start)
         return KVHandoff(
             request_id=request.request_id, model_fingerprint=ident.fingerprint, layout=layout,
             positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first[0].token,

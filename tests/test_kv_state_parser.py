@@ -54,8 +54,8 @@ BAD_STATES = [
     (dict(row_bytes=100), "row of layer 0 is 100 bytes, expected 128"),
     (dict(ggml_type=23), "ggml type 23"),
     (dict(n_seq=2), "belongs to 2 sequences"),
-    (dict(positions=[0, 2, 3]), "positions are not a permutation of 0..n-1"),
-    (dict(positions=[0, 1, 1]), "positions are not a permutation of 0..n-1"),
+    (dict(positions=[0, 2, 3]), "positions are not a permutation of 0..2"),
+    (dict(positions=[0, 1, 1]), "positions are not a permutation of 0..2"),
     (dict(n_tokens=0), "has no cells"),
     (dict(ggml_type=8, type_size=34, row_bytes=68, v_trans=True), "transposed V of layer 0"),
 ]
@@ -82,3 +82,21 @@ def test_refuses_trailing_bytes():
 def test_refuses_shape_other_than_the_model():
     with pytest.raises(KVStateFormatError, match="expected 256 for 128 f16"):
         parse_seq_state(state_bytes(), n_layer=2, n_embd_k=128, n_embd_v=64)
+
+
+def test_parses_a_sliding_window_cache_after_the_base_cache():
+    """Gemma: the global layers' cache, then the sliding layers' cache holding the window's tail of the prompt.
+    The layers come back in model order: 0 and 2 global (from the base), 1 sliding (from the window)."""
+    base = state_bytes(n_tokens=4, n_layer=2)
+    window = state_bytes(n_tokens=2, n_layer=1, positions=[2, 3])[8:]  # no second header: n_stream onwards
+    state = parse_seq_state(base + window, n_layer=3, n_embd_k=64, n_embd_v=64, swa_layers=(1,))
+    assert state.positions == (0, 1, 2, 3) and state.swa_layers == (1,) and state.swa_start == 2
+    assert state.k_layers[0] == bytes([1]) * (4 * 128) and state.k_layers[2] == bytes([2]) * (4 * 128)
+    assert state.k_layers[1] == bytes([1]) * (2 * 128) and state.v_layers[1] == bytes([100]) * (2 * 128)
+
+
+def test_a_window_that_is_not_the_prompt_tail_is_refused():
+    base = state_bytes(n_tokens=4, n_layer=2)
+    window = state_bytes(n_tokens=2, n_layer=1, positions=[1, 2])[8:]
+    with pytest.raises(KVStateFormatError, match="not a permutation of 2..3"):
+        parse_seq_state(base + window, n_layer=3, n_embd_k=64, n_embd_v=64, swa_layers=(1,))

@@ -132,8 +132,9 @@ def _tensors(arch: str, rng: np.random.Generator):
     def norm(n):  # llama.cpp's Gemma converter stores 1 + w, as llama.cpp multiplies by the stored weight
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    # Gemma scales embeddings by sqrt(n_embd) and ties the output to them: keep logits peaked all the same
-    yield "token_embd.weight", rng.standard_normal((N_VOCAB, N_EMBD)).astype(np.float32) * (0.5 if gemma else 1.0)
+    # Gemma scales embeddings by sqrt(n_embd): small ones keep the residual from being mostly the input token's,
+    # which with gemma2's tied output would make each token predict itself; its final norm sharpens the logits
+    yield "token_embd.weight", rng.standard_normal((N_VOCAB, N_EMBD)).astype(np.float32) * (0.02 if gemma else 1.0)
     if arch == "llama3":
         yield "rope_freqs.weight", llama3_rope_freqs()
     for il in range(n_layer):
@@ -167,6 +168,6 @@ def _tensors(arch: str, rng: np.random.Generator):
             yield f"blk.{il}.ffn_gate.weight", mat(N_FF, N_EMBD)
             yield f"blk.{il}.ffn_up.weight", mat(N_FF, N_EMBD)
         yield f"blk.{il}.ffn_down.weight", mat(N_EMBD, N_FF)
-    yield "output_norm.weight", norm(N_EMBD)
+    yield "output_norm.weight", norm(N_EMBD) * (40.0 if arch == "gemma2" else 1.0)
     if arch != "gemma2":  # gemma2 always ties its output to the embeddings
         yield "output.weight", mat(N_VOCAB, N_EMBD, 8.0)

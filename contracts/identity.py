@@ -77,11 +77,16 @@ def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
     n_head = int(_field(reader, f"{arch}.attention.head_count", path))
     n_embd = int(_field(reader, f"{arch}.embedding_length", path))
     head_dim_k = int(_field(reader, f"{arch}.attention.key_length", path, default=n_embd // n_head))
+    _check_features(reader, path, arch)
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", path, default=n_head))
+    if n_head % num_kv_heads:
+        raise UnsupportedModelError(f"{path}: {n_head} attention heads cannot share {num_kv_heads} KV heads evenly; "
+                                    "the GGUF's metadata is wrong")
     return dict(
         arch=arch,
         n_layer=n_layer,
         n_head=n_head,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, default=n_head)),
+        num_kv_heads=num_kv_heads,
         head_dim_k=head_dim_k,
         head_dim_v=int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim_k)),
         rope_layout=ROPE_LAYOUTS[arch],
@@ -102,6 +107,22 @@ def sliding_layers(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[boo
     if isinstance(pattern, list):
         return [bool(x) for x in pattern]
     return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
+
+
+def _check_features(reader: gguf.GGUFReader, path: str, arch: str) -> None:
+    """Refuse, by name, what a supported family may use but the handoff or the decode model cannot follow."""
+    scaling = reader.get_field(f"{arch}.rope.scaling.type")
+    if scaling is not None and scaling.contents() not in ("none", "linear"):
+        raise UnsupportedModelError(f"{path}: {arch} with RoPE scaling {scaling.contents()!r} is not supported "
+                                    "(supported: none, linear, and Llama 3's rope_freqs)")
+    names = {tensor.name for tensor in reader.tensors}
+    if "rope_factors_long.weight" in names:
+        raise UnsupportedModelError(f"{path}: {arch} with LongRoPE factors (rope_factors_long/short, the 128k-context "
+                                    "variants) is not supported")
+    key_length, value_length = (reader.get_field(f"{arch}.attention.{k}_length") for k in ("key", "value"))
+    if key_length is not None and value_length is not None and key_length.contents() != value_length.contents():
+        raise UnsupportedModelError(f"{path}: {arch} with K head size {key_length.contents()} and V head size "
+                                    f"{value_length.contents()} is not supported (the KV pool needs them equal)")
 
 
 _MISSING = object()

@@ -160,3 +160,36 @@ def test_unsupported_architectures_and_features_are_refused_by_name(tmp_path):
     (tmp_path / "qwen9.gguf").write_bytes(data)
     with pytest.raises(UnsupportedModelError, match=r"architecture 'qwen9' is not supported; supported: "):
         check_supported(str(tmp_path / "qwen9.gguf"))
+
+
+def _with_metadata(tmp_path, arch: str, extra) -> str:
+    """A copy of the tiny GGUF with more metadata or tensors, written by `extra(writer)`."""
+    import gguf
+    import numpy as np
+    source = gguf.GGUFReader(str(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch)))
+    path = tmp_path / f"{arch}-changed.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    for field in source.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    for tensor in source.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    extra(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("arch,extra,message", [
+    ("phi3", lambda w: w.add_tensor("rope_factors_long.weight", torch.ones(16).numpy()), "LongRoPE factors"),
+    ("llama", lambda w: w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN), "RoPE scaling 'yarn'"),
+    ("gemma2", lambda w: w.add_value_length(128), "K head size 256 and V head size 128"),
+], ids=["phi3-longrope", "yarn", "k-v-head-sizes"])
+def test_unsupported_features_of_supported_families_are_refused_by_name(tmp_path, arch, extra, message):
+    with pytest.raises(UnsupportedModelError, match=f"{arch} with {message}"):
+        check_supported(_with_metadata(tmp_path, arch, extra))

@@ -193,3 +193,19 @@ def _with_metadata(tmp_path, arch: str, extra) -> str:
 def test_unsupported_features_of_supported_families_are_refused_by_name(tmp_path, arch, extra, message):
     with pytest.raises(UnsupportedModelError, match=f"{arch} with {message}"):
         check_supported(_with_metadata(tmp_path, arch, extra))
+
+
+def test_edge_serve_refuses_an_unsupported_architecture_with_check_models_message(tmp_path, capsys):
+    """Before anything starts: the same one-line reason `edge check-model` prints, and a non-zero exit."""
+    from edge.cli import main
+    data = write_tiny_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3").read_bytes().replace(b"qwen3", b"qwen9")
+    path = tmp_path / "qwen9.gguf"
+    path.write_bytes(data)
+    with pytest.raises(UnsupportedModelError) as refused:
+        check_supported(str(path))
+    with pytest.raises(SystemExit) as served:
+        main(["serve", "--model", str(path)])
+    assert served.value.code == f"edge: {refused.value}"
+    with pytest.raises(SystemExit) as checked:
+        main(["check-model", str(path), "--no-fidelity"])
+    assert checked.value.code == 1 and str(refused.value) in capsys.readouterr().out

@@ -11,6 +11,7 @@ reason on one line, never a traceback; 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -27,11 +28,20 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # weight_qua
 QUANTIZED_ACTIVATIONS = "bfloat16"  # int8/int4 layers' scales and activations: the engine's dtype on CUDA
 # the handoff's fidelity bounds on the embedded model (issue 15; tests/test_handoff_embedded_model.py)
 MIN_TOP1, MAX_KL = 0.95, 0.01
-PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "<|im_start|>user\nGive me three tips for staying focused while studying.<|im_end|>\n<|im_start|>assistant\n",
-    "Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter who",
+# (prompt, continuation): llama.cpp prefills the prompt; the continuation is fed teacher-forced after it, so
+# both KV caches are compared on the same natural text without a token-by-token decode (the slow part on a CPU)
+PASSAGES = (
+    ("The capital of France is", " Paris, a city on the Seine known for its museums, its cafes and the Eiffel "
+     "Tower, which was built for the world's fair of 1889 and was at first disliked by many artists."),
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+     "    if n < 2:\n        return n\n    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n"
+     "    return b\n\n\nprint(fibonacci(10))\n"),
+    ("<|im_start|>user\nGive me three tips for staying focused while studying.<|im_end|>\n<|im_start|>assistant\n",
+     "1. Put your phone in another room so that notifications cannot pull you away.\n2. Work in blocks of "
+     "25 minutes with short breaks.\n3. Decide before you start what you want to finish."),
+    ("Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter who",
+     " had three sons. Every morning he walked into the forest with his axe, and every evening he came home "
+     "with a bundle of wood on his back and a story for the children."),
 )
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -164,10 +174,11 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
         config = load_gguf_checkpoint(path, return_tensors=False)["config"]
     except Exception as err:  # transformers' GGUF loader refuses architectures it does not map
         raise CheckFailed(f"{path}: transformers cannot read this GGUF's config ({type(err).__name__}: {err})") from None
+    skeleton = _skeleton(config, torch.float32, path)  # seconds to build: copied for each weight_dtype
     held: dict[str, int | None] = {}
     for weight_dtype in WEIGHT_DTYPES:
         dtype = FLOAT_WEIGHTS.get(weight_dtype, FLOAT_WEIGHTS[QUANTIZED_ACTIVATIONS])
-        model = _skeleton(config, dtype, path).to(dtype)
+        model = copy.deepcopy(skeleton).to(dtype)
         try:
             if weight_dtype in ("int8", "int4"):
                 quantize_model(model, weight_dtype, torch.device("meta"), dtype)
@@ -220,7 +231,7 @@ def pool_tokens(memory: int, utilization: float, weights: int, per_token: int) -
 
 # ---- fidelity: llama.cpp's prefill, through the handoff, against transformers' own ----
 
-POSITIONS = 32  # teacher-forced continuation tokens per prompt
+POSITIONS = 32  # teacher-forced continuation tokens per passage, at most
 
 
 @dataclass(frozen=True)
@@ -237,16 +248,11 @@ class Fidelity:
 
 
 def check_fidelity(path: str, kv_types: list[str]) -> list[Fidelity]:
-    import torch
-    from decode_gpu.model_loader import load_decode_model
     prefiller = _open_prefiller(path, kv_types[0])  # first: llama.cpp refusing the file is the common failure
     try:
-        log.info("loading the decode model as float32 on the CPU (converted once and cached)")
-        try:
-            model = load_decode_model(read_gguf_identity(path), torch.device("cpu"), torch.float32)
-        except Exception as err:
-            raise CheckFailed(f"transformers could not load {path}: {type(err).__name__}: {err}") from None
-        return [_fidelity_at(prefiller, kv_type, model) for kv_type in kv_types]
+        model = _load_decode_model(path)
+        references = [_reference(prefiller, model, prompt, continuation) for prompt, continuation in PASSAGES]
+        return [_fidelity_at(prefiller, kv_type, model, references) for kv_type in kv_types]
     finally:
         prefiller.close()
 
@@ -260,23 +266,50 @@ def _open_prefiller(path: str, kv_type: str):
             return Prefiller(PrefillConfig(path, n_ctx=512, kv_type=kv_type))
     except Exception as err:
         errors = [line.strip() for line in lines if "error" in line.lower() or "fail" in line.lower()]
-        raise CheckFailed(f"llama.cpp could not load {path}: {errors[-1] if errors else err}") from None
+        # the first error is the cause ("missing tensor ..."); the later ones say that loading stopped
+        raise CheckFailed(f"llama.cpp could not load {path}: {errors[0] if errors else err}") from None
 
 
-def _fidelity_at(prefiller, kv_type: str, model) -> Fidelity:
-    """Every prompt prefilled with `kv_type` KV, imported, and decoded teacher-forced both ways."""
+def _load_decode_model(path: str):
     import torch
-    log.info("fidelity check: %d prompts x %d positions with %s KV", len(PROMPTS), POSITIONS, kv_type)
+    from decode_gpu.model_loader import load_decode_model
+    log.info("loading the decode model as float32 on the CPU (converted once and cached)")
+    try:
+        return load_decode_model(read_gguf_identity(path), torch.device("cpu"), torch.float32)
+    except Exception as err:
+        raise CheckFailed(f"transformers could not load {path}: {type(err).__name__}: {err}") from None
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """transformers' own prefill of one passage's prompt: what the handoff is held to, for every KV type."""
+    tokens: tuple[int, ...]  # the prompt
+    forced: tuple[int, ...]  # the continuation, fed teacher-forced
+    first_token: int  # transformers' argmax after the prompt
+    logits: object  # torch.Tensor [len(forced), vocab]: teacher-forced from transformers' prompt KV
+
+
+def _reference(prefiller, model, prompt: str, continuation: str) -> _Reference:
+    from decode_gpu.dense_decoder import prompt_cache, teacher_forced_logits
+    tokens, forced = prefiller.tokenize(prompt), prefiller.tokenize(continuation, add_special=False)[:POSITIONS]
+    cache, last_logits = prompt_cache(model, tokens)  # last_logits: [vocab]
+    logits = teacher_forced_logits(model, cache, forced)  # [len(forced), vocab]
+    return _Reference(tuple(tokens), tuple(forced), int(last_logits.argmax()), logits)
+
+
+def _fidelity_at(prefiller, kv_type: str, model, references: list[_Reference]) -> Fidelity:
+    """Every passage's prompt prefilled by llama.cpp with `kv_type` KV, imported, its continuation teacher-forced,
+    against transformers' own."""
+    import torch
+    log.info("fidelity check: %d prompts with %s KV", len(references), kv_type)
     other = prefiller if kv_type == prefiller.config.kv_type else prefiller.with_kv_type(kv_type)
     agree, kls, first = [], [], []
     try:
-        for i, text in enumerate(PROMPTS):
-            want, got, first_agrees = _both_ways(other, model, f"check-{i}", other.tokenize(text))
-            agree.append((want.argmax(-1) == got.argmax(-1)).float())  # [POSITIONS]
-            kls.append(torch.sum(want.softmax(-1) * (want.log_softmax(-1) - got.log_softmax(-1)), dim=-1))
-            first.append(torch.tensor([float(first_agrees)]))  # [1]
-    except CheckFailed:
-        raise
+        for i, ref in enumerate(references):
+            first_token, got = _through_handoff(other, model, f"check-{i}", ref)  # got: [len(forced), vocab]
+            agree.append((ref.logits.argmax(-1) == got.argmax(-1)).float())  # [len(forced)]
+            kls.append(torch.sum(ref.logits.softmax(-1) * (ref.logits.log_softmax(-1) - got.log_softmax(-1)), -1))
+            first.append(torch.tensor([float(first_token == ref.first_token)]))  # [1]
     except Exception as err:  # a handoff the decode model cannot take: a shape or layout it does not know
         raise CheckFailed(f"the {kv_type} handoff failed: {type(err).__name__}: {err}") from None
     finally:
@@ -284,28 +317,23 @@ def _fidelity_at(prefiller, kv_type: str, model) -> Fidelity:
             other.close()
     # a first token is one more next-token prediction: counted in the agreement (a near-tie may flip it, as any)
     top1, kl = float(torch.cat(agree + first).mean()), float(torch.cat(kls).mean())
-    return Fidelity(kv_type, len(PROMPTS), len(PROMPTS) * (POSITIONS + 1), top1, kl, int(sum(first)),
+    return Fidelity(kv_type, len(references), sum(len(a) for a in agree + first), top1, kl, int(sum(first)),
                     passed=top1 >= MIN_TOP1 and kl <= MAX_KL)
 
 
-def _both_ways(prefiller, model, request_id: str, tokens: list[int]):
-    """Logits over torch's greedy continuation of the prompt, from transformers' prompt KV (want) and from
-    llama.cpp's handoff (got), both [POSITIONS, vocab]; and whether the first tokens agree."""
+def _through_handoff(prefiller, model, request_id: str, ref: _Reference):
+    """llama.cpp's first token for the prompt, and the logits over the continuation from its imported KV
+    [len(forced), vocab]."""
     import torch
     from contracts.handoff import SamplingParams
-    from decode_gpu.dense_decoder import decode, prompt_cache, teacher_forced_logits
+    from decode_gpu.dense_decoder import teacher_forced_logits
     from decode_gpu.kv_cache import DenseKVCache
     from decode_gpu.kv_import import import_handoff
     from prefill_cpu.prefiller import PrefillRequest
-    handoff = prefiller.prefill(PrefillRequest(request_id, tuple(tokens), SamplingParams(temperature=0))).handoff
-    reference, last_logits = prompt_cache(model, tokens)  # last_logits: [vocab]
-    continuation = decode(model, reference, handoff.first_token, POSITIONS)
-    reference, _ = prompt_cache(model, tokens)  # decode grew the first one
+    handoff = prefiller.prefill(PrefillRequest(request_id, ref.tokens, SamplingParams(temperature=0))).handoff
     imported = DenseKVCache(model.config, torch.float32)
     import_handoff(handoff, prefiller.identity, imported, torch.device("cpu"))
-    want = teacher_forced_logits(model, reference, continuation)  # [POSITIONS, vocab]
-    got = teacher_forced_logits(model, imported.cache, continuation)
-    return want, got, handoff.first_token == int(last_logits.argmax())
+    return handoff.first_token, teacher_forced_logits(model, imported.cache, list(ref.forced))
 
 
 # ---- the table ----

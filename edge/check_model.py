@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -59,11 +60,21 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", metavar="PATH.gguf", help="the model file to check")
     parser.add_argument("--memory", type=parse_size, default=parse_size("24GiB"),
                         help="decode device memory to size the KV pool for (default 24GiB; e.g. 8GiB, 80GB)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=ServeConfig.gpu_memory_utilization,
+    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=ServeConfig.gpu_memory_utilization,
                         help="the engine's share of that memory, as in the config (default %(default)s)")
     parser.add_argument("--kv-type", action="append", choices=sorted(KV_DTYPES),
                         help="handoff KV type(s) the fidelity check prefills with (default: f16 and q8_0)")
@@ -86,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         report.update(passed=False, error=str(err))
     else:
         report["passed"] = all(f["passed"] for f in report.get("fidelity", []))
-        report["error"] = None if report["passed"] else "the fidelity check failed"
+        failed = [f"{f['kv_type']} KV" for f in report.get("fidelity", []) if not f["passed"]]
+        report["error"] = f"fidelity below the bounds with {' and '.join(failed)}" if failed else None
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -167,14 +179,8 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
     """Bytes the decode model holds for each weight_dtype, from the model built on the meta device (no memory,
     no conversion) and quantized by the engine's own quantize_model: its numbers are what the engine holds."""
     import torch
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from decode_gpu.gguf_convert import _skeleton
     from decode_gpu.weight_quant import FLOAT_WEIGHTS, quantize_model
-    try:
-        config = load_gguf_checkpoint(path, return_tensors=False)["config"]
-    except Exception as err:  # transformers' GGUF loader refuses architectures it does not map
-        raise CheckFailed(f"{path}: transformers cannot read this GGUF's config ({type(err).__name__}: {err})") from None
-    skeleton = _skeleton(config, torch.float32, path)  # seconds to build: copied for each weight_dtype
+    skeleton = _meta_model(path)
     held: dict[str, int | None] = {}
     for weight_dtype in WEIGHT_DTYPES:
         dtype = FLOAT_WEIGHTS.get(weight_dtype, FLOAT_WEIGHTS[QUANTIZED_ACTIVATIONS])
@@ -187,6 +193,20 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
             log.warning("%s weights: %s", weight_dtype, err)
             held[weight_dtype] = None
     return held
+
+
+def _meta_model(path: str):
+    """The float32 decode model on the meta device, built as the converter builds it (gguf_convert)."""
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from decode_gpu.gguf_convert import _skeleton
+    log.info("reading %s's config as transformers does, to size the decode weights", os.path.basename(path))
+    try:
+        config = load_gguf_checkpoint(path, return_tensors=False)["config"]
+        return _skeleton(config, torch.float32, path)
+    except Exception as err:  # transformers' GGUF loader refuses architectures it does not map
+        raise CheckFailed(f"{path}: transformers cannot build a model from this GGUF: {type(err).__name__}: {err}") \
+            from None
 
 
 def _held_bytes(model) -> int:

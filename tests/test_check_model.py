@@ -121,12 +121,14 @@ def test_the_numbers_match_arithmetic(capsys, embedded_model_path):
             assert model["pool_tokens"][weight_dtype][storage] == (budget - held) // per_token
 
 
-def test_memory_sizes_parse_and_garbage_is_refused(capsys, tiny_gguf):
+def test_memory_sizes_parse_and_bad_arguments_are_refused(capsys, tiny_gguf):
     assert parse_size("24GiB") == 24 * GIB and parse_size("24GB") == 24 * 10**9
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5gib") == int(1.5 * GIB)
     assert parse_size("4096") == 4096
     status, _, err = check_model(capsys, tiny_gguf("llama"), "--memory", "lots")
     assert status == 2 and "'lots' is not a memory size" in err and "Traceback" not in err
+    status, _, err = check_model(capsys, tiny_gguf("llama"), "--gpu-memory-utilization", "1.5")
+    assert status == 2 and "'1.5' is not a fraction in (0, 1]" in err
 
 
 def test_a_truncated_gguf_fails_in_one_line(capsys, tiny_gguf, tmp_path):

@@ -24,7 +24,7 @@ from decode_gpu.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.kv_pool import KVPool, PoolShape, device_index
 from decode_gpu.kv_sizing import MemoryProfile, kv_budget_bytes
-from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, needs_torch_path, resolve_backend
+from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, resolve_backend
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.sampler import sample_rows
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow
@@ -73,10 +73,6 @@ class ModelRunner:
         self.device = device
         self.gate = gate
         self.backend = resolve_backend(device)
-        if self.backend == "triton" and needs_torch_path(model.config):
-            log.warning("%s attends with a sliding window or soft-capped scores, which the Triton kernel lacks: "
-                        "decode uses the torch attention path, without CUDA graphs (slower)", identity.arch)
-            self.backend = "torch"
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         storage = _storage_name(model.dtype) if config.kv_storage == "auto" else config.kv_storage
         self._shape = PoolShape(identity.n_layer, 2, config.block_size, identity.num_kv_heads, identity.head_dim_k,

@@ -154,21 +154,17 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     **kwargs) -> tuple[torch.Tensor, None]:
     """query: [1, n_heads, n_new, head_dim]; key/value: [1, num_kv_heads, n_new, head_dim] (after RoPE).
     sliding_window: a query sees only the last `sliding_window` positions, its own included (Gemma's local
-    layers); softcap: scores pass through softcap * tanh(score / softcap) (Gemma 2). Both on the torch path only:
-    the model runner picks it for models that use them. Returns [1, n_new, n_heads, head_dim] as transformers expects."""
+    layers); softcap: scores pass through softcap * tanh(score / softcap) (Gemma 2).
+    Returns [1, n_new, n_heads, head_dim] as transformers expects."""
     if paged is None:
         raise RuntimeError("edge_paged attention needs a PagedBatch passed as `paged=` to the model forward")
     q = _unit_last_stride(query[0].transpose(0, 1))  # [n_new, n_heads, head_dim]
     new_k = _unit_last_stride(key[0].transpose(0, 1))  # [n_new, num_kv_heads, head_dim]
     new_v = _unit_last_stride(value[0].transpose(0, 1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if paged.backend == "triton":
-        if sliding_window or softcap:
-            raise RuntimeError("the Triton paged attention has no sliding window or soft-capping; "
-                               "the model runner should have picked the torch path")
-        return _triton_attention(paged, module.layer_idx, q, new_k, new_v, scale)[None], None
     extras = _Extras(sliding_window or None, softcap or None)
-    return _torch_attention(paged, module.layer_idx, q, new_k, new_v, scale, extras)[None], None
+    attend = _triton_attention if paged.backend == "triton" else _torch_attention
+    return attend(paged, module.layer_idx, q, new_k, new_v, scale, extras)[None], None
 
 
 @dataclass(frozen=True)
@@ -177,14 +173,9 @@ class _Extras:
     softcap: float | None
 
 
-def needs_torch_path(config) -> bool:
-    """Does the model attend with a sliding window or soft-capped scores (which the Triton kernel lacks)?"""
-    layer_types = getattr(config, "layer_types", None) or ()
-    return bool(getattr(config, "attn_logit_softcapping", None)) or "sliding_attention" in layer_types
-
 
 def _triton_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, extras: _Extras = _Extras(None, None)) -> torch.Tensor:
     """Fused store, then the paged kernel reading the pool in place. # [n_new, n_heads, head_dim]"""
     store_kv, attend = _triton_kernels()
     pool = paged.pool
@@ -192,7 +183,8 @@ def _triton_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: tor
     v_scales = pool.v_scale[layer] if pool.v_scale else None
     store_kv(pool.k[layer], pool.v[layer], k_scales, v_scales, paged.slot_mapping, new_k, new_v)
     return attend(q, pool.k[layer], pool.v[layer], k_scales, v_scales, paged.block_tables, paged.context_lens,
-                  paged.query_start, paged.query_lens, paged.max_query_len, paged.num_splits, scale)
+                  paged.query_start, paged.query_lens, paged.max_query_len, paged.num_splits, scale,
+                  window=extras.window, softcap=extras.softcap)
 
 
 @functools.cache

@@ -11,6 +11,10 @@ enough programs to fill the GPU: with one split the kernel writes the output its
 writes each split's normalized output and log-sum-exp, and a merge kernel combines them per
 (token, head). Every split length is derived from the context length inside the kernel, so the grid
 depends only on the batch shape (CUDA graphs can capture it).
+
+Gemma's layers add two options: a sliding window (a query sees only the last `window` positions, its own
+included; the key loop starts at the window, so a long context costs a window's reads) and soft-capped scores
+(softcap * tanh(score / softcap), before the softmax).
 """
 
 from __future__ import annotations
@@ -46,10 +50,14 @@ def _load_kv_tile(pool, scales, base, scale_base, offs_d, ok, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _online_softmax_step(qt, k, v, visible, scale_log2, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+def _online_softmax_step(qt, k, v, visible, scale_log2, softcap, m_i, l_i, acc, DOT_PRECISION: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr):
     """Fold one tile of keys into the running max m_i [BLOCK_M], sum l_i [BLOCK_M] and output acc
     [BLOCK_M, HEAD_DIM_P2]; the dots run in qt's dtype and accumulate in float32."""
     s = tl.dot(qt, tl.trans(k.to(qt.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:  # softcap * tanh(score / softcap), in base 2; tanh(x) = 1 - 2 / (exp(2x) + 1) saturates cleanly
+        capped = 1.0 - 2.0 / (tl.exp2(s * (2.0 / softcap)) + 1.0)  # s / LOG2E is the score: exp(2x) = exp2(2s / cap)
+        s = capped * (softcap * 1.4426950408889634)  # LOG2E (a module global is not visible in a compiled kernel)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: exp2(-inf) = 0, no NaN
@@ -62,13 +70,13 @@ def _online_softmax_step(qt, k, v, visible, scale_log2, m_i, l_i, acc, DOT_PRECI
 @triton.jit
 def _paged_attention_kernel(
         q, k_pool, v_pool, k_scales, v_scales, out, mid_out, mid_lse,
-        block_tables, context_lens, query_start, query_lens, scale_log2,
+        block_tables, context_lens, query_start, query_lens, scale_log2, window, softcap,
         q_s_tok, q_s_head, kv_s_block, kv_s_off, kv_s_head, sc_s_block, sc_s_off, sc_s_head, bt_s_seq,
         o_s_tok, o_s_head, mo_s_tok, mo_s_head, mo_s_split, ml_s_tok, ml_s_head,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         Q_TILES: tl.constexpr, INT8: tl.constexpr, GROUP_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2) // Q_TILES
@@ -94,6 +102,10 @@ def _paged_attention_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, ctx_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q))
     end = tl.where(q_tile * BLOCK_Q < q_len, end, start)  # a query tile past this sequence's tokens: no work
+    if window > 0:  # nothing before the first row's window is visible to any row of the tile
+        first_visible = ctx_len - q_len + q_tile * BLOCK_Q - window + 1
+        start = tl.maximum(start, first_visible // BLOCK_N * BLOCK_N)  # tile-aligned, as the loop expects
+        end = tl.maximum(end, start)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # [BLOCK_M] running max of scores (base 2)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # [BLOCK_M] running sum of exp2(score - m_i)
@@ -108,7 +120,10 @@ def _paged_attention_kernel(
         k = _load_kv_tile(k_pool, k_scales, base, scale_base, offs_d, kv_ok, HEAD_DIM, INT8, GROUP_SIZE)
         v = _load_kv_tile(v_pool, v_scales, base, scale_base, offs_d, kv_ok, HEAD_DIM, INT8, GROUP_SIZE)
         visible = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N] causal
-        m_i, l_i, acc = _online_softmax_step(qt, k, v, visible, scale_log2, m_i, l_i, acc, DOT_PRECISION)
+        if window > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = _online_softmax_step(qt, k, v, visible, scale_log2, softcap, m_i, l_i, acc, DOT_PRECISION,
+                                             HAS_SOFTCAP)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (empty split) outputs 0
     o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_P2]
@@ -146,11 +161,13 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                            k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                            query_lens: torch.Tensor, max_query_len: int, num_splits: int, scale: float,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """query: [n_new, n_heads, head_dim] (unit last stride), the new tokens of all sequences in batch order;
     pools: [num_blocks, block_size, num_kv_heads, head_dim] (+ int8 scales [..., head_dim / 32]);
     block_tables: [n_seqs, max_blocks] int32; context_lens, query_start, query_lens: [n_seqs] int32.
-    num_splits: a power of two. Returns [n_new, n_heads, head_dim] in query's dtype."""
+    num_splits: a power of two. window: sliding window in positions (None: global); softcap: soft-capping of the
+    scores (None: none). Returns [n_new, n_heads, head_dim] in query's dtype."""
     n_new, n_heads, head_dim = query.shape
     n_seqs, num_kv_heads = block_tables.shape[0], k_pool.shape[2]
     out = torch.empty(n_new, n_heads, head_dim, dtype=query.dtype, device=query.device)  # [n_new, n_heads, head_dim]
@@ -163,11 +180,11 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     _paged_attention_kernel[grid](
         query, k_pool, v_pool, k_scales if k_scales is not None else k_pool,
         v_scales if v_scales is not None else v_pool, out, mid_out, mid_lse,
-        block_tables, context_lens, query_start, query_lens, scale * LOG2E,
+        block_tables, context_lens, query_start, query_lens, scale * LOG2E, window or 0, softcap or 0.0,
         query.stride(0), query.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), *scales,
         block_tables.stride(0), out.stride(0), out.stride(1), *_strides(mid_out, mid_lse),
         BLOCK_SIZE=k_pool.shape[1], NUM_SPLITS=num_splits, INT8=k_scales is not None, GROUP_SIZE=INT8_GROUP,
-        **_dot_options(query.dtype), **tiles, **_launch_options(tiles, query.dtype))
+        HAS_SOFTCAP=bool(softcap), **_dot_options(query.dtype), **tiles, **_launch_options(tiles, query.dtype))
     if num_splits > 1:
         _merge_splits_kernel[(n_new, n_heads)](
             mid_out, mid_lse, out, *_strides(mid_out, mid_lse), out.stride(0), out.stride(1),

@@ -49,7 +49,7 @@ def _scattered_tables(seqs) -> list[list[int]]:
 
 
 def run_both(storage: str, n_heads: int, num_kv_heads: int, head_dim: int, seqs, device: str, num_splits: int,
-             skip_last_store: bool = False):
+             skip_last_store: bool = False, **extras):
     """Outputs [n_new, n_heads, head_dim] and pools of the torch and the triton path for one ragged batch.
     skip_last_store: the triton batch's last new token gets slot -1, as a static batch's pad row does."""
     gen = torch.Generator().manual_seed(n_heads * 1000 + head_dim)
@@ -76,7 +76,7 @@ def run_both(storage: str, n_heads: int, num_kv_heads: int, head_dim: int, seqs,
             slots = batch.slot_mapping.clone()  # [n_new]
             slots[-1] = -1
             batch = dataclasses.replace(batch, slot_mapping=slots)
-        outs[backend] = paged_attention(_Layer(), q, k, v, None, scaling=head_dim ** -0.5, paged=batch)[0][0]
+        outs[backend] = paged_attention(_Layer(), q, k, v, None, scaling=head_dim ** -0.5, paged=batch, **extras)[0][0]
     return outs, pools
 
 
@@ -114,6 +114,19 @@ def test_decode_batch_matches_torch(device, storage, splits):
     outs, pools = run_both(storage, 8, 2, 64, DECODE, device, splits)
     assert_close(outs["triton"], outs["torch"], STORAGE[storage][1])
     assert_same_pools(pools["triton"], pools["torch"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("storage,head_dim,splits", [("float32", 256, 1), ("bfloat16", 64, 4), ("int8", 256, 2)])
+def test_sliding_window_and_soft_capping_match_torch(device, storage, head_dim, splits):
+    """Gemma's options: a 20-position window (the 16-token query of the 140-token context spans tiles and splits
+    the window skips) and soft-capped scores, in both paths; each option changes the output, so both bite."""
+    outs, pools = run_both(storage, 4, 2, head_dim, RAGGED, device, splits, sliding_window=20, softcap=1.0)
+    assert_close(outs["triton"], outs["torch"], STORAGE[storage][1])
+    assert_same_pools(pools["triton"], pools["torch"])
+    for extras in (dict(sliding_window=20), dict(softcap=1.0)):
+        other, _ = run_both(storage, 4, 2, head_dim, RAGGED, device, splits, **extras)
+        assert float((other["triton"].float() - outs["triton"].float()).norm()) > 0.1 * float(outs["torch"].float().norm())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -195,9 +208,10 @@ def test_engine_greedy_tokens_same_on_both_paths(device, storage, attention_back
 
 # Compiled for NVIDIA targets with Triton's bundled ptxas, no GPU needed: the interpreter accepts code
 # that the compiler rejects (non-constexpr globals, dot shapes), and register spills show only here.
-COMPILED = [  # (arch, query dtype, pool dtype, GQA group, head size, max query tokens, splits)
-    (90, "bf16", "bf16", 4, 128, 1, 4), (90, "bf16", "i8", 8, 128, 16, 1), (90, "fp32", "fp32", 3, 64, 4, 1),
-    (90, "fp16", "fp16", 1, 64, 1, 1), (80, "bf16", "i8", 4, 128, 1, 2)]
+COMPILED = [  # (arch, query dtype, pool dtype, GQA group, head size, max query tokens, splits, soft-capping)
+    (90, "bf16", "bf16", 4, 128, 1, 4, False), (90, "bf16", "i8", 8, 128, 16, 1, False),
+    (90, "fp32", "fp32", 3, 64, 4, 1, False), (90, "fp16", "fp16", 1, 64, 1, 1, False),
+    (80, "bf16", "i8", 4, 128, 1, 2, False), (90, "bf16", "bf16", 2, 256, 1, 2, True)]  # the last: Gemma 2
 _PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "i8": "*i8"}
 
 
@@ -208,7 +222,8 @@ def _compile(fn, arch: int, pointers: dict, constexprs: dict, options: dict) -> 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name == "scale_log2" else "i32")
+    floats = ("scale_log2", "softcap")
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
                  for name in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -221,7 +236,7 @@ def _compile(fn, arch: int, pointers: dict, constexprs: dict, options: dict) -> 
 
 def _compile_all() -> None:
     from decode_gpu import triton_attention as ta, triton_store as ts
-    for arch, qd, pd, group, head_dim, max_q, splits in COMPILED:
+    for arch, qd, pd, group, head_dim, max_q, splits, softcap in COMPILED:
         tiles = ta._tiles(group, max_q, head_dim, None)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[qd]
         scales = "*fp16" if pd == "i8" else _PTR[pd]
@@ -229,7 +244,7 @@ def _compile_all() -> None:
                     "v_scales": scales, "mid_out": "*fp32", "mid_lse": "*fp32", "block_tables": "*i32",
                     "context_lens": "*i32", "query_start": "*i32", "query_lens": "*i32"}
         constexprs = dict(tiles, BLOCK_SIZE=16, NUM_SPLITS=splits, INT8=pd == "i8", GROUP_SIZE=32,
-                          **ta._dot_options(dtype))
+                          HAS_SOFTCAP=softcap, **ta._dot_options(dtype))
         print(f"attention sm_{arch} {qd}/{pd} group {group} head {head_dim} query {max_q} splits {splits}:",
               _compile(ta._paged_attention_kernel, arch, pointers, constexprs, ta._launch_options(tiles, dtype)))
     print("merge:", _compile(ta._merge_splits_kernel, 90, {"mid_out": "*fp32", "mid_lse": "*fp32", "out": "*bf16"},
@@ -255,3 +270,27 @@ def test_kernels_compile_for_the_gpu_without_spills():
 
 if __name__ == "__main__":  # the compile check's subprocess: kernels defined without the interpreter
     _compile_all()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="needs llama.cpp for the handoffs, which a GPU check machine lacks")
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_engine_greedy_tokens_same_on_both_paths(arch, attention_backend, tiny_gguf, conversion_cache):
+    """Sliding windows and soft-capping through the whole engine: the Triton path decodes the torch path's tokens
+    from a llama.cpp handoff of a prompt longer than the window."""
+    from contracts.handoff import SamplingParams
+    from contracts.identity import read_gguf_identity
+    from decode_gpu.model_loader import load_decode_model
+    from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
+    path = tiny_gguf(arch)
+    identity = read_gguf_identity(str(path))
+    model = load_decode_model(identity, torch.device("cpu"), torch.float32, conversion_cache)
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=128, n_threads=2, kv_type="f16"))
+    try:
+        handoff = prefiller.prefill(PrefillRequest("r", tuple(range(3, 43)), SamplingParams(temperature=0.0,
+                                                                                             max_tokens=8))).handoff
+    finally:
+        prefiller.close()
+    attention_backend("torch")
+    want = greedy_tokens(model, identity, [handoff], "cpu", "float32")
+    attention_backend("triton")
+    assert greedy_tokens(model, identity, [handoff], "cpu", "float32") == want

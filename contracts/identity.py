@@ -82,13 +82,17 @@ def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
     if n_head % num_kv_heads:
         raise UnsupportedModelError(f"{path}: {n_head} attention heads cannot share {num_kv_heads} KV heads evenly; "
                                     "the GGUF's metadata is wrong")
+    head_dim_v = int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim_k))
+    _check_attention_shapes(reader, path, n_layer, {"attn_q": ("heads", n_head, head_dim_k),
+                                                    "attn_k": ("KV heads", num_kv_heads, head_dim_k),
+                                                    "attn_v": ("KV heads", num_kv_heads, head_dim_v)})
     return dict(
         arch=arch,
         n_layer=n_layer,
         n_head=n_head,
         num_kv_heads=num_kv_heads,
         head_dim_k=head_dim_k,
-        head_dim_v=int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim_k)),
+        head_dim_v=head_dim_v,
         rope_layout=ROPE_LAYOUTS[arch],
         sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", path, default=DEFAULT_WINDOWS.get(arch, 0))),
         swa_layers=tuple(il for il, swa in enumerate(sliding_layers(reader, arch, n_layer)) if swa),
@@ -123,6 +127,20 @@ def _check_features(reader: gguf.GGUFReader, path: str, arch: str) -> None:
     if key_length is not None and value_length is not None and key_length.contents() != value_length.contents():
         raise UnsupportedModelError(f"{path}: {arch} with K head size {key_length.contents()} and V head size "
                                     f"{value_length.contents()} is not supported (the KV pool needs them equal)")
+
+
+def _check_attention_shapes(reader: gguf.GGUFReader, path: str, n_layer: int, expected: dict) -> None:
+    """The metadata's head counts against the attention tensors themselves: a wrong head count would otherwise
+    surface as a shape error deep in llama.cpp or torch, or not at all. GGUF shapes are ggml's: [inputs, outputs].
+    A fused qkv tensor (Phi-3) has no attn_q and is not checked here."""
+    shapes = {tensor.name: [int(n) for n in tensor.shape] for tensor in reader.tensors}
+    for layer in range(n_layer):
+        for name, (what, count, size) in expected.items():
+            shape = shapes.get(f"blk.{layer}.{name}.weight")
+            if shape is not None and shape[-1] != count * size:
+                raise UnsupportedModelError(
+                    f"{path}: blk.{layer}.{name} has {shape[-1]} outputs, but the metadata's {count} {what} of size "
+                    f"{size} make {count * size}: the GGUF's head count is wrong")
 
 
 _MISSING = object()

@@ -54,6 +54,13 @@ def convert_gguf(gguf_path: str | Path, target: Path, dtype: torch.dtype,
         raise ValueError(f"{gguf_path}: no tensor for {sorted(missing)[:5]} ({len(missing)} in all)")
 
 
+def model_skeleton(gguf_path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The decode model of a GGUF on the meta device, configured exactly as the converter configures it: no
+    memory, no conversion (edge check-model sizes the weights from it)."""
+    config_dict = load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"]
+    return _skeleton(config_dict, dtype, str(gguf_path))
+
+
 def _skeleton(config_dict: dict, dtype: torch.dtype, gguf_path: str) -> PreTrainedModel:
     """The model on the meta device: it only lends its config and parameter names."""
     config = AutoConfig.for_model(**config_dict)

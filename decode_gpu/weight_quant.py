@@ -116,7 +116,9 @@ class Int8Embedding(nn.Module):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
-        self.qweight, self.scales = qweight, scales  # [vocab, hidden] int8, [vocab]
+        # buffers, so that the model's byte count and .to() see them; shared with a tied int8 lm_head
+        self.register_buffer("qweight", qweight, persistent=False)  # [vocab, hidden] int8
+        self.register_buffer("scales", scales, persistent=False)  # [vocab]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.qweight).to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
@@ -146,12 +148,14 @@ class WeightReport:
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of every parameter and buffer, by dtype; a tensor shared by two modules counts once."""
+    """Bytes of every parameter and buffer, by dtype; a tensor shared by two modules counts once (told apart by
+    storage, or by identity on the meta device, where every tensor's data_ptr is 0)."""
     seen, totals = set(), {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.data_ptr() in seen:
+        key = id(tensor) if tensor.is_meta else tensor.data_ptr()
+        if key in seen:
             continue
-        seen.add(tensor.data_ptr())
+        seen.add(key)
         name = str(tensor.dtype).removeprefix("torch.")
         totals[name] = totals.get(name, 0) + tensor.numel() * tensor.element_size()
     return totals

@@ -144,7 +144,6 @@ def read_model(path: str, memory: int, utilization: float) -> ModelReport:
         raise CheckFailed(str(err)) from None  # word for word what `edge serve` refuses with
     except Exception as err:  # the gguf reader's numpy errors on a truncated or corrupt file
         raise CheckFailed(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
-    check_attention_shapes(identity, {t.name: [int(n) for n in t.shape] for t in tensors})
     gguf_bytes: dict[str, int] = {}
     for tensor in tensors:
         gguf_bytes[tensor.tensor_type.name] = gguf_bytes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
@@ -160,26 +159,11 @@ def read_model(path: str, memory: int, utilization: float) -> ModelReport:
                      for dtype, held in weights.items() if held is not None})
 
 
-def check_attention_shapes(identity: GGUFIdentity, shapes: dict[str, list[int]]) -> None:
-    """The metadata's head counts against the attention tensors themselves: a head count that does not divide the
-    embedding, or disagrees with the tensors, would otherwise surface as a shape error deep in llama.cpp or torch.
-    GGUF shapes are ggml's: [inputs, outputs]. A fused qkv tensor (no attn_q) is not checked here."""
-    expected = {"attn_q": ("heads", identity.n_head, identity.head_dim_k),
-                "attn_k": ("KV heads", identity.num_kv_heads, identity.head_dim_k),
-                "attn_v": ("KV heads", identity.num_kv_heads, identity.head_dim_v)}
-    for layer in range(identity.n_layer):
-        for name, (what, count, size) in expected.items():
-            shape = shapes.get(f"blk.{layer}.{name}.weight")
-            if shape is not None and shape[1] != count * size:
-                raise CheckFailed(f"{identity.path}: blk.{layer}.{name} has {shape[1]} outputs, but the metadata's "
-                                  f"{count} {what} of size {size} make {count * size}: wrong head count?")
-
-
 def decode_weight_bytes(path: str) -> dict[str, int | None]:
     """Bytes the decode model holds for each weight_dtype, from the model built on the meta device (no memory,
     no conversion) and quantized by the engine's own quantize_model: its numbers are what the engine holds."""
     import torch
-    from decode_gpu.weight_quant import FLOAT_WEIGHTS, quantize_model
+    from decode_gpu.weight_quant import FLOAT_WEIGHTS, quantize_model, weight_bytes
     skeleton = _meta_model(path)
     held: dict[str, int | None] = {}
     for weight_dtype in WEIGHT_DTYPES:
@@ -188,7 +172,7 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
         try:
             if weight_dtype in ("int8", "int4"):
                 quantize_model(model, weight_dtype, torch.device("meta"), dtype)
-            held[weight_dtype] = _held_bytes(model)
+            held[weight_dtype] = sum(weight_bytes(model).values())
         except ValueError as err:  # int4 needs layer inputs divisible by its group
             log.warning("%s weights: %s", weight_dtype, err)
             held[weight_dtype] = None
@@ -198,26 +182,13 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
 def _meta_model(path: str):
     """The float32 decode model on the meta device, built as the converter builds it (gguf_convert)."""
     import torch
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from decode_gpu.gguf_convert import _skeleton
+    from decode_gpu.gguf_convert import model_skeleton
     log.info("reading %s's config as transformers does, to size the decode weights", os.path.basename(path))
     try:
-        config = load_gguf_checkpoint(path, return_tensors=False)["config"]
-        return _skeleton(config, torch.float32, path)
+        return model_skeleton(path, torch.float32)
     except Exception as err:  # transformers' GGUF loader refuses architectures it does not map
         raise CheckFailed(f"{path}: transformers cannot build a model from this GGUF: {type(err).__name__}: {err}") \
             from None
-
-
-def _held_bytes(model) -> int:
-    """Bytes of every tensor the model holds, each once. Not weight_quant.weight_bytes: it tells tensors apart by
-    data_ptr, which is 0 for every meta tensor, and it misses Int8Embedding's table, a plain attribute."""
-    from decode_gpu.weight_quant import Int8Embedding
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    for module in model.modules():
-        if isinstance(module, Int8Embedding):
-            tensors.update({id(module.qweight): module.qweight, id(module.scales): module.scales})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def handoff_kv_bytes(identity: GGUFIdentity) -> dict[str, int | None]:

@@ -143,9 +143,9 @@ def test_a_truncated_gguf_fails_in_one_line(capsys, tiny_gguf, tmp_path):
     ({"llama.attention.head_count": 5}, ("heads.gguf:", "5 ", "heads", "wrong")),
     # 8 heads of 32 make the query's 256, but 2 KV heads of 32 are not the K tensor's 128
     ({"llama.attention.head_count": 8}, ("blk.0.attn_k has 128 outputs, but the metadata's 2 KV heads of size 32",
-                                         "wrong head count")),
+                                         "head count is wrong")),
     ({"llama.attention.head_count_kv": 4}, ("blk.0.attn_k has 128 outputs, but the metadata's 4 KV heads of size 64",
-                                            "wrong head count")),
+                                            "head count is wrong")),
 ], ids=["heads-do-not-divide", "heads-mismatch-tensors", "kv-heads-mismatch-tensors"])
 def test_a_wrong_head_count_fails_in_one_line(capsys, tiny_gguf, tmp_path, metadata, fragments):
     broken = patched_gguf(tiny_gguf("llama"), tmp_path / "heads.gguf", metadata)

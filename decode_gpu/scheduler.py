@@ -1,4 +1,6 @@
-"""Decode scheduler (pure Python, no torch): priority waiting queue, running set, preemption by swap.
+"""Decode scheduler (pure Python, no torch): priority waiting queue, running set, preemption by swap,
+prefix caching at admission (a prompt's full blocks already in the pool are taken by reference, see
+block_manager.py).
 
 Host swap space is bounded (in blocks): a preemption that would overflow it does not happen (a waiter
 waits) or, when a running sequence must grow, fails the victim (see _preempt_or_fail).
@@ -11,7 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from decode_gpu.block_manager import BlockCopy, BlockManager
+from decode_gpu.block_manager import BlockCopy, BlockManager, prefix_hashes
 from decode_gpu.sequence import SeqState, Sequence
 
 
@@ -21,6 +23,7 @@ OUT_OF_KV = "out of KV memory"  # how a sequence failed for want of blocks begin
 class SchedulerConfig:
     max_num_seqs: int = 32  # running sequences decoded together each step
     max_import_tokens: int = 8192  # prompt tokens imported from handoffs per step (bounds a step's latency)
+    prefix_caching: bool = False  # share full prompt blocks between requests with the same prefix (the runner must skip cached_tokens)
 
 
 @dataclass
@@ -28,6 +31,7 @@ class ScheduledStep:
     """The one contract between scheduler and model runner; the scheduler fills every field."""
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (seq, blocks) to copy to host, then reuse
     imports: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # handoff KV to write into blocks
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # per import: leading prompt tokens already in the pool
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # host copy to restore into new blocks
     copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write before a shared block is written
     decode: list[Sequence] = field(default_factory=list)  # feed each its newest token, sample the next
@@ -68,7 +72,8 @@ class Scheduler:
         return step
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self._remove(seq)
+        # an error may be a failed import: the blocks it named may hold garbage, so no later prompt may take them
+        self._remove(seq, keep_names=reason != "error")
         seq.state, seq.finish_reason = SeqState.FINISHED, reason
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -84,11 +89,11 @@ class Scheduler:
             return True
         return self.num_swapped_blocks + len(self.blocks.block_tables[seq.seq_id]) <= self.max_swap_blocks
 
-    def _remove(self, seq: Sequence) -> None:
+    def _remove(self, seq: Sequence, keep_names: bool = True) -> None:
         if self.running.pop(seq.seq_id, None) is None:
             self.waiting = [(rank, s) for rank, s in self.waiting if s is not seq]
             heapq.heapify(self.waiting)
-        self.blocks.free(seq.seq_id)
+        self.blocks.free(seq.seq_id, keep_names)
         self._release_swap(seq)
 
     def _release_swap(self, seq: Sequence) -> None:
@@ -116,13 +121,14 @@ class Scheduler:
                 return  # it just lost its blocks; resuming it in the same step would only thrash
             need = seq.num_cached + 1 if seq.state is SeqState.SWAPPED else seq.prompt_len + 1
             need_blocks = self.blocks.blocks_for(need) + len(seq.forks)  # a fork copies the last block at once
+            hashes = self._prefix_hashes(seq)
             if need_blocks > self.blocks.num_blocks:
                 heapq.heappop(self.waiting)
                 self.finish(seq, "error")
                 step.failed.append((seq, f"needs {need} KV positions for each of {1 + len(seq.forks)} choices, the "
                                          f"whole pool holds {self.blocks.num_blocks * self.blocks.block_size}"))
                 continue
-            fits = (need_blocks <= self.blocks.num_free_blocks
+            fits = (self.blocks.can_allocate(need, hashes, extra_blocks=len(seq.forks))
                     and len(self.running) + 1 + len(seq.forks) <= self.config.max_num_seqs)
             if not fits:
                 if not self._make_room_for(seq, step):
@@ -133,16 +139,28 @@ class Scheduler:
                     return
                 import_budget -= seq.prompt_len
             heapq.heappop(self.waiting)
-            blocks = self.blocks.allocate(seq.seq_id, need)
+            blocks, cached = self.blocks.allocate_prefix(seq.seq_id, need, hashes)
             if seq.state is SeqState.SWAPPED:
                 step.swap_in.append((seq.seq_id, list(blocks)))
                 self._release_swap(seq)
             else:
                 step.imports.append((seq, list(blocks)))
+                step.cached_tokens[seq.seq_id] = cached
                 seq.num_cached = seq.prompt_len
             seq.state = SeqState.RUNNING
             self.running[seq.seq_id] = seq
             self._fork(seq, step)
+
+    def _prefix_hashes(self, seq: Sequence) -> list[bytes]:
+        """The names of a waiting prompt's full blocks; none for a swapped sequence (its blocks come back from
+        host memory), without prefix caching, or for a model with sliding-window layers, whose imported blocks
+        hold zeros outside the request's own window."""
+        handoff = seq.handoff
+        if seq.state is not SeqState.WAITING or not self.config.prefix_caching or handoff is None \
+                or handoff.layout.swa_layers:
+            return []
+        salt = f"{handoff.layout.k_dtype}/{handoff.layout.v_dtype}"  # the KV values depend on the handoff's types
+        return prefix_hashes(seq.tokens[:seq.prompt_len], self.blocks.block_size, salt)
 
     def _fork(self, seq: Sequence, step: ScheduledStep) -> None:
         """n > 1: the other choices share the prompt's blocks (copy-on-write); each copies the block its first

@@ -77,7 +77,7 @@ def test_abort_frees_blocks_at_every_stage():
     engine, runner = make_engine(num_blocks=10, block_size=4)
     outputs = {}
     add(engine, outputs, "running", list(range(3, 20)), max_tokens=10, priority=0)
-    add(engine, outputs, "waiting", list(range(3, 30)), max_tokens=10, priority=1)
+    add(engine, outputs, "waiting", list(range(40, 67)), max_tokens=10, priority=1)  # shares no prefix: it waits
     engine.step()
     assert engine.blocks.num_used_blocks > 0 and engine.scheduler.num_waiting == 1
     assert engine.abort("waiting").finish_reason == "abort"
@@ -87,7 +87,7 @@ def test_abort_frees_blocks_at_every_stage():
     engine.blocks.check_integrity()
     add(engine, outputs, "swapped", list(range(3, 20)), max_tokens=10, priority=5)
     engine.step()
-    add(engine, outputs, "vip", list(range(3, 30)), max_tokens=5, priority=0)
+    add(engine, outputs, "vip", list(range(40, 67)), max_tokens=5, priority=0)
     engine.step()
     assert engine.requests["swapped"][0].state.value == "swapped" and runner.swap_space
     engine.abort("swapped")

@@ -20,7 +20,7 @@ from edge.audit import AuditLog, quota_state_path
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
-from edge.launcher import Supervisor
+from edge.launcher import Supervisor, engine_args, worker_args
 from edge.lifecycle import InFlightRegistry
 from edge.metrics import Metrics
 from edge.prefill_pool import PrefillPool
@@ -85,6 +85,20 @@ def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
     return os.environ.get(SECRET_ENV, "").encode()
 
 
+def _ray_secret(config: ServeConfig) -> str:
+    """The control secret of a Ray deployment: the operator's file, or one made for this launch. It reaches the
+    actors as an argument (through Ray), never through a port."""
+    if not config.control_secret_file:
+        return new_secret()
+    try:
+        value = Path(config.control_secret_file).read_text().strip()
+    except OSError as err:
+        raise ValueError(f"control_secret_file {config.control_secret_file}: {err.strerror}") from None
+    if len(value) < 16:
+        raise ValueError(f"control_secret_file {config.control_secret_file}: the secret is shorter than 16 characters")
+    return value
+
+
 def _enforcer(config: ServeConfig) -> PolicyEnforcer:
     policy = load_policy(policy_path(config))
     if not config.audit_log and any(rule.tokens_per_day or rule.tokens_per_month for rule in policy.keys.values()):
@@ -117,13 +131,18 @@ def make_app(config: ServeConfig) -> web.Application:
     if config.otlp_traces_endpoint:  # OpenTelemetry is imported only then (an optional dependency)
         from edge.tracing import RequestTracer
         tracer = RequestTracer(config.otlp_traces_endpoint)
-    run_dir = _make_run_dir(config)
-    engine_address, worker_addresses = resolve_addresses(config, run_dir)
-    secret = _control_secret(config, [engine_address, *worker_addresses.values()])
     registry = InFlightRegistry()
-    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret,
-                       config.worker_heartbeat_timeout_s)
-    engine = EngineClient(engine_address, registry, secret)
+    if config.ray:  # Ray is imported only here: single-box mode never loads it
+        from edge.cluster.gateway_side import ray_components
+        pool, engine, cluster_context = ray_components(config, registry, _ray_secret(config))
+        run_dir = None
+    else:
+        run_dir = _make_run_dir(config)
+        engine_address, worker_addresses = resolve_addresses(config, run_dir)
+        secret = _control_secret(config, [engine_address, *worker_addresses.values()])
+        pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret,
+                           config.worker_heartbeat_timeout_s)
+        engine = EngineClient(engine_address, registry, secret)
     pool.on_best_priority = engine.prefill_priority_changed
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
@@ -131,11 +150,13 @@ def make_app(config: ServeConfig) -> web.Application:
     app[CONFIG] = config
     app[GATEWAY] = gateway
     app[RELOADER] = PolicyReloader(policy_path(config), enforcer)
-    if config.launch:
+    if config.ray:
+        app.cleanup_ctx.append(cluster_context)
+    elif config.launch:
         app[SUPERVISOR] = supervisor = Supervisor()
         pool.on_stuck = lambda name: _kill_stuck(supervisor, name)
         app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses, run_dir))
-    if not config.run_dir:
+    if run_dir is not None and not config.run_dir:
         app.on_cleanup.append(lambda _: _remove_run_dir(run_dir))
     app.cleanup_ctx.append(_connections)
     app.cleanup_ctx.append(_policy_loop)
@@ -148,30 +169,17 @@ def make_app(config: ServeConfig) -> web.Application:
 def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str):
     async def context(app: web.Application):
         config, supervisor = app[CONFIG], app[SUPERVISOR]
-        engine_args = ["--model", model_path, "--listen", engine_address, "--device", config.device, "--dtype", config.dtype,
-                       "--weight-dtype", config.weight_dtype,
-                       "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
-                       "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
-                       "--yield-to-prefill", config.decode_yields_to_prefill,
-                       "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes)]
-        if config.kv_cache_tokens:
-            engine_args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
-        engine_args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
         # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
         share = ["--cpu-share-file", os.path.join(run_dir, "cpu-share")]
-        engine_args += share
-        if config.enforce_eager:
-            engine_args.append("--enforce-eager")
-        supervisor.add("decode_engine", "decode_gpu.server", engine_args)
+        supervisor.add("decode_engine", "decode_gpu.server",
+                       engine_args(config, model_path) + ["--listen", engine_address, *share])
         kv_type = worker_kv_type(config, engine_address)
         log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,
                  engine_address)
         for name, address in worker_addresses.items():
             supervisor.add(name, "prefill_cpu.worker", [
-                "--model", model_path, "--listen", address, "--engine", engine_address, "--name", name,
-                "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch), "--threads", str(default_threads(config)),
-                "--kv-type", kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
-                *share, "--log-level", config.log_level])
+                *worker_args(config, model_path, name, kv_type, default_threads(config)),
+                "--listen", address, "--engine", engine_address, *share])
         watcher = spawn(supervisor.watch(), "the process supervisor", log)
         yield
         watcher.cancel()

@@ -40,6 +40,8 @@ def main(argv=None) -> None:
     serve.add_argument("--ssl-ca-certs", help="CA bundle: require client certificates it signed (mutual TLS)")
     serve.add_argument("--audit-log", help="file for one JSON line per request (docs/audit.md)")
     serve.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry request traces over OTLP to this URL")
+    serve.add_argument("--ray", metavar="auto|ADDRESS",
+                       help="run the prefill workers and decode engines as actors of this Ray cluster (docs/cluster.md)")
     serve.add_argument("--log-level")
     check = commands.add_parser("check-model", help="check a GGUF before serving it: support, sizes, fidelity")
     from edge.check_model import add_arguments  # the command's own flags live with it

@@ -69,6 +69,12 @@ class ServeConfig:
     worker_addresses: tuple[str, ...] = ()  # "" -> unix sockets in run_dir
     control_secret_file: str = ""  # shared secret of the control sockets; required for TCP addresses
     worker_heartbeat_timeout_s: float = 5.0  # a prefill worker silent this long is declared stuck and restarted
+    # Ray (docs/cluster.md): "" runs everything on this box; "auto" or a cluster address runs the prefill workers and
+    # decode engines as Ray actors placed across the cluster's nodes
+    ray: str = ""
+    decode_engines: int = 1  # with ray: engines, each needing one unit of ray_decode_resource
+    ray_decode_resource: str = "GPU"  # with ray: what each engine asks for (a custom resource on CPU-only clusters)
+    ray_prefill_cpus: float = 0  # with ray: CPUs each prefill worker asks for; 0: threads_per_worker, or 1
     policy: str = ""  # policy file: filters, API keys, classes, degradation tiers; "" -> policies/default.toml
     limits: Limits = field(default_factory=Limits)
     log_level: str = "INFO"
@@ -81,7 +87,8 @@ CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu",
            "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
-BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "threads_per_worker": {"ge": 0},
+BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "decode_engines": {"ge": 1},
+          "ray_prefill_cpus": {"ge": 0}, "threads_per_worker": {"ge": 0},
           "n_ctx": {"ge": 1}, "n_batch": {"ge": 1}, "prefix_cache_tokens": {"ge": 0}, "kv_cache_tokens": {"ge": 0},
           "max_num_seqs": {"ge": 1}, "audit_log_max_bytes": {"ge": 4096}, "audit_log_backups": {"ge": 0}, "swap_space_gib": {"ge": 0}, "max_backlog_bytes": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "gpu_memory_utilization": {"gt": 0, "le": 1}, "max_body_bytes": {"ge": 1},
           "default_max_tokens": {"ge": 1}, "prefill_queue_size": {"ge": 1}, "header_timeout_s": {"gt": 0},
@@ -128,6 +135,9 @@ def load_config(path: str | None, overrides: dict) -> ServeConfig:
     if weights in ("bfloat16", "float16", "float32") and dtype not in ("auto", weights):
         raise ConfigError(path or "command line", [Issue("weight_dtype", f"{weights} weights with dtype {dtype}: "
                                                    f"float weights are in the model's dtype; set one of the two")])
+    if values["decode_engines"] > 1 and not values["ray"]:
+        raise ConfigError(path or "command line", [Issue("decode_engines", "several decode engines need ray (one "
+                                                   "engine per GPU across the cluster's nodes, docs/cluster.md)")])
     limits = Limits(**values.pop("limits"))
     return ServeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}, limits=limits)
 

@@ -21,7 +21,8 @@ RETRY_S = (0.2, 5.0)  # reconnect backoff: first and longest wait
 
 
 class EngineClient:
-    def __init__(self, address: str, registry: InFlightRegistry, secret: bytes = b"") -> None:
+    def __init__(self, address: str, registry: InFlightRegistry, secret: bytes = b"", name: str = "decode_engine") -> None:
+        self.name = name
         self.address = address
         self.registry = registry
         self.secret = secret
@@ -31,13 +32,28 @@ class EngineClient:
         self.stats: EngineStats | None = None
         self.closing = False  # set at shutdown: a dropped connection is then expected
         self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
+        # where this engine listens now, asked before each connection (a Ray actor moves when it restarts); None: fixed
+        self.resolve = None  # async () -> address
+        self.connect_timeout_s: float | None = None  # give up on an address after this long (then resolve again)
+        self.owns = lambda request: True  # which handed-off requests end with this connection (several engines)
+
+    @property
+    def clients(self) -> dict[str, "EngineClient"]:
+        """The engines behind this client, by name (edge.engine_group has several)."""
+        return {self.name: self}
+
+    def engine_of(self, worker: str) -> str:
+        return self.name
 
     async def run(self) -> None:
         retry = RetryDelay(*RETRY_S)
         while True:
             try:
-                reader, writer = await connect_when_listening(self.address, "gateway", "gateway", self.secret)
-            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError) as err:
+                if self.resolve is not None:
+                    self.address = await self.resolve()
+                reader, writer = await connect_when_listening(self.address, "gateway", "gateway", self.secret,
+                                                              self.connect_timeout_s)
+            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError, LookupError) as err:
                 self._refused(err)
                 await retry.wait(failed=True)
                 continue
@@ -61,6 +77,12 @@ class EngineClient:
     def _refused(self, err: Exception) -> None:
         self.state, self.last_error = ("refused" if isinstance(err, PeerRefusedError) else "down"), str(err)
         log.error("cannot connect to the decode engine at %s: %s", self.address, err)
+
+    def drop(self, reason: str) -> None:
+        """The engine is known to be gone (its Ray actor died): end its requests now, not when TCP notices."""
+        self.last_error = reason
+        if self.writer is not None:
+            self.writer.close()  # the read loop ends, _lost ends the requests, run() reconnects
 
     async def abort(self, request_id: str) -> None:
         await self._send(Abort(request_id))
@@ -92,7 +114,7 @@ class EngineClient:
             log.error("lost the decode engine connection")
         self.state, self.writer, self.stats = "down", None, None
         for request in list(self.registry.requests.values()):
-            if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING):
+            if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING) and self.owns(request):
                 self.registry.deliver_ending(request.request_id, FinishReason.ERROR,
                                              "the decode engine went away (it is restarting); retry shortly",
                                              "engine_unavailable")

@@ -282,6 +282,9 @@ class Gateway:
         m.label(m.e2e).observe(time.perf_counter() - inflight.created)
         if status is RequestStatus.FAILED:
             m.label(m.failed).inc()
+        engine_of = getattr(self.engine, "engine_of", None)
+        if inflight.worker and engine_of is not None:  # it reached a worker, which hands off to one engine
+            m.label(m.engine_requests, engine=engine_of(inflight.worker)).inc()
         m.label(m.finished, finished_reason=reason).inc()
         log.info("request %s (priority %d) %s (%s) after %.2f s; %s", inflight.request_id, inflight.priority,
                  status.name.lower(), reason, time.perf_counter() - inflight.created,
@@ -334,6 +337,13 @@ class Gateway:
         m.label(m.decode_tps).set(stats.tokens_per_s)
         m.label(m.decode_yielded).set(stats.decode_yielded_s)
         m.label(m.tier).set(self.enforcer.evaluator.state.index + 1)
+        for name, client in getattr(self.engine, "clients", {}).items():
+            own = client.stats or EMPTY_STATS
+            m.label(m.engine_up, engine=name).set(1 if client.state == "ready" else 0)
+            m.label(m.engine_running, engine=name).set(own.num_running)
+            m.label(m.engine_waiting, engine=name).set(own.num_waiting)
+            m.label(m.engine_kv_usage, engine=name).set(own.kv_blocks_used / own.kv_blocks_total
+                                                        if own.kv_blocks_total else 0.0)
 
 
 EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)

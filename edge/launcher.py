@@ -33,6 +33,29 @@ def child_environment() -> dict[str, str]:
     return env
 
 
+def engine_args(config, model_path: str) -> list[str]:
+    """The decode engine's flags from the serve config, less where it listens (the caller's to say)."""
+    args = ["--model", model_path, "--device", config.device, "--dtype", config.dtype,
+            "--weight-dtype", config.weight_dtype,
+            "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
+            "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
+            "--yield-to-prefill", config.decode_yields_to_prefill,
+            "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes)]
+    if config.kv_cache_tokens:
+        args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
+    args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.enforce_eager:
+        args.append("--enforce-eager")
+    return args
+
+
+def worker_args(config, model_path: str, name: str, kv_type: str, threads: int) -> list[str]:
+    """A prefill worker's flags from the serve config, less where it listens and its engine."""
+    return ["--model", model_path, "--name", name, "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch),
+            "--threads", str(threads), "--kv-type", kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
+            "--log-level", config.log_level]
+
+
 @dataclass(frozen=True)
 class Backoff:
     """When to restart a child that exited: quick failures in a row double the wait, a stable run resets it."""

@@ -62,6 +62,18 @@ class Metrics:
                                     "Time decode paused for more important prompts in prefill (CPU boxes)",
                                     labels, registry=r)
         self.decode_tps = Gauge("edge:decode_tokens_per_second", "Recent decode throughput", labels, registry=r)
+        # per decode engine (several with edge serve --ray; "decode_engine" on one box)
+        engine = labels + ["engine"]
+        self.engine_up = Gauge("edge:engine_up", "1 while the gateway is connected to this decode engine", engine,
+                               registry=r)
+        self.engine_running = Gauge("edge:engine_requests_running", "Requests decoding in this engine", engine,
+                                    registry=r)
+        self.engine_waiting = Gauge("edge:engine_requests_waiting", "Requests waiting for admission in this engine",
+                                    engine, registry=r)
+        self.engine_kv_usage = Gauge("edge:engine_kv_cache_usage_perc", "Fraction of this engine's KV blocks in use",
+                                     engine, registry=r)
+        self.engine_requests = Counter("edge:engine_requests", "Requests ended that were routed to this engine (through the prefill worker that hands off to it)", engine,
+                                       registry=r)
 
     def label(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)

@@ -84,6 +84,11 @@ class PrefillPool:
         self.on_best_priority = lambda priority: None  # called with int | None on every change
         self.on_stuck = lambda name: False  # kill a stuck worker (the supervisor); True if it will be restarted
         self.best_priority: int | None = None
+        # Ray mode (edge.cluster): where a worker listens now, asked before each connection, since a restarted actor
+        # may be on another node; an address that does not answer within connect_timeout_s is asked for again
+        self.resolve = None  # async (name) -> address
+        self.connect_timeout_s: float | None = None
+        self.rank = lambda name: 0.0  # idle workers get jobs lowest rank first (their decode engine's load)
 
     @property
     def queue_length(self) -> int:
@@ -143,8 +148,11 @@ class PrefillPool:
         retry = RetryDelay(*RETRY_S)
         while True:
             try:
-                reader, writer = await connect_when_listening(worker.address, "gateway", "gateway", self.secret)
-            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError) as err:
+                if self.resolve is not None:
+                    worker.address = await self.resolve(worker.name)
+                reader, writer = await connect_when_listening(worker.address, "gateway", "gateway", self.secret,
+                                                              self.connect_timeout_s)
+            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError, LookupError) as err:
                 worker.state = "refused" if isinstance(err, PeerRefusedError) else "down"
                 worker.last_error = str(err)
                 log.error("cannot connect to prefill worker %s at %s: %s", worker.name, worker.address, err)
@@ -213,6 +221,13 @@ class PrefillPool:
             self._record(message)
         self.registry.deliver(message.request_id, message)
 
+    def drop(self, name: str, reason: str) -> None:
+        """The worker is known to be gone (its Ray actor died): fail its job now, not when TCP notices."""
+        worker = self.workers[name]
+        worker.last_error = reason
+        if worker.writer is not None:
+            worker.writer.close()  # the read loop ends, _lost fails the job, _maintain reconnects
+
     def _lost(self, worker: WorkerClient) -> None:
         if worker.state not in ("down", "stuck") and not self.closing:
             log.error("lost prefill worker %s", worker.name)
@@ -241,7 +256,7 @@ class PrefillPool:
             self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.7 * self.tokens_per_s + 0.3 * rate
 
     def _dispatch(self) -> None:
-        for worker in self.workers.values():
+        for worker in sorted(self.workers.values(), key=lambda w: self.rank(w.name)):
             if worker.state != "ready" or worker.current is not None or not worker.engine_connected:
                 continue
             entry = self._next_live_entry()

@@ -1,0 +1,127 @@
+"""The Ray actor that runs one edge process on its node: a prefill worker or a decode engine.
+
+The process is the same `python -m prefill_cpu.worker` / `decode_gpu.server` that single-box mode starts, on a TCP
+port of this node, and it speaks the same authenticated protocol (contracts.framing): the secret arrives in the
+actor's arguments, so it travels through Ray, never through a port. The actor only hosts it:
+- `address()` says where it listens (at once), `ready()` the same once it accepts connections;
+- the process dies with the actor (edge.child_main's parent-death signal), and the actor dies with the process
+  (os._exit), so Ray's max_restarts restarts the pair, wherever resources allow;
+- a prefill worker follows its engine: when the engine's actor dies, this one exits too, and its restart hands
+  off to wherever the engine came back.
+Imported only on the Ray path; the class is made an actor by edge.cluster.placement with its resource requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+from contracts.framing import SECRET_ENV
+from edge.launcher import child_environment
+
+log = logging.getLogger("edge.cluster.host")
+EMBEDDED_MODEL = "embedded"  # a --model value each node resolves to its own copy of the embedded model
+STOP_TIMEOUT_S = 10.0
+
+
+class ProcessHost:
+    def __init__(self, name: str, module: str, args: list[str], secret: str, engine: str = "") -> None:
+        import ray
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+        self.name = name
+        self.port = _free_port()
+        self.tcp_address = f"tcp://{ray.util.get_node_ip_address()}:{self.port}"
+        self.stopping = False
+        self.exited = threading.Event()
+        self.returncode: int | None = None
+        args = [_model_here(a) for a in args] + ["--listen", f"tcp://0.0.0.0:{self.port}"]
+        if engine:  # a prefill worker: it hands off to this engine actor, wherever that runs now
+            engine_actor = ray.get_actor(engine)
+            args += ["--engine", ray.get(engine_actor.address.remote())]
+            threading.Thread(target=self._follow, args=(engine_actor,), name="engine watch", daemon=True).start()
+        env = child_environment()
+        env[SECRET_ENV] = secret
+        started = threading.Event()
+        self.process: subprocess.Popen | None = None
+        argv = [sys.executable, "-m", "edge.child_main", module, *args]
+        threading.Thread(target=self._run, args=(argv, env, started), name="child", daemon=True).start()
+        started.wait()
+
+    def _run(self, argv: list[str], env: dict, started: threading.Event) -> None:
+        """Starts the child and lives as long as it does: the parent-death signal follows this thread."""
+        self.process = subprocess.Popen(argv, env=env, process_group=0)
+        log.info("%s started (pid %d) on %s", self.name, self.process.pid, self.tcp_address)
+        started.set()
+        self.returncode = self.process.wait()
+        self.exited.set()
+        if not self.stopping:
+            log.error("%s exited with code %s; ending its actor so that Ray restarts both", self.name, self.returncode)
+            os._exit(1)
+
+    def _follow(self, engine_actor) -> None:
+        import ray
+        try:
+            ray.get(engine_actor.wait_stopped.remote())
+        except ray.exceptions.RayError:
+            pass
+        if not self.stopping:
+            log.error("%s: its decode engine went away; restarting to hand off to its successor", self.name)
+            self._terminate()
+            os._exit(1)
+
+    def address(self) -> str:
+        return self.tcp_address
+
+    def ready(self, timeout_s: float = 600.0) -> str:
+        """The address, once the process listens there (a prefill worker listens once its engine is connected)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._listening() and not self.exited.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.tcp_address
+
+    def _listening(self) -> bool:
+        try:
+            connections = psutil.Process(self.process.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in connections)
+
+    def wait_stopped(self) -> int | None:
+        """Returns when the process exits; a caller sees RayActorError if the actor dies first (node lost)."""
+        self.exited.wait()
+        return self.returncode
+
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        self.stopping = True
+        self._terminate()
+
+    def _terminate(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        if not self.exited.wait(STOP_TIMEOUT_S):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def _model_here(arg: str) -> str:
+    if arg != EMBEDDED_MODEL:
+        return arg
+    from prefill_cpu.embedded_model import embedded_model_path
+    return embedded_model_path()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]

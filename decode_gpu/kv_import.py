@@ -15,6 +15,7 @@ from decode_gpu.kv_cache import KVWriter
 from decode_gpu.kv_dequant import dequantize
 from contracts.identity import GGUFIdentity
 from contracts.handoff import KVHandoff
+from contracts.kv_dtypes import kv_dtype
 
 
 class HandoffMismatchError(ValueError):
@@ -60,17 +61,24 @@ def unpermute_interleaved(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1)
 
 
-def import_handoff(handoff: KVHandoff, model: GGUFIdentity, writer: KVWriter, device: torch.device) -> None:
+def import_handoff(handoff: KVHandoff, model: GGUFIdentity, writer: KVWriter, device: torch.device,
+                   start: int = 0) -> None:
+    """Write the handoff's K/V of positions start..n-1 (the earlier ones are in the pool already: prefix caching,
+    which is off for sliding-window models) through the writer, which places row 0 at position `start`."""
     check_handoff_matches(handoff, model)
     lay = handoff.layout
+    if start and lay.swa_layers:
+        raise ValueError("a handoff with sliding-window layers is imported whole")
+    n_embd_k = lay.num_kv_heads * lay.head_dim_k
+    k_row = kv_dtype(lay.k_dtype).row_bytes(n_embd_k)
     for layer in range(lay.n_layer):
-        n_rows = lay.rows(layer, handoff.n_tokens)
-        keys = dequantize(handoff.k_layers[layer], lay.k_dtype, lay.num_kv_heads * lay.head_dim_k, device)
+        n_rows = lay.rows(layer, handoff.n_tokens) - start
+        keys = dequantize(handoff.k_layers[layer][start * k_row:], lay.k_dtype, n_embd_k, device)
         keys = unrotate(keys.view(n_rows, lay.num_kv_heads, lay.head_dim_k), lay.k_rotation)
         if lay.rope_layout == "interleaved":
             keys = unpermute_interleaved(keys)
-        values = unrotate(_values(handoff.v_layers[layer], lay, n_rows, device), lay.v_rotation)
-        skipped = handoff.n_tokens - n_rows  # before a sliding window: never attended, written as zeros
+        values = unrotate(_values(handoff.v_layers[layer], lay, n_rows, start, device), lay.v_rotation)
+        skipped = handoff.n_tokens - start - n_rows  # before a sliding window: never attended, written as zeros
         writer.write_layer(layer, _pad_front(keys, skipped), _pad_front(values, skipped))
 
 
@@ -79,11 +87,12 @@ def _pad_front(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if n == 0 else torch.cat([x.new_zeros(n, *x.shape[1:]), x])
 
 
-def _values(raw: bytes, lay, n_tokens: int, device: torch.device) -> torch.Tensor:
-    """V as [n_tokens, num_kv_heads, head_dim_v]; llama.cpp without flash attention stores it transposed."""
+def _values(raw: bytes, lay, n_rows: int, start: int, device: torch.device) -> torch.Tensor:
+    """V of the last n_rows tokens (from `start`) as [n_rows, num_kv_heads, head_dim_v]; llama.cpp without flash
+    attention stores V transposed, which is unquantized, so its rows are cut after the cast."""
     n_embd_v = lay.num_kv_heads * lay.head_dim_v
     if lay.v_transposed:
-        values = dequantize(raw, lay.v_dtype, n_tokens, device).t()  # [n_embd_v, n_tokens] -> [n_tokens, n_embd_v]
+        values = dequantize(raw, lay.v_dtype, start + n_rows, device).t()[start:]  # [n_embd_v, n] -> [n_rows, n_embd_v]
     else:
-        values = dequantize(raw, lay.v_dtype, n_embd_v, device)  # [n_tokens, n_embd_v]
-    return values.reshape(n_tokens, lay.num_kv_heads, lay.head_dim_v)
+        values = dequantize(raw[start * kv_dtype(lay.v_dtype).row_bytes(n_embd_v):], lay.v_dtype, n_embd_v, device)
+    return values.reshape(n_rows, lay.num_kv_heads, lay.head_dim_v)

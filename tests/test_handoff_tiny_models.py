@@ -189,3 +189,31 @@ def test_threads_follow_the_cpu_share_file_between_chunks(tiny_model, tmp_path):
         prefiller.close()
         engine.close()
         worker.close()
+
+
+class _Rows:
+    """KVWriter that keeps what it is given."""
+
+    def __init__(self):
+        self.layers = {}
+
+    def write_layer(self, layer, keys, values):
+        self.layers[layer] = (keys, values)
+
+
+@pytest.mark.parametrize("kv_type,flash_attn", [("f16", False), ("q8_0", True)], ids=["f16-transposed-v", "q8_0"])
+def test_an_import_from_a_cached_prefix_writes_exactly_the_remaining_rows(tiny_model, kv_type, flash_attn):
+    """Prefix caching imports positions start..n-1 only: the same rows a whole import gives for them."""
+    path, identity, _ = tiny_model
+    prefiller = Prefiller(PrefillConfig(str(path), n_ctx=256, n_threads=2, kv_type=kv_type, flash_attn=flash_attn))
+    try:
+        handoff = prefiller.prefill(PrefillRequest("r", prompts()[1], GREEDY)).handoff  # 40 tokens
+    finally:
+        prefiller.close()
+    whole, tail = _Rows(), _Rows()
+    import_handoff(handoff, identity, whole, CPU)
+    import_handoff(handoff, identity, tail, CPU, start=32)
+    for layer in range(identity.n_layer):
+        assert tail.layers[layer][0].shape[0] == 8
+        assert torch.equal(tail.layers[layer][0], whole.layers[layer][0][32:])
+        assert torch.equal(tail.layers[layer][1], whole.layers[layer][1][32:])

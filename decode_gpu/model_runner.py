@@ -54,9 +54,10 @@ class RunnerConfig:
 class PagedKVWriter:
     """KVWriter that lands an imported handoff directly in the sequence's pool blocks."""
 
-    def __init__(self, pool: KVPool, blocks: list[int], n_tokens: int, device: torch.device) -> None:
+    def __init__(self, pool: KVPool, blocks: list[int], n_tokens: int, device: torch.device, start: int = 0) -> None:
+        """Rows written land at positions start..n_tokens-1 (the earlier ones are a cached prefix)."""
         bs = pool.shape.block_size
-        positions = torch.arange(n_tokens)
+        positions = torch.arange(start, n_tokens)
         self.slots = device_index((torch.tensor(blocks)[positions // bs] * bs + positions % bs), device)  # [n_tokens]
         self.pool = pool
 
@@ -115,7 +116,8 @@ class ModelRunner:
         for seq_id, blocks in step.swap_out:
             _attempt(failed, seq_id, "swapping out its KV", self._swap_out, seq_id, blocks)
         for seq, blocks in step.imports:
-            _attempt(failed, seq.seq_id, "importing its KV handoff", self._import, seq, blocks)
+            _attempt(failed, seq.seq_id, "importing its KV handoff", self._import, seq, blocks,
+                     step.cached_tokens.get(seq.seq_id, 0))
         for seq_id, blocks in step.swap_in:
             _attempt(failed, seq_id, "swapping in its KV", self._swap_in, seq_id, blocks)
         for copy in step.copies:
@@ -129,9 +131,10 @@ class ModelRunner:
     def _swap_out(self, seq_id: str, blocks: list[int]) -> None:
         self.swap_space[seq_id] = self.pool.read_blocks(blocks)
 
-    def _import(self, seq: Sequence, blocks: list[int]) -> None:
-        writer = PagedKVWriter(self.pool, blocks, seq.prompt_len, self.device)
-        import_handoff(seq.handoff, self.identity, writer, self.device)
+    def _import(self, seq: Sequence, blocks: list[int], cached: int) -> None:
+        """Write the handoff's KV after its first `cached` positions, which the pool holds already."""
+        writer = PagedKVWriter(self.pool, blocks, seq.prompt_len, self.device, start=cached)
+        import_handoff(seq.handoff, self.identity, writer, self.device, start=cached)
 
     def _swap_in(self, seq_id: str, blocks: list[int]) -> None:
         saved = self.swap_space.pop(seq_id)

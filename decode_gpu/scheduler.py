@@ -23,7 +23,7 @@ OUT_OF_KV = "out of KV memory"  # how a sequence failed for want of blocks begin
 class SchedulerConfig:
     max_num_seqs: int = 32  # running sequences decoded together each step
     max_import_tokens: int = 8192  # prompt tokens imported from handoffs per step (bounds a step's latency)
-    prefix_caching: bool = False  # share full prompt blocks between requests with the same prefix (the runner must skip cached_tokens)
+    prefix_caching: bool = True  # share full prompt blocks between requests with the same prefix
 
 
 @dataclass

@@ -57,6 +57,7 @@ class PrefillJob:  # gateway -> prefill worker
     max_prompt_tokens: int = 2048
     kv_type: str = ""  # "" -> the worker's configured KV type; a degradation tier may ask for "q4_0"
     max_total_tokens: int = 0  # prompt + max_tokens must fit this (the decode side's context); 0: unchecked
+    engine: str = ""  # the decode engine's address to hand off to, chosen per request; "": the worker's own (--engine)
 
 
 @dataclass(frozen=True)

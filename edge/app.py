@@ -144,6 +144,7 @@ def make_app(config: ServeConfig) -> web.Application:
                            config.worker_heartbeat_timeout_s)
         engine = EngineClient(engine_address, registry, secret)
     pool.on_best_priority = engine.prefill_priority_changed
+    pool.choose_engine = engine.choose
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     _observe(gateway, app, audit, tracer)

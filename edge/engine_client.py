@@ -42,8 +42,12 @@ class EngineClient:
         """The engines behind this client, by name (edge.engine_group has several)."""
         return {self.name: self}
 
-    def engine_of(self, worker: str) -> str:
-        return self.name
+    def choose(self, request_id: str) -> str | None:
+        """As a worker takes the request: the one engine is the workers' own (their --engine), so the job names none."""
+        request = self.registry.get(request_id)
+        if request is not None:
+            request.engine = self.name
+        return ""
 
     async def run(self) -> None:
         retry = RetryDelay(*RETRY_S)

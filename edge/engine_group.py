@@ -1,9 +1,14 @@
 """Several decode engines behind the one interface the gateway knows (EngineClient's): one per GPU, across nodes.
 
-Each prefill worker hands its KV to one engine (its `--engine`), so the gateway's choice of engine for a request
-is its choice of worker: when a job is dispatched, idle workers are ranked by the load of their engine (`load`:
-requests waiting or running there, then KV use), and the least loaded one takes it. The rest fans out: the best priority in prefill goes to
-every engine, an abort to the engine of the request's worker, and the gateway sees the sum of their stats.
+The engine is chosen per request, as a prefill worker takes its job (`choose`), and travels in the job
+(PrefillJob.engine): any worker hands off to any engine. The choice, in order:
+- an engine that is not ready is never chosen (while none is, jobs wait in the queue);
+- prefix affinity: the engine that last took a prompt with the same leading text (edge.affinity), unless its load
+  exceeds the least loaded engine's by more than the larger of AFFINITY_MARGIN requests and AFFINITY_SHARE of the
+  least loaded engine's load (docs/cluster.md: how the rule behaves);
+- otherwise the least loaded (`load`: requests the gateway has sent there and not seen end, then KV use).
+The rest fans out: the best priority in prefill goes to every engine, an abort to the request's engine, and the
+gateway sees the sum of their stats.
 """
 
 from __future__ import annotations
@@ -12,41 +17,67 @@ import asyncio
 import dataclasses
 
 from contracts.events import EngineStats
+from edge.affinity import PrefixAffinity
 from edge.engine_client import EngineClient
 from edge.lifecycle import InFlightRegistry, RequestStatus
 
 ACTIVE = (RequestStatus.PREFILLING, RequestStatus.HANDED_OFF, RequestStatus.DECODING)
+# How much busier than the least loaded engine the engine holding a prompt's prefix may be and still get it: a
+# prefix hit saves that engine the shared blocks' pool memory and their import, and one more sequence in a batched
+# decode step costs little (a step at batch 32 takes ~3x batch 1's time, not 32x); past the margin, balance wins.
+AFFINITY_MARGIN = 2.0
+AFFINITY_SHARE = 0.25
 
 
 class EngineGroup:
-    def __init__(self, clients: dict[str, EngineClient], worker_engine: dict[str, str],
-                 registry: InFlightRegistry) -> None:
+    def __init__(self, clients: dict[str, EngineClient], registry: InFlightRegistry,
+                 affinity: PrefixAffinity | None = None) -> None:
         self.clients = clients
-        self.worker_engine = worker_engine  # prefill worker name -> the engine it hands off to
         self.registry = registry
+        self.affinity = affinity or PrefixAffinity()
         self.yield_to: int | None = None
+        self.num_affinity_hits = 0  # choices that followed a remembered prefix
         for name, client in clients.items():
-            client.owns = lambda request, name=name: self.engine_of(request.worker) == name
+            client.owns = lambda request, name=name: request.engine == name
 
-    def engine_of(self, worker: str) -> str:
-        return self.worker_engine.get(worker, "")
+    def num_requests(self, engine: str) -> int:
+        """Requests sent to it (in prefill for it, handed off, decoding) that have not ended."""
+        return sum(1 for r in self.registry.requests.values() if r.status in ACTIVE and r.engine == engine)
 
     def load(self, engine: str) -> float:
-        """Requests in flight there (in prefill for it, waiting or running in it), plus the fraction of its KV blocks
-        in use; an engine that is down ranks last. The count is the gateway's own: it is the engines' only source of
-        requests, and the engines' reports lag by up to a stats interval (a request that has just finished would
-        still count, a burst just sent would not yet)."""
+        """Requests in flight there, plus the fraction of its KV blocks in use; an engine that is not ready ranks
+        last. The count is the gateway's own: it is the engines' only source of requests, and the engines' reports
+        lag by up to a stats interval (a request that has just finished would still count, a burst just sent would
+        not yet)."""
         client = self.clients[engine]
         if client.state != "ready":
             return float("inf")
-        sent = sum(1 for r in self.registry.requests.values() if r.status in ACTIVE and self.engine_of(r.worker) == engine)
         stats = client.stats
         kv = stats.kv_blocks_used / stats.kv_blocks_total if stats is not None and stats.kv_blocks_total else 0.0
-        return sent + kv
+        return self.num_requests(engine) + kv
 
-    def rank_worker(self, worker: str) -> float:
-        engine = self.engine_of(worker)
-        return self.load(engine) if engine in self.clients else float("inf")
+    def pick(self, key: bytes | None) -> str | None:
+        """The engine for a prompt with this prefix key (module docstring); None while no engine is ready."""
+        loads = {name: self.load(name) for name in self.clients}
+        least = min(loads, key=loads.__getitem__)
+        if loads[least] == float("inf"):
+            return None
+        affine = self.affinity.get(key)
+        if affine in loads and loads[affine] <= loads[least] + max(AFFINITY_MARGIN, AFFINITY_SHARE * loads[least]):
+            self.num_affinity_hits += affine != least
+            return affine
+        return least
+
+    def choose(self, request_id: str) -> str | None:
+        """As a worker takes the request: its engine's address for the job, or None to keep it queued."""
+        request = self.registry.get(request_id)
+        name = self.pick(request.prefix_key if request is not None else None)
+        if name is None:
+            return None
+        if request is not None:
+            request.engine = name
+            self.affinity.remember(request.prefix_key, name)
+        return self.clients[name].address
 
     # --- EngineClient's interface, for the gateway ----------------------------------------------------------
     @property
@@ -85,7 +116,7 @@ class EngineGroup:
 
     async def abort(self, request_id: str) -> None:
         request = self.registry.get(request_id)
-        engine = self.engine_of(request.worker) if request is not None else ""
+        engine = request.engine if request is not None else ""
         targets = [self.clients[engine]] if engine in self.clients else list(self.clients.values())
         for client in targets:
             await client.abort(request_id)

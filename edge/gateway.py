@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from edge.affinity import prefix_key
 from edge.config import ServeConfig
 from edge.engine_client import EngineClient
 from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
@@ -154,6 +155,7 @@ class Gateway:
                          messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
                          max_total_tokens=self._context_tokens())
+        inflight.prefix_key = prefix_key(request.prompt, request.messages, request.prompt_tokens, decision.kv_type)
         self.registry.add(inflight)
         try:
             self.pool.submit(job)
@@ -282,9 +284,8 @@ class Gateway:
         m.label(m.e2e).observe(time.perf_counter() - inflight.created)
         if status is RequestStatus.FAILED:
             m.label(m.failed).inc()
-        engine_of = getattr(self.engine, "engine_of", None)
-        if inflight.worker and engine_of is not None:  # it reached a worker, which hands off to one engine
-            m.label(m.engine_requests, engine=engine_of(inflight.worker)).inc()
+        if inflight.engine:  # it reached a worker, which was told its engine
+            m.label(m.engine_requests, engine=inflight.engine).inc()
         m.label(m.finished, finished_reason=reason).inc()
         log.info("request %s (priority %d) %s (%s) after %.2f s; %s", inflight.request_id, inflight.priority,
                  status.name.lower(), reason, time.perf_counter() - inflight.created,

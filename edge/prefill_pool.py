@@ -21,7 +21,7 @@ import heapq
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -88,7 +88,9 @@ class PrefillPool:
         # may be on another node; an address that does not answer within connect_timeout_s is asked for again
         self.resolve = None  # async (name) -> address
         self.connect_timeout_s: float | None = None
-        self.rank = lambda name: 0.0  # idle workers get jobs lowest rank first (their decode engine's load)
+        # the decode engine a job hands off to, chosen as a worker takes it (the engines' load then is what counts):
+        # its address for the job ("": the worker's own), or None to keep the job queued (no engine can take it)
+        self.choose_engine = lambda request_id: ""
 
     @property
     def queue_length(self) -> int:
@@ -256,12 +258,19 @@ class PrefillPool:
             self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.7 * self.tokens_per_s + 0.3 * rate
 
     def _dispatch(self) -> None:
-        for worker in sorted(self.workers.values(), key=lambda w: self.rank(w.name)):
+        for worker in self.workers.values():
             if worker.state != "ready" or worker.current is not None or not worker.engine_connected:
                 continue
             entry = self._next_live_entry()
             if entry is None:
                 return
+            engine = self.choose_engine(entry.job.request_id)
+            if engine is None:  # no engine ready: a worker's next message (a heartbeat at the latest) tries again
+                heapq.heappush(self.queue, entry)
+                return
+            if engine != entry.job.engine:
+                job = replace(entry.job, engine=engine)
+                entry = Entry(entry.priority, entry.arrival, job, pack(job))
             worker.current = entry
             request = self.registry.get(entry.job.request_id)
             request.advance(RequestStatus.PREFILLING)

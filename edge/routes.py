@@ -10,6 +10,7 @@ import time
 
 from aiohttp import BasicAuth, web
 
+from edge.engine_group import EngineGroup
 from edge.gateway import Gateway, Run
 from edge.lifecycle import RequestStatus
 from edge.middleware import error_middleware
@@ -140,7 +141,10 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     gateway: Gateway = request.app[GATEWAY]
-    components = {"decode_engine": gateway.engine.state}
+    group = gateway.engine if isinstance(gateway.engine, EngineGroup) else None
+    # each engine of a group by name (a down one makes the service degraded), else the one engine
+    components = {name: c.state for name, c in group.clients.items()} if group else {}
+    components = components or {"decode_engine": gateway.engine.state}
     components.update({name: w.state for name, w in gateway.pool.workers.items()})
     supervisor = request.app.get(SUPERVISOR)
     processes = supervisor.snapshot() if supervisor else {}
@@ -152,12 +156,28 @@ async def health(request: web.Request) -> web.Response:
             "errors": _component_errors(gateway), "prefill": _prefill_state(gateway),
             "prefill_queue": gateway.pool.queue_length, "policy": _policy_state(request),
             "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None}
+    if group is not None:
+        body["engines"] = _engine_state(group)
     return web.json_response(body, status=200 if ready else 503)
+
+
+def _engine_state(group: EngineGroup) -> dict:
+    """Each decode engine of a group: where it is, its state, what the gateway sent it, what it last reported."""
+    engines = {}
+    for name, client in group.clients.items():
+        stats = client.stats
+        engines[name] = {"state": client.state, "address": client.address, "requests": group.num_requests(name),
+                         "running": stats.num_running if stats else None,
+                         "waiting": stats.num_waiting if stats else None,
+                         "kv_usage": round(stats.kv_blocks_used / stats.kv_blocks_total, 4)
+                         if stats and stats.kv_blocks_total else None}
+    return engines
 
 
 def _component_errors(gateway: Gateway) -> dict:
     """Why a component is not ready (a refused handshake, a bad frame, a missed heartbeat), if known."""
-    errors = {"decode_engine": gateway.engine.last_error}
+    clients = gateway.engine.clients if isinstance(gateway.engine, EngineGroup) else {}
+    errors = {name: c.last_error for name, c in clients.items()} or {"decode_engine": gateway.engine.last_error}
     errors.update({name: w.last_error for name, w in gateway.pool.workers.items()})
     return {name: error for name, error in errors.items() if error}
 

@@ -1,21 +1,31 @@
-"""The prefill worker's connection to the decode engine, kept up in the background.
+"""The prefill worker's connections to the decode engines, kept up in the background.
 
 A worker outlives its engine: when the connection drops, the prompt in prefill is aborted at once (its
 KV would have nowhere to go), jobs fail with engine_unavailable while the engine is away, and the link
 reconnects with backoff (a restarted engine listens again once its model is loaded). The engine sends
 nothing on this connection; end of stream is how its death shows.
+
+A worker may hand off to several engines (a Ray cluster: the gateway names the engine in each job). `EngineLinks`
+keeps one link per engine address: the worker's own (`--engine`, up from startup, as on one box) and the others made
+on a job's first use and reused after; a bounded number, the least recently used closed first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 
 from contracts.framing import PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, send_message
+from contracts.tasks import spawn
 
 log = logging.getLogger("prefill_cpu.engine_link")
 RETRY_S = (0.2, 2.0)  # reconnect backoff: first and longest wait (an engine restart takes seconds)
 CONNECT_TIMEOUT_S = 15.0  # a TCP peer that drops SYNs would otherwise hold one try for minutes
+MAX_LINKS = 16  # links to engines named by jobs; an engine restarted elsewhere leaves a stale address behind
+LINK_WAIT_S = 5.0  # a job's engine that the gateway sees up but this worker does not (yet): wait this long for it
+STALE_LINK_S = 60.0  # a named link that is down and unused this long is closed (its engine moved or is gone)
 
 
 class EngineUnavailableError(ConnectionError):
@@ -96,3 +106,59 @@ class EngineLink:
             self.num_losses += 1
             writer.close()
         log.error("lost the decode engine at %s; jobs fail with engine_unavailable until it is back", self.address)
+
+
+class EngineLinks:
+    """The worker's links by engine address: its own (`default`, None for a worker without --engine) and the ones
+    jobs name. One job at a time uses them (the worker's lock), so a link other than the one asked for is idle."""
+
+    def __init__(self, default, name: str, secret: bytes, max_links: int = MAX_LINKS) -> None:
+        self.default = default  # an EngineLink (or a stand-in in tests) that the worker's startup holds up
+        self.name = name
+        self.secret = secret
+        self.max_links = max_links
+        self.named: OrderedDict[str, tuple[EngineLink, asyncio.Task]] = OrderedDict()  # least recently used first
+        self.last_used: dict[str, float] = {}
+
+    @property
+    def default_connected(self) -> bool:
+        """What the worker tells the gateway: without an engine of its own, it can take any job."""
+        return self.default is None or self.default.connected
+
+    async def link_for(self, address: str) -> EngineLink | None:
+        """The link to hand a job's KV to; connected unless the engine is away (None: no engine to use). The
+        worker's own link answers at once, as on one box; a named one is given LINK_WAIT_S to (re)connect, since
+        the gateway names only engines it is connected to."""
+        if not address or address == getattr(self.default, "address", None):
+            return self.default
+        self._close_stale(keep=address)
+        if address not in self.named:
+            self._evict()
+            link = EngineLink(address, self.name, self.secret)
+            self.named[address] = link, spawn(link.run(), f"the decode engine link to {address}", log)
+        self.named.move_to_end(address)
+        self.last_used[address] = time.monotonic()
+        link = self.named[address][0]
+        if not link.connected:
+            await link.wait_connected(LINK_WAIT_S)
+        return link
+
+    def _evict(self) -> None:
+        while len(self.named) >= self.max_links:
+            self._close(next(iter(self.named)), "least recently used")
+
+    def _close_stale(self, keep: str) -> None:
+        now = time.monotonic()
+        for address, (link, _) in list(self.named.items()):
+            if address != keep and not link.connected and now - self.last_used[address] > STALE_LINK_S:
+                self._close(address, "down and unused")
+
+    def _close(self, address: str, why: str) -> None:
+        _, task = self.named.pop(address)
+        self.last_used.pop(address, None)
+        task.cancel()  # _hold's finally closes the connection
+        log.info("closed the link to the decode engine at %s (%s)", address, why)
+
+    def close(self) -> None:
+        for address in list(self.named):
+            self._close(address, "the worker stops")

@@ -1,12 +1,14 @@
 """The prefill worker process: takes jobs from the gateway, prefills on llama.cpp, hands KV to the engine.
 
-    python -m prefill_cpu.worker --model PATH.gguf --listen ADDR --engine ADDR [--name w0]
+    python -m prefill_cpu.worker --model PATH.gguf --listen ADDR [--engine ADDR] [--name w0]
 
 It serves one prompt at a time; the gateway owns the priority queue and sends a worker its next job when it
 is idle. A cancel reaches llama.cpp's abort callback, which stops the prompt within a graph node; a job whose
 gateway went away waits for its thread to leave llama.cpp before the next job may use the context.
 The decode engine link (prefill_cpu.engine_link) reconnects on its own: while the engine is away, jobs fail
-at once with engine_unavailable, and the prompt in prefill when it dropped is aborted.
+at once with engine_unavailable, and the prompt in prefill when it dropped is aborted. A job may name another
+engine (PrefillJob.engine: the gateway chooses per request among several); the worker links to it on first use
+and keeps the link. Without --engine (a Ray cluster) every job names its engine.
 Contexts for the KV types a degradation tier may ask for (--extra-kv-types) are built at startup on the same
 weights; a job asking for a type not prepared is prefilled with the worker's own type, with a warning.
 """
@@ -28,7 +30,7 @@ from contracts.handoff import encode_handoff
 from contracts.messages import (HEARTBEAT_INTERVAL_S, CancelPrefill, Handoff, Heartbeat, PrefillDone, PrefillFailed,
                                 PrefillJob, WorkerStatus)
 from contracts.tasks import spawn
-from prefill_cpu.engine_link import EngineLink, EngineUnavailableError
+from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
 from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
                                    PromptTooLongError)
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
@@ -39,15 +41,15 @@ ENGINE_STARTUP_WAIT_S = 600.0  # an engine loads its model before it listens
 
 
 class PrefillWorker:
-    def __init__(self, prefiller: Prefiller, name: str, engine: EngineLink, secret: bytes = b"",
+    def __init__(self, prefiller: Prefiller, name: str, engine: EngineLink | None, secret: bytes = b"",
                  extra_prefillers: tuple[Prefiller, ...] = ()) -> None:
         self.prefiller = prefiller
         # contexts for the other KV types a degradation tier may ask for, built at startup (prepare_extra_contexts)
         self.prefillers = {p.config.kv_type: p for p in (prefiller, *extra_prefillers)}
         self.renderer = PromptRenderer(prefiller)
         self.name = name
-        self.engine = engine
         self.secret = secret
+        self.links = EngineLinks(engine, name, secret)  # engine: this worker's own (--engine), or None
         self.cancelled: set[str] = set()  # read by the prefill thread: llama.cpp's abort callback asks it
         self.lock = asyncio.Lock()  # one prompt at a time, and a context's thread finishes before the next starts
         self._warned_kv_types: set[str] = set()
@@ -59,7 +61,7 @@ class PrefillWorker:
         cfg = self.prefiller.config
         vocab_size = self.prefiller.vocab_size
         await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
-                                                vocab_size, self.engine.connected))
+                                                vocab_size, self.links.default_connected))
         jobs: dict[str, asyncio.Task] = {}  # request id -> its job, until it has answered
         heartbeat = spawn(self._heartbeat(writer, jobs), "heartbeat to the gateway", log)
         try:
@@ -83,7 +85,7 @@ class PrefillWorker:
         """The gateway declares a worker stuck when these stop (a frozen process, a wedged event loop)."""
         try:
             while not writer.is_closing():
-                await send_message(writer, Heartbeat(next(iter(jobs), None), self.engine.connected))
+                await send_message(writer, Heartbeat(next(iter(jobs), None), self.links.default_connected))
                 await asyncio.sleep(HEARTBEAT_INTERVAL_S)
         except ConnectionError:
             pass  # the gateway went away; handle_gateway cleans up
@@ -108,16 +110,18 @@ class PrefillWorker:
         rid = job.request_id
         if rid in self.cancelled:
             return PrefillFailed(rid, "cancelled", "cancelled before prefill started")
-        if not self.engine.connected:  # prefilling would be for nothing: the KV has nowhere to go
+        link = await self.links.link_for(job.engine)
+        if link is None or not link.connected:  # prefilling would be for nothing: the KV has nowhere to go
+            where = f" at {job.engine}" if job.engine else ""
             return PrefillFailed(rid, "engine_unavailable", f"prefill worker {self.name} is not connected to the "
-                                 f"decode engine (restarting or down); retry shortly")
-        losses = self.engine.num_losses  # a change means the engine dropped: abort, the KV has nowhere to go
+                                 f"decode engine{where} (restarting or down); retry shortly")
+        losses = link.num_losses  # a change means the engine dropped: abort, the KV has nowhere to go
         result = await self._in_thread(job, self._prefiller_for(job.kv_type),
-                                       lambda: rid in self.cancelled or self.engine.num_losses != losses)
-        if self.engine.num_losses != losses and (isinstance(result, tuple) or result.kind == "cancelled"):
+                                       lambda: rid in self.cancelled or link.num_losses != losses)
+        if link.num_losses != losses and (isinstance(result, tuple) or result.kind == "cancelled"):
             return PrefillFailed(rid, "engine_unavailable", "the decode engine went away while this prompt was "
                                  "prefilled; retry shortly")
-        return result if isinstance(result, PrefillFailed) else await self._hand_off(rid, *result)
+        return result if isinstance(result, PrefillFailed) else await self._hand_off(link, rid, *result)
 
     async def _in_thread(self, job: PrefillJob, prefiller: Prefiller, should_cancel):
         """The prefill on a thread. If this task is cancelled (the gateway went away), llama.cpp is told to stop
@@ -136,10 +140,11 @@ class PrefillWorker:
             raise asyncio.CancelledError
         return future.result()
 
-    async def _hand_off(self, request_id: str, data: bytes, done: PrefillDone) -> PrefillDone | PrefillFailed:
+    async def _hand_off(self, link: EngineLink, request_id: str, data: bytes,
+                        done: PrefillDone) -> PrefillDone | PrefillFailed:
         started = time.perf_counter()
         try:
-            await self.engine.send(Handoff(request_id, data))
+            await link.send(Handoff(request_id, data))
         except EngineUnavailableError as err:
             return PrefillFailed(request_id, "engine_unavailable", f"{err}; retry shortly")
         return replace(done, handoff_ms=done.handoff_ms + (time.perf_counter() - started) * 1e3)
@@ -249,15 +254,9 @@ async def serve(args: argparse.Namespace) -> None:
                  "same cores", threads, split_threads(threads))
         for context in (prefiller, *extra):
             context.threads_now = lambda priority: share.threads_for(priority, threads)
-    secret = control_secret(args.engine)
+    secret = control_secret(args.engine or None)
     control_secret(args.listen)  # a TCP listener refuses to start without a secret
-    engine = EngineLink(args.engine, args.name, secret)
-    link = spawn(engine.run(), "the decode engine link", log)
-    # listen once the engine is there (it loads its model first), so a new gateway does not see an engine-less
-    # worker as ready; a worker whose engine does not come up serves anyway and reports it in its heartbeats
-    if not await engine.wait_connected(ENGINE_STARTUP_WAIT_S):
-        log.error("the decode engine at %s is not up after %.0f s; serving without it", args.engine,
-                  ENGINE_STARTUP_WAIT_S)
+    engine, link = await _own_engine(args, secret)
     worker = PrefillWorker(prefiller, args.name, engine, secret, extra)
     server = await start_server(worker.handle_gateway, args.listen)
     stop = asyncio.Event()
@@ -268,9 +267,25 @@ async def serve(args: argparse.Namespace) -> None:
     stopping = spawn(stop.wait(), "waiting for a stop signal", log)
     await asyncio.wait([stopping, link], return_when=asyncio.FIRST_COMPLETED)
     server.close()
+    worker.links.close()
     if not stop.is_set():  # the link never ends on its own; it failed (spawn logged why)
         sys.exit(1)
     link.cancel()
+
+
+async def _own_engine(args: argparse.Namespace, secret: bytes) -> tuple[EngineLink | None, asyncio.Future]:
+    """The link to --engine, up before the worker listens, and the task holding it (a never-ending stand-in
+    without --engine: then each job names its engine)."""
+    if not args.engine:
+        return None, asyncio.get_running_loop().create_future()
+    engine = EngineLink(args.engine, args.name, secret)
+    link = spawn(engine.run(), "the decode engine link", log)
+    # listen once the engine is there (it loads its model first), so a new gateway does not see an engine-less
+    # worker as ready; a worker whose engine does not come up serves anyway and reports it in its heartbeats
+    if not await engine.wait_connected(ENGINE_STARTUP_WAIT_S):
+        log.error("the decode engine at %s is not up after %.0f s; serving without it", args.engine,
+                  ENGINE_STARTUP_WAIT_S)
+    return engine, link
 
 
 def extra_kv_types(args: argparse.Namespace) -> list[str]:
@@ -283,7 +298,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="llama.cpp prefill worker process")
     parser.add_argument("--model", required=True)
     parser.add_argument("--listen", required=True)
-    parser.add_argument("--engine", required=True)
+    parser.add_argument("--engine", default="",
+                        help="the decode engine to hand off to unless a job names another; none: every job names it")
     parser.add_argument("--name", default="prefill-0")
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--n-batch", type=int, default=512)

@@ -263,6 +263,49 @@ def test_the_worker_outlives_its_engine_and_reconnects(config, sockets):
         prefiller.close()
 
 
+def test_a_job_naming_another_engine_hands_off_there_over_one_reused_link(config, sockets):
+    """Several engines (a Ray cluster): the gateway names the engine in each job; the worker links to it on first
+    use and keeps the link, and a job naming none still goes to the worker's own engine."""
+    prefiller = Prefiller(config)
+
+    async def scenario():
+        own, link_task, server, gateway = await serving(prefiller, sockets)
+        other = await FakeEngine(f"unix:{sockets}/other.sock").start()
+        for rid in ("there-1", "there-2"):
+            assert isinstance(await gateway.ask(replace(job(rid, tokens(40, 8)), engine=other.address)), PrefillDone)
+        assert isinstance(await gateway.ask(job("home", tokens(40, 9))), PrefillDone)
+        there = [(await asyncio.wait_for(other.handoffs.get(), 10)).request_id for _ in range(2)]
+        home = (await asyncio.wait_for(own.handoffs.get(), 10)).request_id
+        gone = await gateway.ask(replace(job("gone", tokens(40, 10)), engine=f"unix:{sockets}/none.sock"))
+        link_task.cancel()
+        server.close()
+        return there, home, other.peers.qsize(), gone
+
+    try:
+        there, home, hellos, gone = asyncio.run(scenario())
+    finally:
+        prefiller.close()
+    assert there == ["there-1", "there-2"] and home == "home" and hellos == 1  # one connection for both jobs
+    assert gone.kind == "engine_unavailable" and "none.sock" in gone.message
+
+
+def test_a_worker_without_an_engine_of_its_own_takes_jobs_that_name_one(config):
+    prefiller = Prefiller(config)
+
+    async def scenario():
+        inbox = Inbox()
+        worker = PrefillWorker(prefiller, "w0", None)
+        assert worker.links.default_connected  # it tells the gateway it can take jobs
+        await worker.run_job(job("unnamed", tokens(40, 11)), inbox)
+        return inbox.messages
+
+    try:
+        (reply,) = asyncio.run(scenario())
+    finally:
+        prefiller.close()
+    assert reply.kind == "engine_unavailable"
+
+
 def test_an_engine_that_dies_aborts_the_prompt_in_prefill_at_once(config, sockets):
     """Compared with the same worker's full prefill of a prompt as long, measured first."""
     prefiller = Prefiller(config)

@@ -28,8 +28,7 @@ def ray_components(config: ServeConfig, registry: InFlightRegistry, secret: str)
     for name, client in clients.items():
         client.resolve = lambda name=name: placement.resolve(name)
         client.connect_timeout_s = CONNECT_TIMEOUT_S
-    group = EngineGroup(clients, placement.workers, registry)
-    pool.rank = group.rank_worker
+    group = EngineGroup(clients, registry)
     pool.on_stuck = placement.restart
 
     def down(name: str, reason: str) -> None:

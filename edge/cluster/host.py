@@ -5,9 +5,8 @@ port of this node, and it speaks the same authenticated protocol (contracts.fram
 actor's arguments, so it travels through Ray, never through a port. The actor only hosts it:
 - `address()` says where it listens (at once), `ready()` the same once it accepts connections;
 - the process dies with the actor (edge.child_main's parent-death signal), and the actor dies with the process
-  (os._exit), so Ray's max_restarts restarts the pair, wherever resources allow;
-- a prefill worker follows its engine: when the engine's actor dies, this one exits too, and its restart hands
-  off to wherever the engine came back.
+  (os._exit), so Ray's max_restarts restarts the pair, wherever resources allow. A prefill worker has no engine of
+  its own: each job names its engine, so an engine's restart does not touch the workers.
 Imported only on the Ray path; the class is made an actor by edge.cluster.placement with its resource requests.
 """
 
@@ -33,7 +32,7 @@ STOP_TIMEOUT_S = 10.0
 
 
 class ProcessHost:
-    def __init__(self, name: str, module: str, args: list[str], secret: str, engine: str = "") -> None:
+    def __init__(self, name: str, module: str, args: list[str], secret: str) -> None:
         import ray
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
         self.name = name
@@ -43,10 +42,6 @@ class ProcessHost:
         self.exited = threading.Event()
         self.returncode: int | None = None
         args = [_model_here(a) for a in args] + ["--listen", f"tcp://0.0.0.0:{self.port}"]
-        if engine:  # a prefill worker: it hands off to this engine actor, wherever that runs now
-            engine_actor = ray.get_actor(engine)
-            args += ["--engine", ray.get(engine_actor.address.remote())]
-            threading.Thread(target=self._follow, args=(engine_actor,), name="engine watch", daemon=True).start()
         env = child_environment()
         env[SECRET_ENV] = secret
         started = threading.Event()
@@ -66,22 +61,11 @@ class ProcessHost:
             log.error("%s exited with code %s; ending its actor so that Ray restarts both", self.name, self.returncode)
             os._exit(1)
 
-    def _follow(self, engine_actor) -> None:
-        import ray
-        try:
-            ray.get(engine_actor.wait_stopped.remote())
-        except ray.exceptions.RayError:
-            pass
-        if not self.stopping:
-            log.error("%s: its decode engine went away; restarting to hand off to its successor", self.name)
-            self._terminate()
-            os._exit(1)
-
     def address(self) -> str:
         return self.tcp_address
 
     def ready(self, timeout_s: float = 600.0) -> str:
-        """The address, once the process listens there (a prefill worker listens once its engine is connected)."""
+        """The address, once the process listens there (once its model is loaded)."""
         deadline = time.monotonic() + timeout_s
         while not self._listening() and not self.exited.is_set() and time.monotonic() < deadline:
             time.sleep(0.1)

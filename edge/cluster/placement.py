@@ -3,7 +3,8 @@
 The gateway joins the Ray cluster, starts one actor per process (edge.cluster.host) in a namespace of its own, and
 finds each process through its actor: the prefill pool and the engine clients ask `ready()` for the address before
 every connection, so a process that Ray restarted on another node is found again. The KV handoff stays a direct
-TCP stream from worker to engine (docs/cluster.md says why). Prefill worker i hands off to engine i mod E.
+TCP stream from worker to engine (docs/cluster.md says why). A worker has no engine of its own: the gateway names
+the engine in each job (edge.engine_group chooses it), and the worker links to each engine it is told of.
 
 Failures: a watcher per actor waits on it through Ray; when the actor or its process dies, the gateway drops that
 connection at once, which fails the worker's prompt (worker_died) or ends the engine's streams
@@ -36,7 +37,7 @@ class RayPlacement:
         self.secret = secret
         self.namespace = f"edge-{uuid.uuid4().hex[:8]}"  # two gateways on one cluster do not share actors
         self.engines = [f"decode-{i}" for i in range(config.decode_engines)]
-        self.workers = {f"prefill-{i}": self.engines[i % len(self.engines)] for i in range(config.prefill_workers)}
+        self.workers = [f"prefill-{i}" for i in range(config.prefill_workers)]
         self.hosts: dict[str, ray.actor.ActorHandle] = {}
         self.on_down = lambda name, reason: None  # the gateway drops that connection
 
@@ -54,9 +55,9 @@ class RayPlacement:
         kv_type = self.config.kv_type if self.config.kv_type != "auto" else "q8_0"  # the handoff crosses hosts
         cpus = self.config.ray_prefill_cpus or self.config.threads_per_worker or 1
         threads = self.config.threads_per_worker or max(1, int(cpus))
-        for name, engine in self.workers.items():
+        for name in self.workers:
             self.hosts[name] = self._actor(name, {"num_cpus": cpus}).remote(
-                name, "prefill_cpu.worker", worker_args(self.config, model, name, kv_type, threads), self.secret, engine)
+                name, "prefill_cpu.worker", worker_args(self.config, model, name, kv_type, threads), self.secret)
         log.info("started %d decode engine and %d prefill worker actors (decode: %s each; prefill: %s CPUs, %d "
                  "threads, KV %s)", len(self.engines), len(self.workers), decode, cpus, threads, kv_type)
 
@@ -101,8 +102,8 @@ class RayPlacement:
         return True
 
     async def stop(self) -> None:
-        """Workers first: a worker whose engine stops before it would restart itself to follow it."""
-        for names in (list(self.workers), self.engines):
+        """Workers first: an engine stopping under a prefill would fail it for nothing."""
+        for names in (self.workers, self.engines):
             stops = [self.hosts[name].stop.remote() for name in names if name in self.hosts]
             try:
                 await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), STOP_TIMEOUT_S)

@@ -5,7 +5,8 @@ KV head's group for up to BLOCK_Q of the sequence's new tokens as one [BLOCK_M, 
 token * GROUP + head within the group), so every K/V element it reads from the pool serves
 GROUP * BLOCK_Q rows: decode is bound by those reads. It walks its split of the context BLOCK_N tokens
 at a time, looking each token's block up in the block table (so BLOCK_N need not equal the pool's
-block size), dequantizes int8 with its group scales in registers, masks causally (the new tokens are
+block size), dequantizes int8 with its group scales, or unpacks int4 and applies its group scales and
+minimums, in registers, masks causally (the new tokens are
 the last query_len of the context) and keeps an online softmax in base 2. Splits give a short batch
 enough programs to fill the GPU: with one split the kernel writes the output itself; with several it
 writes each split's normalized output and log-sum-exp, and a merge kernel combines them per
@@ -25,28 +26,56 @@ import torch
 import triton
 import triton.language as tl
 
-from decode_gpu.kv_pool import INT8_GROUP
-from decode_gpu.triton_store import cast_rne
+from decode_gpu.kv_pool import QUANT_GROUPS
+from decode_gpu.triton_store import cast_rne, quant_bits
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the cheap instruction
 MAX_TILE_ROWS = 64  # query rows (tokens x group heads) per program before the query tokens are tiled
 
 
 @triton.jit
-def _load_kv_tile(pool, scales, base, scale_base, offs_d, ok, HEAD_DIM: tl.constexpr, INT8: tl.constexpr,
+def _load_kv_tile(pool, scales, base, scale_base, offs_d, ok, HEAD_DIM: tl.constexpr, QUANT_BITS: tl.constexpr,
                   GROUP_SIZE: tl.constexpr):
-    """K or V rows of BLOCK_N tokens at pool + base, as float32 when int8. # [BLOCK_N, HEAD_DIM_P2]"""
-    mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_N, HEAD_DIM_P2]
-    x = tl.load(pool + base[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    if INT8:
-        # one scale per group, loaded once and broadcast over its elements in registers
-        n_groups: tl.constexpr = x.shape[1] // GROUP_SIZE
-        offs_g = tl.arange(0, n_groups)  # [n_groups]
-        s = tl.load(scales + scale_base[:, None] + offs_g[None, :], mask=ok[:, None] & (offs_g[None, :] < HEAD_DIM // GROUP_SIZE),
-                    other=0.0).to(tl.float32)  # [BLOCK_N, n_groups]
-        groups = tl.reshape(x.to(tl.float32), (x.shape[0], n_groups, GROUP_SIZE)) * s[:, :, None]  # [BLOCK_N, n_groups, GROUP_SIZE]
-        x = tl.reshape(groups, (x.shape[0], x.shape[1]))
+    """K or V rows of BLOCK_N tokens at pool + base, as float32 when quantized. # [BLOCK_N, HEAD_DIM_P2]"""
+    if QUANT_BITS == 4:
+        x = _load_int4_tile(pool, scales, base, scale_base, ok, HEAD_DIM, offs_d.shape[0], GROUP_SIZE)
+    else:
+        mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_N, HEAD_DIM_P2]
+        x = tl.load(pool + base[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        if QUANT_BITS == 8:
+            x = _scale_int8_tile(x, scales, scale_base, ok, HEAD_DIM, GROUP_SIZE)
     return x
+
+
+@triton.jit
+def _scale_int8_tile(x, scales, scale_base, ok, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """int8 codes x [BLOCK_N, HEAD_DIM_P2] times one scale per group, loaded once and broadcast over its
+    elements in registers. # [BLOCK_N, HEAD_DIM_P2] float32"""
+    n_groups: tl.constexpr = x.shape[1] // GROUP_SIZE
+    offs_g = tl.arange(0, n_groups)  # [n_groups]
+    s = tl.load(scales + scale_base[:, None] + offs_g[None, :], mask=ok[:, None] & (offs_g[None, :] < HEAD_DIM // GROUP_SIZE),
+                other=0.0).to(tl.float32)  # [BLOCK_N, n_groups]
+    groups = tl.reshape(x.to(tl.float32), (x.shape[0], n_groups, GROUP_SIZE)) * s[:, :, None]  # [BLOCK_N, n_groups, GROUP_SIZE]
+    return tl.reshape(groups, (x.shape[0], x.shape[1]))
+
+
+@triton.jit
+def _load_int4_tile(pool, scales, base, scale_base, ok, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+                    GROUP_SIZE: tl.constexpr):
+    """int4 rows: HEAD_DIM / 2 bytes per token, element 2i in the low nibble; each group's code * scale + minimum,
+    with the (scale, minimum) pairs read as one contiguous run per token. # [BLOCK_N, HEAD_DIM_P2] float32"""
+    offs_b = tl.arange(0, HEAD_DIM_P2 // 2)  # [HEAD_DIM_P2 / 2]
+    packed = tl.load(pool + base[:, None] + offs_b[None, :], mask=ok[:, None] & (offs_b[None, :] < HEAD_DIM // 2),
+                     other=0)  # [BLOCK_N, HEAD_DIM_P2 / 2] uint8
+    codes = tl.reshape(tl.join(packed & 0x0F, packed >> 4), (packed.shape[0], HEAD_DIM_P2))  # [BLOCK_N, HEAD_DIM_P2]
+    n_groups: tl.constexpr = HEAD_DIM_P2 // GROUP_SIZE
+    offs_m = tl.arange(0, 2 * n_groups)  # [2 * n_groups] (scale, minimum) of each group, in order
+    meta = tl.load(scales + scale_base[:, None] + offs_m[None, :],
+                   mask=ok[:, None] & (offs_m[None, :] < 2 * (HEAD_DIM // GROUP_SIZE)), other=0.0).to(tl.float32)
+    scale, low = tl.split(tl.reshape(meta, (packed.shape[0], n_groups, 2)))  # [BLOCK_N, n_groups] each
+    groups = tl.reshape(codes.to(tl.float32), (packed.shape[0], n_groups, GROUP_SIZE))  # [BLOCK_N, n_groups, GROUP]
+    groups = groups * scale[:, :, None] + low[:, :, None]
+    return tl.reshape(groups, (packed.shape[0], HEAD_DIM_P2))
 
 
 @triton.jit
@@ -75,7 +104,7 @@ def _paged_attention_kernel(
         o_s_tok, o_s_head, mo_s_tok, mo_s_head, mo_s_split, ml_s_tok, ml_s_head,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        Q_TILES: tl.constexpr, INT8: tl.constexpr, GROUP_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
+        Q_TILES: tl.constexpr, QUANT_BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
         DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,8 +146,8 @@ def _paged_attention_kernel(
         off = pos % BLOCK_SIZE
         base = blk * kv_s_block + off * kv_s_off + kv_head * kv_s_head  # [BLOCK_N]
         scale_base = blk * sc_s_block + off * sc_s_off + kv_head * sc_s_head  # [BLOCK_N]
-        k = _load_kv_tile(k_pool, k_scales, base, scale_base, offs_d, kv_ok, HEAD_DIM, INT8, GROUP_SIZE)
-        v = _load_kv_tile(v_pool, v_scales, base, scale_base, offs_d, kv_ok, HEAD_DIM, INT8, GROUP_SIZE)
+        k = _load_kv_tile(k_pool, k_scales, base, scale_base, offs_d, kv_ok, HEAD_DIM, QUANT_BITS, GROUP_SIZE)
+        v = _load_kv_tile(v_pool, v_scales, base, scale_base, offs_d, kv_ok, HEAD_DIM, QUANT_BITS, GROUP_SIZE)
         visible = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N] causal
         if window > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -164,7 +193,8 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                            block_n: int | None = None, window: int | None = None,
                            softcap: float | None = None) -> torch.Tensor:
     """query: [n_new, n_heads, head_dim] (unit last stride), the new tokens of all sequences in batch order;
-    pools: [num_blocks, block_size, num_kv_heads, head_dim] (+ int8 scales [..., head_dim / 32]);
+    pools: [num_blocks, block_size, num_kv_heads, head_dim] (+ int8 scales [..., head_dim / 32]), or int4 as
+    uint8 [..., head_dim / 2] (+ (scale, minimum) pairs [..., head_dim / 32, 2]);
     block_tables: [n_seqs, max_blocks] int32; context_lens, query_start, query_lens: [n_seqs] int32.
     num_splits: a power of two. window: sliding window in positions (None: global); softcap: soft-capping of the
     scores (None: none). Returns [n_new, n_heads, head_dim] in query's dtype."""
@@ -176,6 +206,7 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     tiles = _tiles(n_heads // num_kv_heads, max_query_len, head_dim, block_n)
     mid_out, mid_lse = _split_buffers(n_new, n_heads, head_dim, num_splits, query.device)
     scales = (k_scales.stride(0), k_scales.stride(1), k_scales.stride(2)) if k_scales is not None else (0, 0, 0)
+    bits = quant_bits(k_pool, k_scales)
     grid = (n_seqs, num_kv_heads, num_splits * tiles["Q_TILES"])
     _paged_attention_kernel[grid](
         query, k_pool, v_pool, k_scales if k_scales is not None else k_pool,
@@ -183,7 +214,8 @@ def paged_attention_triton(query: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         block_tables, context_lens, query_start, query_lens, scale * LOG2E, window or 0, softcap or 0.0,
         query.stride(0), query.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), *scales,
         block_tables.stride(0), out.stride(0), out.stride(1), *_strides(mid_out, mid_lse),
-        BLOCK_SIZE=k_pool.shape[1], NUM_SPLITS=num_splits, INT8=k_scales is not None, GROUP_SIZE=INT8_GROUP,
+        BLOCK_SIZE=k_pool.shape[1], NUM_SPLITS=num_splits, QUANT_BITS=bits,
+        GROUP_SIZE=QUANT_GROUPS["int4" if bits == 4 else "int8"],
         HAS_SOFTCAP=bool(softcap), **_dot_options(query.dtype), **tiles, **_launch_options(tiles, query.dtype))
     if num_splits > 1:
         _merge_splits_kernel[(n_new, n_heads)](

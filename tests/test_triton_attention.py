@@ -27,7 +27,7 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason=
 BS, NUM_BLOCKS = 16, 24
 # storage: (query dtype, relative error bound against the torch path)
 STORAGE = {"float32": (torch.float32, 1e-5), "float16": (torch.float16, 2e-3),
-           "bfloat16": (torch.bfloat16, 1e-2), "int8": (torch.float32, 1e-5)}
+           "bfloat16": (torch.bfloat16, 1e-2), "int8": (torch.float32, 1e-5), "int4": (torch.float32, 1e-5)}
 # (context, new tokens) per sequence: ends on and off block boundaries, a padded row, and a 16-token query
 # whose causal window crosses the boundary of the kernel's 32-key tiles and of its splits
 RAGGED = [(16, 1), (17, 3), (140, 16), (0, 0), (5, 2), (64, 1)]
@@ -108,7 +108,7 @@ def test_ragged_batch_matches_torch(device, storage, group, head_dim, splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("storage", ["bfloat16", "int8"])
+@pytest.mark.parametrize("storage", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_batch_matches_torch(device, storage, splits):
     outs, pools = run_both(storage, 8, 2, 64, DECODE, device, splits)
@@ -173,7 +173,7 @@ def test_store_matches_kv_pool_write_and_skips_negative_slots(device, storage):
     kept = slots >= 0
     want.write(0, slots[kept], keys[kept], values[kept])
     assert_same_pools(ours, want)  # the skipped rows wrote nothing: everything else is still zero
-    assert ours.k[0].view(-1, n_kv, head_dim)[slots[kept].long()].abs().sum() > 0
+    assert ours.k[0].flatten(0, 1)[slots[kept].long()].float().abs().sum() > 0  # [n kept, n_kv, row bytes or elements]
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def attention_backend(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("storage", ["float32", "int8"])
+@pytest.mark.parametrize("storage", ["float32", "int8", "int4"])
 def test_engine_greedy_tokens_same_on_both_paths(device, storage, attention_backend, monkeypatch):
     import decode_gpu.paged_attention as attention
     calls = []  # layers run through the Triton kernels
@@ -211,8 +211,10 @@ def test_engine_greedy_tokens_same_on_both_paths(device, storage, attention_back
 COMPILED = [  # (arch, query dtype, pool dtype, GQA group, head size, max query tokens, splits, soft-capping)
     (90, "bf16", "bf16", 4, 128, 1, 4, False), (90, "bf16", "i8", 8, 128, 16, 1, False),
     (90, "fp32", "fp32", 3, 64, 4, 1, False), (90, "fp16", "fp16", 1, 64, 1, 1, False),
-    (80, "bf16", "i8", 4, 128, 1, 2, False), (90, "bf16", "bf16", 2, 256, 1, 2, True)]  # the last: Gemma 2
-_PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "i8": "*i8"}
+    (80, "bf16", "i8", 4, 128, 1, 2, False), (90, "bf16", "bf16", 2, 256, 1, 2, True),  # the last: Gemma 2
+    (90, "bf16", "i4", 4, 128, 1, 4, False), (90, "bf16", "i4", 8, 128, 16, 1, False)]  # int4: "i4" = packed *u8
+_PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32", "i8": "*i8", "i4": "*u8"}
+_BITS = {"i8": 8, "i4": 4}  # quantized pool types: QUANT_BITS (float pools: 0)
 
 
 def _compile(fn, arch: int, pointers: dict, constexprs: dict, options: dict) -> str:
@@ -239,21 +241,22 @@ def _compile_all() -> None:
     for arch, qd, pd, group, head_dim, max_q, splits, softcap in COMPILED:
         tiles = ta._tiles(group, max_q, head_dim, None)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[qd]
-        scales = "*fp16" if pd == "i8" else _PTR[pd]
+        scales = "*fp16" if pd in _BITS else _PTR[pd]
         pointers = {"q": _PTR[qd], "out": _PTR[qd], "k_pool": _PTR[pd], "v_pool": _PTR[pd], "k_scales": scales,
                     "v_scales": scales, "mid_out": "*fp32", "mid_lse": "*fp32", "block_tables": "*i32",
                     "context_lens": "*i32", "query_start": "*i32", "query_lens": "*i32"}
-        constexprs = dict(tiles, BLOCK_SIZE=16, NUM_SPLITS=splits, INT8=pd == "i8", GROUP_SIZE=32,
+        constexprs = dict(tiles, BLOCK_SIZE=16, NUM_SPLITS=splits, QUANT_BITS=_BITS.get(pd, 0), GROUP_SIZE=32,
                           HAS_SOFTCAP=softcap, **ta._dot_options(dtype))
         print(f"attention sm_{arch} {qd}/{pd} group {group} head {head_dim} query {max_q} splits {splits}:",
               _compile(ta._paged_attention_kernel, arch, pointers, constexprs, ta._launch_options(tiles, dtype)))
     print("merge:", _compile(ta._merge_splits_kernel, 90, {"mid_out": "*fp32", "mid_lse": "*fp32", "out": "*bf16"},
                              dict(NUM_SPLITS=4, HEAD_DIM=128, HEAD_DIM_P2=128), {}))
-    for pd in ("i8", "bf16"):
+    for pd in ("i8", "i4", "bf16"):
         pointers = {"new_k": "*fp16", "new_v": "*fp16", "slots": "*i32", "k_pool": _PTR[pd], "v_pool": _PTR[pd],
                     "k_scales": "*fp16", "v_scales": "*fp16"}
         print(f"store {pd}:", _compile(ts._store_kv_kernel, 90, pointers,
-                                       dict(HEAD_DIM=128, HEAD_DIM_P2=128, INT8=pd == "i8", N_GROUPS_P2=4, GROUP_SIZE=32), {}))
+                                       dict(HEAD_DIM=128, HEAD_DIM_P2=128, QUANT_BITS=_BITS.get(pd, 0), N_GROUPS_P2=4,
+                                            GROUP_SIZE=32), {}))
 
 
 def test_kernels_compile_for_the_gpu_without_spills():
@@ -264,7 +267,7 @@ def test_kernels_compile_for_the_gpu_without_spills():
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     usage = [line for line in done.stdout.splitlines() if "REG:" in line]
-    assert len(usage) == len(COMPILED) + 3, done.stdout
+    assert len(usage) == len(COMPILED) + 4, done.stdout
     assert all(" STACK:0 " in line and " LOCAL:0 " in line for line in usage), done.stdout
 
 

@@ -4,7 +4,7 @@
 
 Rows per storage: pool bytes per token (K and V of every layer, codes plus group scales), the tokens a pool of
 --budget-mib holds, and the median decode step (of 9) at each batch size with a 256-token context from one
-llama.cpp q8_0 handoff copied per row (as bench/decode_bench.py times steps). The storages alternate inside
+llama.cpp q8_0 handoff copied per row, prefix caching off (as bench/decode_bench.py times steps). The storages alternate inside
 each batch size, so a drift of the machine's load falls on both.
 """
 
@@ -23,6 +23,7 @@ from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.kv_pool import bytes_per_token
 from decode_gpu.model_loader import load_decode_model
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
+from decode_gpu.scheduler import SchedulerConfig
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
@@ -52,7 +53,8 @@ def step_ms(model, ident, device: torch.device, handoff, batch: int, storage: st
     """Median decode step of `batch` copies of the handoff with this pool storage."""
     runner = ModelRunner(model, ident, RunnerConfig(kv_cache_tokens=(CONTEXT + 80) * batch, kv_storage=storage),
                          device)
-    engine = DecodeEngine(runner, EngineConfig())
+    # private copies: every row holds (and the step reads) its own context, as distinct prompts would
+    engine = DecodeEngine(runner, EngineConfig(scheduler=SchedulerConfig(prefix_caching=False)))
     for i in range(batch):
         engine.add(dataclasses.replace(handoff, request_id=f"s{i}"))
     engine.step()  # the imports and the first step

@@ -27,6 +27,8 @@ def dequantize(raw: bytes, dtype_name: str, n_elems_per_row: int, device: torch.
 def to_device(raw: bytes, device: torch.device) -> torch.Tensor:
     """The bytes as a uint8 tensor on the device. On CUDA through pinned memory with a non-blocking copy,
     so the engine thread does not wait for the transfer (later kernels on the stream do). # [n_bytes]"""
+    if not raw:  # nothing left to import (a prompt wholly in the prefix cache); frombuffer refuses empty buffers
+        return torch.empty(0, dtype=torch.uint8, device=device)
     if device.type != "cuda":
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
     host = torch.empty(len(raw), dtype=torch.uint8, pin_memory=True)

@@ -216,3 +216,11 @@ def engine_tokens(model, identity, handoffs, storage: str) -> dict[str, list[int
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
+def test_an_empty_payload_dequantizes_to_no_rows(kv_type):
+    """A prompt wholly in the prefix cache imports from its end: zero rows, not frombuffer's error (found by the
+    benchmark's copies of one 256-token handoff, 16 full blocks). Belongs in test_kv_dequant.py."""
+    from decode_gpu.kv_dequant import dequantize
+    assert dequantize(b"", kv_type, 192, CPU).shape == (0, 192)

@@ -17,6 +17,7 @@ shared system prompts, for several margins: how often a prompt finds its prefix'
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import struct
@@ -116,7 +117,9 @@ NO_TIERS = 'version = 1\ndefault_class = "standard"\n[classes.standard]\npriorit
 
 def serving_table(args) -> str:
     """Single-box runs first, with no cluster running; then the cluster (head, two 1-CPU prefill nodes, a decode
-    node), where each prefill worker gets a node of its own."""
+    node), where each prefill worker gets a node of its own. One OpenMP thread everywhere: Ray gives an actor that
+    asks for no CPU (the decode engine) OMP_NUM_THREADS=1, so single-box mode's engine gets the same."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = {("single box", n): _serve_run(args, n) for n in (1, 2)}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE})
     try:
@@ -194,7 +197,8 @@ async def _closed_loop(system, specs, concurrency: int):
 
 def _serving_rows(args, results: dict) -> str:
     lines = [f"{args.requests} chat requests of ~{args.prompt_tokens} prompt tokens, {args.max_tokens} output tokens "
-             f"(greedy, ignore_eos), {args.concurrency} in flight; prefill workers of 1 thread, one CPU decode engine",
+             f"(greedy, ignore_eos), {args.concurrency} in flight; prefill workers of 1 thread, one CPU decode engine "
+             f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})",
              "| mode | prefill workers | ok | req/s | output tok/s | TTFT p50 s | TTFT p90 s |", "|---|---|---|---|---|---|---|"]
     for (mode, n), r in results.items():
         lines.append(f"| {mode} | {n} | {r['completed']}/{r['requests']} | {r['request_throughput']:.2f} | "

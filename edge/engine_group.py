@@ -36,7 +36,7 @@ class EngineGroup:
         self.registry = registry
         self.affinity = affinity or PrefixAffinity()
         self.yield_to: int | None = None
-        self.num_affinity_hits = 0  # choices that followed a remembered prefix
+        self.num_affinity_hits = 0  # choices where a remembered prefix beat the least loaded engine
         for name, client in clients.items():
             client.owns = lambda request, name=name: request.engine == name
 

@@ -70,3 +70,9 @@ class EngineStats:
     backlog_limit_bytes: int = 0  # beyond this the engine refuses handoffs
     weight_dtype: str = ""  # what the decode model's linear layers hold: int8, int4, bfloat16, ...
     weight_bytes: dict[str, int] = field(default_factory=dict)  # the model's parameters and buffers, by dtype
+    # speculative decoding (vLLM's vllm:spec_decode_* counters), cumulative: sequence-steps that verified a draft,
+    # draft tokens proposed, draft tokens accepted, and accepted tokens by draft position
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

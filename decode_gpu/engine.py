@@ -19,6 +19,7 @@ from decode_gpu.sampler import SampledRow, sample_rows
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
+from decode_gpu.speculative import SpecConfig, Speculator, accepted_length
 from decode_gpu.structured import Grammars
 from decode_gpu.weight_quant import held_weight_dtype, weight_bytes
 from contracts.grammar import GrammarError
@@ -44,6 +45,7 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + output tokens of one request
     max_backlog_bytes: int = DEFAULT_LIMIT_BYTES  # KV bytes of handoffs accepted but not yet imported
     swap_space_bytes: int = 4 << 30  # host memory for preempted sequences' KV blocks
+    speculative: SpecConfig = SpecConfig()  # n-gram speculative decoding (off by default)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class DecodeEngine:
         self._arrivals = itertools.count()
         self._throughput = _Throughput()
         self._grammars: Grammars | None = None  # built on the first structured request
+        self.speculator = Speculator(config.speculative)
         model = getattr(runner, "model", None)  # (test runners may have none)
         self._weights = (held_weight_dtype(model), weight_bytes(model)) if model is not None else ("", {})
 
@@ -195,7 +198,9 @@ class DecodeEngine:
 
     def _run(self, step: ScheduledStep, events: list[TokenEvent]) -> int:
         """Memory moves, then one forward, then batched sampling; appends to events as it goes, so that a
-        failure part-way loses no event already made."""
+        failure part-way loses no event already made. Returns the tokens generated."""
+        # seq id -> draft tokens, their KV slots reserved before the memory moves (which make any copy-on-write)
+        drafts = self.speculator.plan(step.decode, self.blocks, self.config.max_model_len, step.copies)
         failures = self.runner.prepare(step)  # [(seq id, why)]: this sequence's own move failed
         for seq, _ in step.imports:
             self._drop_handoff(seq)  # its KV is in the pool (or failed to get there): free the bytes now
@@ -206,58 +211,89 @@ class DecodeEngine:
         decode = [seq for seq in step.decode if seq.state is SeqState.RUNNING]
         if not decode:
             return 0
-        logits = self.runner.forward(decode, self.blocks.block_tables)  # [len(decode), vocab]
-        for seq, row in zip(decode, self._sampled(decode, logits)):
-            events.append(self._sample(seq, row))
-        return len(decode)
+        fed = [drafts.get(seq.seq_id, []) for seq in decode]  # [] for a sequence without a draft this step
+        if any(fed):
+            logits = self.runner.verify(decode, self.blocks.block_tables, fed)  # [sum(1 + len(draft)), vocab]
+        else:
+            logits = self.runner.forward(decode, self.blocks.block_tables)  # [len(decode), vocab]
+        # row (seq, ahead) samples the position after seq's tokens and `ahead`, the draft tokens before it taken
+        # as accepted
+        rows = iter(self._sampled([(seq, draft[:j]) for seq, draft in zip(decode, fed) for j in range(1 + len(draft))],
+                                  logits))
+        first = len(events)
+        for seq, draft in zip(decode, fed):
+            events.append(self._sample(seq, draft, [next(rows) for _ in range(1 + len(draft))]))
+        return sum(len(event.token_ids) for event in events[first:])
 
-    def _sampled(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledRow]:
+    def _sampled(self, rows: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[SampledRow]:
         """Every row's token with one device-to-host copy. Bad logits are flagged per row; should the batched
         sampler raise instead, each row is sampled alone, so that only the rows at fault fail."""
         try:
-            return sample_rows(logits, self._sampling_batch(seqs, logits.device))
+            return sample_rows(logits, self._sampling_batch(rows, logits.device))
         except Exception:
-            log.exception("batched sampling failed; sampling each sequence alone")
-            return [self._sampled_alone(seq, row) for seq, row in zip(seqs, logits)]
+            log.exception("batched sampling failed; sampling each row alone")
+            return [self._sampled_alone(row, logits_row) for row, logits_row in zip(rows, logits)]
 
-    def _sampled_alone(self, seq: Sequence, row: torch.Tensor) -> SampledRow:  # row: [vocab]
+    def _sampled_alone(self, row: tuple[Sequence, list[int]], logits: torch.Tensor) -> SampledRow:  # logits: [vocab]
         """One row through the sampler by itself: an error here becomes this row's problem."""
         try:
-            return sample_rows(row[None], self._sampling_batch([seq], row.device))[0]
+            return sample_rows(logits[None], self._sampling_batch([row], logits.device))[0]
         except Exception as err:
             return SampledRow(-1, str(err) or type(err).__name__)
 
-    def _sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+    def _sampling_batch(self, rows: list[tuple[Sequence, list[int]]], device: torch.device) -> SamplingBatch:
         # the position of the token being sampled keys its noise: the same seed and prompt give the same
-        # tokens in any batch and after preemption
-        batch = SamplingBatch.build([SamplingRow(seq.sampling, seq.seed, len(seq.tokens), seq.tokens, seq.prompt_len,
-                                                 self._banned(seq)) for seq in seqs], device)
-        matchers = [seq.meta.get("matcher") for seq in seqs]
+        # tokens in any batch, after preemption, and with or without speculation
+        batch = SamplingBatch.build([self._sampling_row(seq, ahead) for seq, ahead in rows], device)
+        matchers = [seq.meta.get("matcher") for seq, _ in rows]  # a structured sequence never has a draft
         if any(m is not None for m in matchers):
             batch = dataclasses.replace(batch, token_mask=self._grammars.bitmask(matchers, device))
         return batch
 
-    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+    def _sampling_row(self, seq: Sequence, ahead: list[int]) -> SamplingRow:
+        """The draw after seq's tokens and then `ahead`: what the step would sample there were they accepted."""
+        position = len(seq.tokens) + len(ahead)
+        row = SamplingRow(seq.sampling, seq.seed, position, seq.tokens, seq.prompt_len, self._banned(seq, position))
+        # penalties count the draft tokens ahead as context (the tokens are read only by penalized rows)
+        return dataclasses.replace(row, tokens=[*seq.tokens, *ahead]) if ahead and row.penalized else row
+
+    def _banned(self, seq: Sequence, position: int) -> tuple[int, ...]:
         """Before min_tokens are out, the tokens that would end the request may not be drawn."""
         params = seq.sampling
-        if len(seq.tokens) - seq.prompt_len >= params.min_tokens:
+        if position - seq.prompt_len >= params.min_tokens:
             return ()
         return tuple({*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)})
 
-    def _sample(self, seq: Sequence, row: SampledRow) -> TokenEvent:
-        """One sequence's next token; a failure here (bad logits, a sampler error) fails this sequence only."""
-        seq.num_cached += 1
+    def _sample(self, seq: Sequence, draft: list[int], rows: list[SampledRow]) -> TokenEvent:
+        """One sequence's new tokens: the draft tokens its own draws confirm, then one draw more. A failure here
+        (bad logits, a sampler error) fails this sequence only."""
+        num_accepted = accepted_length(draft, [-1 if row.problem else row.token for row in rows])
+        if draft:
+            self.speculator.record(seq, len(draft), num_accepted)
+        start, texts, logprobs, reason = len(seq.tokens), [], [], None
         try:
-            if row.problem is not None:
-                raise FloatingPointError(row.problem)
-            seq.tokens.append(row.token)
-            matcher = seq.meta.get("matcher")
-            if matcher is not None and not matcher.accept_token(row.token):
-                raise ValueError(f"token {row.token} is outside the structured output's grammar")
-            return self._after_token(seq, self._logprobs(row))
+            for row in rows[:num_accepted + 1]:
+                reason = self._take(seq, row, texts, logprobs)
+                if reason is not None:
+                    break  # draft tokens past a stop are dropped
+            return self._after_tokens(seq, tuple(seq.tokens[start:]), "".join(texts), reason, tuple(logprobs))
         except Exception as err:
             log.exception("sampling failed for request %s", seq.seq_id)
             return self._fail(seq, f"sampling failed: {err}")
+
+    def _take(self, seq: Sequence, row: SampledRow, texts: list[str], logprobs: list[Logprob]) -> str | None:
+        """Append one sampled token (the one before it is now in the pool); returns why it ends the request."""
+        seq.num_cached += 1
+        if row.problem is not None:
+            raise FloatingPointError(row.problem)
+        seq.tokens.append(row.token)
+        matcher = seq.meta.get("matcher")
+        if matcher is not None and not matcher.accept_token(row.token):
+            raise ValueError(f"token {row.token} is outside the structured output's grammar")
+        logprobs.extend(self._logprobs(row))
+        reason, text = self._finish_reason_and_text(seq)
+        texts.append(text)
+        return reason
 
     def _yielding(self, step: ScheduledStep) -> ScheduledStep:
         """While a more important prompt is in prefill (CPU boxes), the sequences it outranks sit this step
@@ -270,8 +306,13 @@ class DecodeEngine:
             return step
         return dataclasses.replace(step, decode=urgent)
 
+    def set_speculation(self, enabled: bool) -> None:
+        """Speculate from the next step on, or not; on only when configured (EngineConfig.speculative)."""
+        self.speculator.enabled = enabled and self.config.speculative.enabled
+
     def stats(self) -> EngineStats:
         swapped = sum(1 for s in self.sequences if s.state is SeqState.SWAPPED)
+        spec = self.speculator.counters
         return EngineStats(
             kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
             kv_capacity_tokens=self.blocks.num_blocks * self.blocks.block_size,
@@ -280,7 +321,9 @@ class DecodeEngine:
             tokens_per_s=self._throughput.tokens_per_s, generated_tokens=self._throughput.generated,
             decode_yielded_s=self._gate.waited_s if self._gate else 0.0,
             backlog_bytes=self.backlog.num_bytes, backlog_limit_bytes=self.backlog.limit_bytes,
-            weight_dtype=self._weights[0], weight_bytes=self._weights[1])
+            weight_dtype=self._weights[0], weight_bytes=self._weights[1],
+            num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=tuple(spec.accepted_per_pos))
 
     @property
     def _gate(self):
@@ -304,18 +347,18 @@ class DecodeEngine:
                 f"the limit of {min(capacity, self.config.max_model_len)} (max_model_len "
                 f"{self.config.max_model_len}, KV pool {capacity})")
 
-    def _after_token(self, seq: Sequence, logprobs: tuple) -> TokenEvent:
-        reason, text = self._finish_reason_and_text(seq)
+    def _after_tokens(self, seq: Sequence, tokens: tuple, text: str, reason: str | None,
+                      logprobs: tuple) -> TokenEvent:
         if reason is None:
-            return self._event(seq, (seq.tokens[-1],), text, None, logprobs)
+            return self._event(seq, tokens, text, None, logprobs)
         self.scheduler.finish(seq, reason)
         choices = self.requests.get(seq.request_id, [])
         choices[:] = [choice for choice in choices if choice is not seq]
         if choices:  # other choices go on: this one's end is not the request's
-            event = self._event(seq, (seq.tokens[-1],), text, None, logprobs)
+            event = self._event(seq, tokens, text, None, logprobs)
             return dataclasses.replace(event, choice_finish=FinishReason(reason))
         self.requests.pop(seq.request_id, None)
-        return self._event(seq, (seq.tokens[-1],), text, reason, logprobs)
+        return self._event(seq, tokens, text, reason, logprobs)
 
     def _finish_reason_and_text(self, seq: Sequence) -> tuple[str | None, str]:
         """Whether the newest token ends the request, and the text it releases."""

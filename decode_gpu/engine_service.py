@@ -42,8 +42,8 @@ class EngineService:
         self.secret = secret
         self.max_handoff_frame = max_handoff_frame  # the model's largest possible handoff, framed
         self.max_queue_bytes = max_queue_bytes  # per gateway connection, frames not yet written
-        # ("admit", Sequence) or ("abort", (request id, error or None)), in arrival order. Its handoffs' bytes
-        # are bounded by the engine's backlog, its aborts by the number of live requests.
+        # ("admit", Sequence), ("abort", (request id, error or None)) or ("speculate", bool), in arrival order. Its
+        # handoffs' bytes are bounded by the engine's backlog, its aborts by the number of live requests.
         self.inbox: queue.Queue = queue.Queue()
         self.links: set[GatewayLink] = set()
         # terminal events of requests that ended while no gateway was connected; the gateway may still be
@@ -81,7 +81,10 @@ class EngineService:
             return
         while True:
             kind, payload = item
-            self._publish(self._admit(payload) if kind == "admit" else self._abort(*payload))
+            if kind == "speculate":
+                self.engine.set_speculation(payload)
+            else:
+                self._publish(self._admit(payload) if kind == "admit" else self._abort(*payload))
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -106,6 +109,11 @@ class EngineService:
             self.loop.call_soon_threadsafe(self._send_events, events)
 
     # --- asyncio side ------------------------------------------------------------------------
+    def set_speculation(self, enabled: bool) -> None:
+        """Turn speculative decoding off (a policy under load: drafts cost batch compute) or back on; the engine
+        thread applies it between two steps."""
+        self.inbox.put(("speculate", enabled))
+
     def _on_handoff(self, message: Handoff) -> None:
         request_id = message.request_id
         try:

@@ -2,7 +2,8 @@
 
 It carries out a ScheduledStep in field order: `prepare` swaps out, imports handoffs, swaps in and
 copies on write, one sequence at a time, so that one sequence's bad bytes fail only that sequence; then
-`forward` runs one batched forward for every decoding sequence, returning their next-token logits.
+`forward` runs one batched forward for every decoding sequence, returning their next-token logits
+(`verify` instead, when some sequences feed draft tokens too: speculative decoding).
 
 The forward is static: its inputs live in persistent buffers filled with one host-to-device copy
 (step_inputs.py), nothing in it reads back to the host, and on CUDA it replays a captured graph per
@@ -24,7 +25,7 @@ from decode_gpu.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.kv_import import import_handoff
 from decode_gpu.kv_pool import KVPool, PoolShape, device_index
 from decode_gpu.kv_sizing import MemoryProfile, kv_budget_bytes
-from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, resolve_backend
+from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch, resolve_backend
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.sampler import sample_rows
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow
@@ -49,6 +50,7 @@ class RunnerConfig:
     max_num_seqs: int = 32  # the largest batch: step inputs, CUDA graph buckets and the profiling forward
     max_model_len: int = 4096  # the longest context: block table width and the graphs' KV splits
     enforce_eager: bool = False  # no CUDA graphs
+    num_speculative_tokens: int = 0  # draft tokens a sequence may feed per step: the profiling forward samples that many more rows
 
 
 class PagedKVWriter:
@@ -138,19 +140,18 @@ class ModelRunner:
 
     def _swap_in(self, seq_id: str, blocks: list[int]) -> None:
         saved = self.swap_space.pop(seq_id)
-        self.pool.write_blocks(blocks[:saved[0].shape[0]], saved)
+        # a sequence may come back with fewer blocks than it left with: blocks reserved for a draft it had not
+        # grown into, which hold only stale K/V past its context (speculative decoding)
+        n = min(len(blocks), saved[0].shape[0])
+        self.pool.write_blocks(blocks[:n], [rows[:n] for rows in saved])
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], block_tables: dict[str, list[int]]) -> torch.Tensor:
         """Next-token logits for seqs, in order. # [len(seqs), vocab] float32"""
         n = len(seqs)
-        if self._threads:  # decode on the CPU, next to llama.cpp prefill
-            threads = self._threads[1] if self.gate.prefill_active else self._threads[0]
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+        self._before_forward(seqs)
         rows = self.graphs.bucket_for(n) if self.graphs else None
         longest = self.inputs.fill(seqs, [block_tables[s.seq_id] for s in seqs], rows or n)
-        self._batch_priority = min(s.priority for s in seqs)
         if self.graphs and self.inputs.generation != self._graphs_generation:
             log.warning("decode step inputs were reallocated for a batch of %d (max_num_seqs %d, max_model_len "
                         "%d): CUDA graphs off from now on", n, self.config.max_num_seqs, self.config.max_model_len)
@@ -160,6 +161,33 @@ class ModelRunner:
         if self.gate is not None and self.gate.enabled:
             self.gate.wait_turn(self._batch_priority)  # a graph replays no hook: wait between steps
         return self.graphs.replay(rows)[:n]
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], block_tables: dict[str, list[int]],
+               drafts: list[list[int]]) -> torch.Tensor:
+        """Logits at every fed position: each sequence feeds its newest token, then its draft tokens, as one ragged
+        multi-token query (eager: the captured graphs are for one token per sequence). Positions past what is
+        accepted later hold stale K/V that no context length reaches; the next step overwrites them.
+        # [sum(1 + len(draft)), vocab] float32"""
+        self._before_forward(seqs)
+        fed = [[seq.tokens[seq.num_cached], *draft] for seq, draft in zip(seqs, drafts)]
+        positions = [p for seq, ids in zip(seqs, fed) for p in range(seq.num_cached, seq.num_cached + len(ids))]
+        paged = build_paged_batch(self.pool, [block_tables[s.seq_id] for s in seqs],
+                                  [seq.num_cached + len(ids) for seq, ids in zip(seqs, fed)], list(map(len, fed)),
+                                  self.device, self.backend)
+        # one host-to-device copy for ids and positions, before the forward
+        ids_and_positions = torch.tensor([[t for ids in fed for t in ids], positions]).to(self.device)  # [2, n_fed]
+        out = self.model(input_ids=ids_and_positions[:1], position_ids=ids_and_positions[1:], paged=paged,
+                         use_cache=False)
+        return out.logits[0].float()
+
+    def _before_forward(self, seqs: list[Sequence]) -> None:
+        """Thread count (decode on the CPU next to llama.cpp prefill) and the priority the gate waits with."""
+        if self._threads:
+            threads = self._threads[1] if self.gate.prefill_active else self._threads[0]
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+        self._batch_priority = min(s.priority for s in seqs)
 
     def _forward_rows(self, rows: int, longest: int | None = None) -> torch.Tensor:
         """The eager forward over the first `rows` rows of the step inputs. Without `longest` (graph capture,
@@ -204,7 +232,9 @@ class ModelRunner:
         self._pad(rows)
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=PROFILE_LOGPROBS)
         logits = self._forward_rows(rows)
-        sample_rows(logits, SamplingBatch.build([SamplingRow(params, i, 0) for i in range(rows)], self.device))
+        # a speculative step samples every fed position: 1 + K rows per sequence
+        logits = logits.repeat(1 + self.config.num_speculative_tokens, 1)  # [rows * (1 + K), vocab]
+        sample_rows(logits, SamplingBatch.build([SamplingRow(params, i, 0) for i in range(len(logits))], self.device))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - weights
         del logits

@@ -24,6 +24,7 @@ from decode_gpu.model_loader import load_tokenizer
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import SchedulerConfig
+from decode_gpu.speculative import METHODS, SpecConfig
 from decode_gpu.weight_quant import FLOAT_WEIGHTS, WEIGHT_DTYPES, load_weights
 from contracts.cpu_share import CpuShare
 from contracts.framing import control_secret, start_server
@@ -41,6 +42,7 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
         raise SystemExit(f"--weight-dtype {args.weight_dtype} with --dtype {args.dtype}: float weights are in the "
                          f"model's dtype; set one of the two")
     dtype = resolve_dtype(args.weight_dtype if float_weights else args.dtype, device)
+    spec = spec_config(args)
     model, _ = load_weights(identity, device, dtype, args.weight_dtype, args.max_num_seqs)
     tokenizer = load_tokenizer(identity)
     # decode and llama.cpp prefill share the cores only when decode runs on the CPU
@@ -51,13 +53,23 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
                                                        kv_cache_tokens=args.kv_cache_tokens,
                                                        gpu_memory_utilization=args.gpu_memory_utilization,
                                                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                                       enforce_eager=args.enforce_eager), device,
-                         PriorityGate(enabled=yields))
+                                                       enforce_eager=args.enforce_eager,
+                                                       num_speculative_tokens=spec.num_speculative_tokens if spec.enabled else 0),
+                         device, PriorityGate(enabled=yields))
     eos = tuple(t for t in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
                 if isinstance(t, int))
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), max_model_len=args.max_model_len,
-                          max_backlog_bytes=args.max_backlog_bytes, swap_space_bytes=int(args.swap_space_gib * 2**30))
+                          max_backlog_bytes=args.max_backlog_bytes, swap_space_bytes=int(args.swap_space_gib * 2**30),
+                          speculative=spec)
     return DecodeEngine(runner, config, tokenizer, eos)
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    try:
+        return SpecConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    except ValueError as err:
+        raise SystemExit(f"--speculative {args.speculative} --num-speculative-tokens "
+                         f"{args.num_speculative_tokens}: {err}") from None
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -121,6 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu-share-file", default="",
                         help="decoding on the CPU, publish whether it decodes in this file, for prefill workers on the "
                              "same cores (edge serve passes one in its run directory)")
+    parser.add_argument("--speculative", default="off", choices=METHODS,
+                        help="speculative decoding: ngram proposes drafts by prompt lookup (the last tokens' earlier "
+                             "occurrence in the prompt or output) and verifies them in one multi-token forward; greedy "
+                             "and seeded outputs are unchanged. A sequence whose drafts keep failing stops proposing")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="draft tokens verified per sequence and step at most (with --speculative ngram)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 

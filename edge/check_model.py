@@ -203,9 +203,9 @@ def handoff_kv_bytes(identity: GGUFIdentity) -> dict[str, int | None]:
 
 
 def pool_kv_bytes(identity: GGUFIdentity) -> dict[str, int]:
-    from decode_gpu.kv_pool import INT8_GROUP, STORAGE_DTYPES, bytes_per_token
+    from decode_gpu.kv_pool import STORAGE_DTYPES, bytes_per_token, storage_fits
     return {storage: bytes_per_token(identity.n_layer, identity.num_kv_heads, identity.head_dim_k, storage)
-            for storage in STORAGE_DTYPES if storage != "int8" or identity.head_dim_k % INT8_GROUP == 0}
+            for storage in STORAGE_DTYPES if storage_fits(storage, identity.head_dim_k)}
 
 
 def pool_tokens(memory: int, utilization: float, weights: int, per_token: int) -> int:

@@ -84,7 +84,7 @@ CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu",
            "dtype": ("auto", "float32", "bfloat16", "float16"),
            "weight_dtype": ("auto", "bfloat16", "float16", "float32", "int8", "int4"),
            "decode_yields_to_prefill": ("auto", "on", "off"),
-           "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8"),
+           "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8", "int4"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
 BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "decode_engines": {"ge": 1},

@@ -100,7 +100,8 @@ def test_the_numbers_match_arithmetic(capsys, embedded_model_path):
                                          "q4_0": 2 * layers * kv_width // 32 * 18}
     assert model["pool_kv_bytes"] == {"float32": 2 * layers * kv_width * 4, "float16": 2 * layers * kv_width * 2,
                                       "bfloat16": 2 * layers * kv_width * 2,
-                                      "int8": 2 * layers * (kv_width + 2 * kv_width // 32)}
+                                      "int8": 2 * layers * (kv_width + 2 * kv_width // 32),
+                                      "int4": 2 * layers * (kv_width // 2 + 4 * kv_width // 32)}
     # SmolLM2-135M: tied 49152 x 576 embedding; per layer q, o 576x576, k, v 576x192, MLP 3 x 576x1536, 2 norms
     per_layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
     params = 49152 * 576 + 30 * per_layer + 576

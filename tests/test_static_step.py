@@ -45,7 +45,7 @@ def _pool(storage: str) -> KVPool:
     return pool
 
 
-@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8", "int4"])
 def test_block_gather_decode_equals_the_dense_path_and_pad_rows_touch_only_the_scratch_block(storage):
     dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
     seqs, tables = _sequences(CONTEXTS)

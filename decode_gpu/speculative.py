@@ -9,8 +9,9 @@ accepted with probability p(d), and on rejection the draw is distributed as p wi
 the draw is the one the plain step makes, the output equals the non-speculative output token for token, greedy
 or seeded (given the same logits: a forward of another shape may round differently).
 
-Speculation costs batch compute, so a sequence whose drafts keep failing stops proposing (an exponential
-average of its acceptance rate below a threshold) and probes again after a back-off that doubles each time.
+Speculation costs batch compute, so each sequence estimates how likely its draft tokens are to be accepted and
+proposes only as many as are likely enough; one whose drafts keep failing stops proposing, and probes again
+after a back-off that doubles each time a probe fails.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ class SpecConfig:
     num_speculative_tokens: int = 4  # K: draft tokens verified per step at most (--num-speculative-tokens)
     prompt_lookup_max: int = 4  # the longest suffix n-gram looked up
     prompt_lookup_min: int = 2  # the shortest: one-token matches are mostly chance in prose
-    acceptance_threshold: float = 0.3  # below this average acceptance rate a sequence stops proposing ...
-    ema_weight: float = 0.3  # ... the weight of the newest step in that average
-    backoff_steps: int = 8  # ... for this many steps, doubling after each failed probe
+    # a draft token is verified only while the chance that it and the ones before it are accepted stays at least
+    # this (each costs batch compute, accepted or not); below it for a single token a sequence stops proposing ...
+    min_draft_acceptance: float = 0.35
+    decay: float = 0.7  # ... its acceptance estimated from recent steps, older ones weighing less by this factor
+    backoff_steps: int = 8  # ... for this many steps, doubling after each probe that fails
     max_backoff_steps: int = 128
 
     def __post_init__(self) -> None:
@@ -97,24 +100,36 @@ def accepted_length(draft: Seq[int], sampled: Seq[int]) -> int:
 class DraftState:
     """One sequence's proposer and its adaptivity."""
     index: NgramIndex
-    acceptance: float = 1.0  # exponential average of accepted / drafted, optimistic at first
+    accepted: float = 1.0  # draft tokens accepted, and tried (up to and including the first rejected one), in
+    tried: float = 1.0  # recent steps, older steps decayed; one optimistic pseudo-trial to start from
     idle_steps: int = 0  # steps left before the next probe while speculation is off for this sequence
-    backoff: int = 0  # the current back-off length; 0 while speculation is on
+    backoff: int = 0  # the length of the last back-off; 0 once a draft is accepted whole
 
-    def proposes(self) -> bool:
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a draft token is accepted, given that the ones before it were."""
+        return self.accepted / self.tried
+
+    def draft_length(self, config: SpecConfig) -> int:
+        """The longest draft (up to K) whose last token is still likely enough to be accepted; 0 while backing off."""
         if self.idle_steps > 0:
             self.idle_steps -= 1
-            return False
-        return True
+            return 0
+        k, reach = 0, self.acceptance
+        while k < config.num_speculative_tokens and reach >= config.min_draft_acceptance:
+            k, reach = k + 1, reach * self.acceptance
+        return k
 
     def record(self, num_drafted: int, num_accepted: int, config: SpecConfig) -> None:
-        rate = num_accepted / num_drafted
-        self.acceptance += config.ema_weight * (rate - self.acceptance)
-        if self.acceptance >= config.acceptance_threshold:
+        self.accepted = config.decay * self.accepted + num_accepted
+        self.tried = config.decay * self.tried + num_accepted + (num_accepted < num_drafted)
+        if num_accepted == num_drafted:
             self.backoff = 0
+        if self.acceptance >= config.min_draft_acceptance:
             return
         self.backoff = min(config.max_backoff_steps, 2 * self.backoff or config.backoff_steps)
         self.idle_steps = self.backoff
+        self.accepted = self.tried = 1.0  # the probe after the back-off starts afresh
 
 
 @dataclass
@@ -164,8 +179,8 @@ class Speculator:
         seq.meta["draft"].record(num_drafted, num_accepted, self.config)
 
     def _proposal(self, seq: Sequence, max_model_len: int) -> list[int]:
-        """Up to K tokens; none for structured outputs (the grammar matcher would have to take drafts and roll
-        them back) or while the sequence backs off."""
+        """As many tokens as are likely to be accepted, up to K; none for structured outputs (the grammar matcher
+        would have to take drafts and roll them back) or while the sequence backs off."""
         if seq.state is not SeqState.RUNNING or seq.meta.get("matcher") is not None:
             return []
         if "draft" not in seq.meta:
@@ -173,11 +188,11 @@ class Speculator:
         state: DraftState = seq.meta["draft"]
         # a step makes up to 1 + K tokens and feeds positions up to len(tokens) - 1 + K: within max_tokens and
         # max_model_len
-        k = min(self.config.num_speculative_tokens, seq.sampling.max_tokens - len(seq.output_tokens) - 1,
-                max_model_len - len(seq.tokens))
-        if k <= 0 or not state.proposes():
+        limit = min(seq.sampling.max_tokens - len(seq.output_tokens) - 1, max_model_len - len(seq.tokens))
+        if limit <= 0:
             return []
-        return state.index.propose(seq.tokens, k)
+        k = min(limit, state.draft_length(self.config))
+        return state.index.propose(seq.tokens, k) if k > 0 else []
 
     @staticmethod
     def _reserve(seq: Sequence, num_draft: int, blocks: BlockManager, spare: int, copies: list[BlockCopy]) -> bool:

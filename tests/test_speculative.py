@@ -93,20 +93,19 @@ def test_accepted_length_is_the_prefix_the_target_draws_confirm():
     assert accepted_length([], [3]) == 0
 
 
-def test_a_sequence_whose_drafts_fail_backs_off_and_probes_again_with_doubling_waits():
-    config = SpecConfig(method="ngram", acceptance_threshold=0.5, ema_weight=0.5, backoff_steps=2,
-                        max_backoff_steps=4)
+def test_drafts_shrink_as_acceptance_falls_then_stop_and_probe_again_with_doubling_waits():
+    config = SpecConfig(method="ngram", num_speculative_tokens=4, min_draft_acceptance=0.35, decay=0.5,
+                        backoff_steps=2, max_backoff_steps=4)
     state = DraftState(NgramIndex(2, 4))
-    state.record(4, 4, config)
-    assert state.proposes()
-    state.record(4, 0, config)  # average 0.5: still on
-    assert state.proposes()
-    state.record(4, 0, config)  # 0.25: off for 2 steps
-    assert [state.proposes() for _ in range(3)] == [False, False, True]
+    assert state.draft_length(config) == 4  # optimistic at first
+    state.record(4, 1, config)  # 1 accepted of 2 tried: (0.5 + 1) / (0.5 + 2) = 0.6; 0.6 ** 2 >= 0.35 > 0.6 ** 3
+    assert state.acceptance == pytest.approx(0.6) and state.draft_length(config) == 2
+    state.record(2, 0, config)  # 0.75 / 2.25: below 0.35, off for 2 steps, then a fresh probe
+    assert [state.draft_length(config) for _ in range(3)] == [0, 0, 4]
     state.record(4, 0, config)  # the probe fails: off for 4 steps (the cap)
-    assert [state.proposes() for _ in range(5)] == [False] * 4 + [True]
-    state.record(4, 4, config), state.record(4, 4, config)  # drafts land again: back on
-    assert state.proposes() and state.backoff == 0
+    assert [state.draft_length(config) for _ in range(5)] == [0] * 4 + [4]
+    state.record(4, 4, config)  # a draft accepted whole: the back-off starts over
+    assert state.backoff == 0 and state.draft_length(config) == 4
 
 
 # --- the acceptance rule against its target distribution ----------------------------------------------------
@@ -253,16 +252,21 @@ def test_engine_process_options():
         spec_config(parse_args(base + ["--speculative", "ngram", "--num-speculative-tokens", "0"]))
 
 
+CODE_REQUEST = ("Here is a Python function:\n```python\ndef count_words(text):\n    counts = {}\n"
+                "    for line in text.splitlines():\n        for word in line.split():\n"
+                "            counts[word] = counts.get(word, 0) + 1\n    return counts\n```\n"
+                "Return the whole function again with the variable `counts` renamed to `output`. Reply with the code only.")
+
+
 @pytest.mark.slow
-def test_the_embedded_model_quoting_code_from_its_prompt_decodes_the_same_tokens_faster(embedded_model_path):
+def test_the_embedded_model_quoting_code_from_its_prompt_decodes_the_same_tokens_from_accepted_drafts(embedded_model_path):
     """Greedy, float32: the answer quotes the prompt's function, drafts are accepted, the tokens are unchanged."""
-    from bench.spec_bench import prompts
     from decode_gpu.model_loader import load_decode_model, load_tokenizer
     from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
     prefiller = Prefiller(PrefillConfig(embedded_model_path, n_ctx=512, n_threads=2, kv_type="f16"))
     try:
         identity = prefiller.identity
-        text = load_tokenizer(identity).apply_chat_template(prompts("repetitive")[0], tokenize=False,
+        text = load_tokenizer(identity).apply_chat_template([{"role": "user", "content": CODE_REQUEST}], tokenize=False,
                                                             add_generation_prompt=True)
         tokens = tuple(prefiller.tokenize(text, add_special=False))
         params = SamplingParams(temperature=0.0, max_tokens=48)

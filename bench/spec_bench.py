@@ -1,14 +1,16 @@
 """N-gram speculative decoding on the CPU: decode tok/s and acceptance with speculation on and off, side by side.
 
-    .venv/bin/python -m bench.spec_bench [--batches 1,4] [--tokens 128] [--k 4] [--model PATH.gguf]
+    .venv/bin/python -m bench.spec_bench [--batches 1,4] [--tokens 128] [--k 4] [--weights auto,bfloat16]
 
-The embedded model (SmolLM2-135M-Instruct), greedy, weights as `edge serve` loads them on the CPU (auto). Two
+The embedded model (SmolLM2-135M-Instruct), greedy, weights as `edge serve --weight-dtype X` loads them on the
+CPU (auto: int8 here, the fastest plain step; bfloat16 verifies several tokens per sequence for less). Two
 workloads, each a chat prompt per sequence (batch b: the first b prompts of the workload):
   repetitive      a function in the prompt, and the request to return it with one name changed: the answer
                   quotes the prompt's code, which prompt lookup finds
   non-repetitive  open questions answered in prose
 Prefill (llama.cpp) happens before the clock starts; the clock covers every decode step after the first (the
-first imports the handoffs). tok/s counts generated tokens; acceptance is accepted / proposed draft tokens.
+first imports the handoffs). tok/s counts generated tokens, the best of --repeats runs of each mode, off and on
+alternating (the machine is shared); acceptance is accepted / proposed draft tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from decode_gpu.model_loader import load_tokenizer
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.scheduler import SchedulerConfig
 from decode_gpu.speculative import SpecConfig
-from decode_gpu.weight_quant import load_weights
+from decode_gpu.weight_quant import FLOAT_WEIGHTS, load_weights
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
@@ -95,6 +97,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per sequence")
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--weights", default="auto,bfloat16", help="--weight-dtype values to compare")
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -102,19 +106,28 @@ def main() -> None:
     identity = prefiller.identity
     tokenizer = load_tokenizer(identity)
     cpu = torch.device("cpu")
-    model, report = load_weights(identity, cpu, resolve_dtype("auto", cpu), "auto", max(batches))
     work = {(w, b): handoffs(prefiller, tokenizer, w, b, args.tokens) for w in ("repetitive", "non-repetitive")
             for b in batches}
     prefiller.close()
     on = SpecConfig(method="ngram", num_speculative_tokens=args.k)
-    print(f"\nN-gram speculative decoding on the CPU ({torch.get_num_threads()} threads, weights {report.weight_dtype}, "
-          f"greedy, {args.tokens} tokens per sequence, K = {args.k})")
-    print("| workload | batch | tok/s off | tok/s ngram | speed-up | acceptance | drafts | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\nN-gram speculative decoding on the CPU ({torch.get_num_threads()} threads, greedy, {args.tokens} tokens "
+          f"per sequence, K = {args.k}; same tokens: speculation changed no token)")
+    print("| weights | workload | batch | tok/s off | tok/s ngram | speed-up | acceptance | drafts | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for weight_dtype in args.weights.split(","):
+        float_weights = FLOAT_WEIGHTS.get(weight_dtype)
+        model, report = load_weights(identity, cpu, float_weights or resolve_dtype("auto", cpu), weight_dtype,
+                                     max(batches))
+        rows(model, identity, work, on, args.repeats, report.weight_dtype)
+
+
+def rows(model, identity, work: dict, on: SpecConfig, repeats: int, weights: str) -> None:
     for (workload, batch), hs in work.items():
-        off, spec = run(model, identity, hs, SpecConfig()), run(model, identity, hs, on)
+        runs = [(run(model, identity, hs, SpecConfig()), run(model, identity, hs, on)) for _ in range(repeats)]
+        off = max((r[0] for r in runs), key=lambda r: r["tok_s"])
+        spec = max((r[1] for r in runs), key=lambda r: r["tok_s"])
         acceptance = f"{spec['acceptance']:.2f}" if spec["acceptance"] is not None else "-"
-        print(f"| {workload} | {batch} | {off['tok_s']:.1f} | {spec['tok_s']:.1f} | {spec['tok_s'] / off['tok_s']:.2f}x "
+        print(f"| {weights} | {workload} | {batch} | {off['tok_s']:.1f} | {spec['tok_s']:.1f} | {spec['tok_s'] / off['tok_s']:.2f}x "
               f"| {acceptance} | {spec['drafts']} | {'yes' if spec['outputs'] == off['outputs'] else 'no'} |",
               flush=True)
 

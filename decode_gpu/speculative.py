@@ -31,9 +31,13 @@ class SpecConfig:
     num_speculative_tokens: int = 4  # K: draft tokens verified per step at most (--num-speculative-tokens)
     prompt_lookup_max: int = 4  # the longest suffix n-gram looked up
     prompt_lookup_min: int = 2  # the shortest: one-token matches are mostly chance in prose
-    # a draft token is verified only while the chance that it and the ones before it are accepted stays at least
-    # this (each costs batch compute, accepted or not); below it for a single token a sequence stops proposing ...
-    min_draft_acceptance: float = 0.35
+    # what verifying one draft token costs, as a share of a plain step at batch 1. A plain step's cost is shared
+    # by its batch, a draft token's is not: a draft token is verified only while the chance that it and the ones
+    # before it are accepted is at least draft_cost x batch size; below that for a single token, a sequence stops
+    # proposing ... On the 2-core CPU with int8 weights one draft token costs 3.3 ms against a 24 ms step at batch
+    # 1, but a batch of 4 feeding 8 tokens instead of 4 costs 49 ms instead of 29 (the int8 kernel's cost grows
+    # with rows): 0.25 keeps batches of 4 and more from speculating there, past a first try and rare probes
+    draft_cost: float = 0.25
     decay: float = 0.7  # ... its acceptance estimated from recent steps, older ones weighing less by this factor
     backoff_steps: int = 8  # ... for this many steps, doubling after each probe that fails
     max_backoff_steps: int = 128
@@ -110,14 +114,17 @@ class DraftState:
         """The estimated chance that a draft token is accepted, given that the ones before it were."""
         return self.accepted / self.tried
 
-    def draft_length(self, config: SpecConfig) -> int:
-        """The longest draft (up to K) whose last token is still likely enough to be accepted; 0 while backing off."""
+    def draft_length(self, config: SpecConfig, batch: int) -> int:
+        """The longest draft (up to K) whose last token is still likely enough to be accepted in a batch of this
+        size; 0 while backing off, or when not even one token is (then the sequence backs off)."""
         if self.idle_steps > 0:
             self.idle_steps -= 1
             return 0
-        k, reach = 0, self.acceptance
-        while k < config.num_speculative_tokens and reach >= config.min_draft_acceptance:
+        k, reach, bar = 0, self.acceptance, config.draft_cost * batch
+        while k < config.num_speculative_tokens and reach >= bar:
             k, reach = k + 1, reach * self.acceptance
+        if k == 0:
+            self._back_off(config)
         return k
 
     def record(self, num_drafted: int, num_accepted: int, config: SpecConfig) -> None:
@@ -125,10 +132,10 @@ class DraftState:
         self.tried = config.decay * self.tried + num_accepted + (num_accepted < num_drafted)
         if num_accepted == num_drafted:
             self.backoff = 0
-        if self.acceptance >= config.min_draft_acceptance:
-            return
+
+    def _back_off(self, config: SpecConfig) -> None:
         self.backoff = min(config.max_backoff_steps, 2 * self.backoff or config.backoff_steps)
-        self.idle_steps = self.backoff
+        self.idle_steps = self.backoff - 1  # this step is the first
         self.accepted = self.tried = 1.0  # the probe after the back-off starts afresh
 
 
@@ -169,7 +176,7 @@ class Speculator:
             return {}
         drafts = {}
         for seq in seqs:
-            draft = self._proposal(seq, max_model_len)
+            draft = self._proposal(seq, max_model_len, len(seqs))
             if draft and self._reserve(seq, len(draft), blocks, len(seqs), copies):
                 drafts[seq.seq_id] = draft
         return drafts
@@ -178,7 +185,7 @@ class Speculator:
         self.counters.record(num_drafted, num_accepted)
         seq.meta["draft"].record(num_drafted, num_accepted, self.config)
 
-    def _proposal(self, seq: Sequence, max_model_len: int) -> list[int]:
+    def _proposal(self, seq: Sequence, max_model_len: int, batch: int) -> list[int]:
         """As many tokens as are likely to be accepted, up to K; none for structured outputs (the grammar matcher
         would have to take drafts and roll them back) or while the sequence backs off."""
         if seq.state is not SeqState.RUNNING or seq.meta.get("matcher") is not None:
@@ -191,7 +198,7 @@ class Speculator:
         limit = min(seq.sampling.max_tokens - len(seq.output_tokens) - 1, max_model_len - len(seq.tokens))
         if limit <= 0:
             return []
-        k = min(limit, state.draft_length(self.config))
+        k = min(limit, state.draft_length(self.config, batch))
         return state.index.propose(seq.tokens, k) if k > 0 else []
 
     @staticmethod

@@ -94,18 +94,21 @@ def test_accepted_length_is_the_prefix_the_target_draws_confirm():
 
 
 def test_drafts_shrink_as_acceptance_falls_then_stop_and_probe_again_with_doubling_waits():
-    config = SpecConfig(method="ngram", num_speculative_tokens=4, min_draft_acceptance=0.35, decay=0.5,
-                        backoff_steps=2, max_backoff_steps=4)
+    config = SpecConfig(method="ngram", num_speculative_tokens=4, draft_cost=0.175, decay=0.5, backoff_steps=2,
+                        max_backoff_steps=4)
     state = DraftState(NgramIndex(2, 4))
-    assert state.draft_length(config) == 4  # optimistic at first
-    state.record(4, 1, config)  # 1 accepted of 2 tried: (0.5 + 1) / (0.5 + 2) = 0.6; 0.6 ** 2 >= 0.35 > 0.6 ** 3
-    assert state.acceptance == pytest.approx(0.6) and state.draft_length(config) == 2
-    state.record(2, 0, config)  # 0.75 / 2.25: below 0.35, off for 2 steps, then a fresh probe
-    assert [state.draft_length(config) for _ in range(3)] == [0, 0, 4]
+    assert state.draft_length(config, batch=2) == 4  # optimistic at first
+    state.record(4, 1, config)  # 1 accepted of 2 tried: (0.5 + 1) / (0.5 + 2) = 0.6
+    assert state.acceptance == pytest.approx(0.6)
+    assert state.draft_length(config, batch=2) == 2  # 0.6 ** 2 >= 0.175 x 2 > 0.6 ** 3
+    assert state.draft_length(config, batch=1) == 3  # alone, a draft token costs less: 0.6 ** 3 >= 0.175 > 0.6 ** 4
+    state.record(2, 0, config)  # 0.75 / 2.25 = 0.33 < 0.35: this step and the next propose nothing, then a probe
+    assert [state.draft_length(config, batch=2) for _ in range(3)] == [0, 0, 4]
+    state.record(4, 0, config)
     state.record(4, 0, config)  # the probe fails: off for 4 steps (the cap)
-    assert [state.draft_length(config) for _ in range(5)] == [0] * 4 + [4]
+    assert [state.draft_length(config, batch=2) for _ in range(5)] == [0] * 4 + [4]
     state.record(4, 4, config)  # a draft accepted whole: the back-off starts over
-    assert state.backoff == 0 and state.draft_length(config) == 4
+    assert state.backoff == 0 and state.draft_length(config, batch=2) == 4
 
 
 # --- the acceptance rule against its target distribution ----------------------------------------------------

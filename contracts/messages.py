@@ -119,6 +119,11 @@ class DecodeYield:  # gateway -> decode engine: best priority among prompts queu
 
 
 @dataclass(frozen=True)
+class Speculate:  # gateway -> decode engine: speculative decoding allowed now (a policy tier may turn it off)
+    enabled: bool
+
+
+@dataclass(frozen=True)
 class Token:  # decode engine -> gateway
     event: TokenEvent
 
@@ -129,5 +134,5 @@ class Stats:  # decode engine -> gateway, periodically
 
 
 MESSAGES = (Challenge, Hello, Welcome, Refused, PrefillJob, PrefillDone, PrefillFailed, CancelPrefill, WorkerStatus,
-            Heartbeat, Handoff, Abort, DecodeYield, Token, Stats)
+            Heartbeat, Handoff, Abort, DecodeYield, Speculate, Token, Stats)
 HEARTBEAT_INTERVAL_S = 1.0

@@ -25,7 +25,7 @@ from contracts.cpu_share import CpuShare
 from contracts.events import FinishReason, TokenEvent
 from contracts.framing import CONTROL_FRAME_BYTES, ProtocolError, accept_peer, pack, read_message
 from contracts.handoff import HandoffFormatError, decode_handoff
-from contracts.messages import Abort, DecodeYield, Handoff, Stats, Token
+from contracts.messages import Abort, DecodeYield, Handoff, Speculate, Stats, Token
 
 log = logging.getLogger("decode_gpu.server")
 STATS_INTERVAL_S = 0.5
@@ -244,6 +244,8 @@ class EngineService:
         elif isinstance(message, DecodeYield):
             log.debug("best priority in prefill: %s", message.priority)
             self.gate.hold(message.priority)
+        elif isinstance(message, Speculate):
+            self.set_speculation(message.enabled)
         else:
             log.warning("ignoring an unexpected %s frame", type(message).__name__)
 

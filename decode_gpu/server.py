@@ -58,7 +58,8 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
                          device, PriorityGate(enabled=yields))
     eos = tuple(t for t in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
                 if isinstance(t, int))
-    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), max_model_len=args.max_model_len,
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching == "on")
+    config = EngineConfig(scheduler=scheduler, max_model_len=args.max_model_len,
                           max_backlog_bytes=args.max_backlog_bytes, swap_space_bytes=int(args.swap_space_gib * 2**30),
                           speculative=spec)
     return DecodeEngine(runner, config, tokenizer, eos)
@@ -109,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
                         help="linear weights: int8 or int4 weight-only quantization, or a float dtype (= --dtype); "
                              "auto: the GGUF's quantization on CUDA, a measurement on the CPU")
-    parser.add_argument("--kv-storage", default="auto", help="auto, float32, float16, bfloat16 or int8")
+    parser.add_argument("--kv-storage", default="auto", help="auto, float32, float16, bfloat16, int8 or int4")
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="on CUDA without --kv-cache-tokens: the share of the GPU's total memory this engine may "
@@ -139,6 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "and seeded outputs are unchanged. A sequence whose drafts keep failing stops proposing")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="draft tokens verified per sequence and step at most (with --speculative ngram)")
+    parser.add_argument("--prefix-caching", default="on", choices=["on", "off"],
+                        help="requests whose prompts start alike share the full KV blocks of the common prefix")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 

@@ -33,6 +33,12 @@ def main(argv=None) -> None:
     serve.add_argument("--weight-dtype", choices=["auto", "bfloat16", "float16", "float32", "int8", "int4"],
                        help="decode weights: int8/int4 weight-only quantization, or float (auto: the GGUF's "
                             "quantization on CUDA, a measurement on the CPU; docs/decode.md)")
+    serve.add_argument("--speculative", choices=["off", "ngram"],
+                       help="speculative decoding: ngram drafts from the prompt and output, verified in one forward "
+                            "(greedy and seeded outputs unchanged; docs/decode.md)")
+    serve.add_argument("--num-speculative-tokens", type=int, help="draft tokens per sequence and step at most")
+    serve.add_argument("--kv-storage", choices=["auto", "float32", "float16", "bfloat16", "int8", "int4"],
+                       help="decode KV pool storage (int4: 0.59x int8's bytes, lower fidelity; docs/decode.md)")
     serve.add_argument("--enforce-eager", action="store_true", default=None,
                        help="no CUDA graphs in the decode step (slower; for debugging a GPU problem)")
     serve.add_argument("--ssl-certfile", help="PEM certificate: serve HTTPS (vLLM's flag names)")

@@ -12,7 +12,7 @@ import logging
 from contracts.events import EngineStats, FinishReason
 from contracts.framing import (PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, read_message,
                                send_message)
-from contracts.messages import Abort, DecodeYield, Stats, Token
+from contracts.messages import Abort, DecodeYield, Speculate, Stats, Token
 from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
 
@@ -32,6 +32,7 @@ class EngineClient:
         self.stats: EngineStats | None = None
         self.closing = False  # set at shutdown: a dropped connection is then expected
         self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
+        self.speculation = True  # the policy tier in force allows speculative decoding
         # where this engine listens now, asked before each connection (a Ray actor moves when it restarts); None: fixed
         self.resolve = None  # async () -> address
         self.connect_timeout_s: float | None = None  # give up on an address after this long (then resolve again)
@@ -69,6 +70,8 @@ class EngineClient:
         self.writer, self.state, self.last_error = writer, "ready", None
         log.info("connected to the decode engine at %s", self.address)
         await self._send(DecodeYield(self.yield_to))  # a restarted engine must hear what is in prefill now
+        if not self.speculation:
+            await self._send(Speculate(False))  # ... and that the policy has speculation off
         try:
             await self._serve(reader)
         except ProtocolError as err:
@@ -90,6 +93,11 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> None:
         await self._send(Abort(request_id))
+
+    def speculation_changed(self, enabled: bool) -> None:
+        """The policy tier in force allows speculative decoding, or not (it costs batch compute under load)."""
+        self.speculation = enabled
+        spawn(self._send(Speculate(enabled)), "telling the engine whether to speculate", log)
 
     def prefill_priority_changed(self, priority: int | None) -> None:
         """The prefill pool's best priority changed; the engine's less important decode yields to it."""

@@ -36,6 +36,7 @@ class EngineGroup:
         self.registry = registry
         self.affinity = affinity or PrefixAffinity()
         self.yield_to: int | None = None
+        self.speculation = True
         self.num_affinity_hits = 0  # choices where a remembered prefix beat the least loaded engine
         for name, client in clients.items():
             client.owns = lambda request, name=name: request.engine == name
@@ -120,6 +121,11 @@ class EngineGroup:
         targets = [self.clients[engine]] if engine in self.clients else list(self.clients.values())
         for client in targets:
             await client.abort(request_id)
+
+    def speculation_changed(self, enabled: bool) -> None:
+        self.speculation = enabled
+        for client in self.clients.values():
+            client.speculation_changed(enabled)
 
     def prefill_priority_changed(self, priority: int | None) -> None:
         self.yield_to = priority

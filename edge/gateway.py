@@ -205,6 +205,8 @@ class Gateway:
         if (transition := self.enforcer.update_signals(signals)) is not None:
             m = self.metrics
             m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
+        if self.enforcer.speculation_allowed != self.engine.speculation:
+            self.engine.speculation_changed(self.enforcer.speculation_allowed)
 
     async def next_event(self, run: Run) -> TokenEvent:
         """The next engine event for this run. Prefill outcomes are absorbed; failures raise ApiError."""

@@ -40,7 +40,9 @@ def engine_args(config, model_path: str) -> list[str]:
             "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
             "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
             "--yield-to-prefill", config.decode_yields_to_prefill,
-            "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes)]
+            "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes),
+            "--prefix-caching", "on" if config.prefix_caching else "off", "--speculative", config.speculative,
+            "--num-speculative-tokens", str(config.num_speculative_tokens)]
     if config.kv_cache_tokens:
         args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
     args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]

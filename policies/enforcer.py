@@ -77,6 +77,12 @@ class PolicyEnforcer:
         return self.evaluator.update(signals, self.clock())
 
     @property
+    def speculation_allowed(self) -> bool:
+        """False while the tier in force turns speculative decoding off."""
+        index = self.evaluator.state.index
+        return index < 0 or self.policy.tiers[index].actions.speculative
+
+    @property
     def auth_required(self) -> bool:
         return bool(self.policy.keys)
 

@@ -151,10 +151,11 @@ class ActionsFile(Strict):
     shed_classes: ClassNames = []
     retry_after_s: int = Field(5, ge=1)
     kv_type: Literal["f16", "q8_0", "q4_0"] | None = None  # None keeps the configured KV type
+    speculative: bool = True  # false: speculative decoding off while the tier holds
 
     def build(self) -> TierActions:
         return TierActions(self.cap_max_tokens, self.logprobs, self.max_prompt_tokens, tuple(self.shed_classes),
-                           self.retry_after_s, self.kv_type or "")
+                           self.retry_after_s, self.kv_type or "", self.speculative)
 
 
 class TierFile(Strict):

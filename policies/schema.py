@@ -69,6 +69,8 @@ class TierActions:
     shed_classes: tuple[str, ...] = ()  # answered 429 with Retry-After
     retry_after_s: int = 5
     kv_type: str = ""  # "" keeps the configured KV type; "q4_0" halves KV handoff size again
+    speculative: bool = True  # False: no speculative decoding while the tier holds (engine-wide: drafts cost batch
+    # compute, which a loaded engine needs for its batch); not a per-class action
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ cap_max_tokens = 16
 logprobs = "refuse"
 shed_classes = ["batch"]
 retry_after_s = 7
+speculative = false
 """
 MODELS = {"small", "large"}
 
@@ -139,6 +140,17 @@ def test_peak_tier_sheds_and_refuses(enforcer):
     refused = rejection(enforcer, key="k-int", logprobs=2)
     assert refused.status == 503 and refused.code == "logprobs_unavailable"
     assert enforcer.decide(facts("k-vip", max_tokens=100), MODELS).max_tokens == 16
+
+
+def test_a_tier_turns_speculative_decoding_off_while_it_holds(enforcer):
+    assert enforcer.speculation_allowed
+    enforcer.update_signals({"kv_cache_usage": 0.6})
+    assert enforcer.speculation_allowed  # busy leaves it on
+    enforcer.update_signals({"kv_cache_usage": 0.95})
+    assert not enforcer.speculation_allowed
+    enforcer.update_signals({"kv_cache_usage": 0.1})
+    enforcer.update_signals({"kv_cache_usage": 0.1})
+    assert enforcer.speculation_allowed
 
 
 def test_back_to_normal_when_load_goes(enforcer):

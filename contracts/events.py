@@ -76,3 +76,5 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    prefix_cache_queries: int = 0  # prompt tokens of imports looked up in the pool's prefix cache (full blocks)
+    prefix_cache_hits: int = 0  # ... and found there, so not imported again

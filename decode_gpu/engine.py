@@ -323,7 +323,9 @@ class DecodeEngine:
             backlog_bytes=self.backlog.num_bytes, backlog_limit_bytes=self.backlog.limit_bytes,
             weight_dtype=self._weights[0], weight_bytes=self._weights[1],
             num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
-            num_spec_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=tuple(spec.accepted_per_pos))
+            num_spec_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=tuple(spec.accepted_per_pos),
+            prefix_cache_queries=self.blocks.num_cache_queries * self.blocks.block_size,
+            prefix_cache_hits=self.blocks.num_cache_hits * self.blocks.block_size)
 
     @property
     def _gate(self):

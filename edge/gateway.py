@@ -234,8 +234,8 @@ class Gateway:
             m.label(m.queue_time).observe(inflight.prefill_started_at - inflight.created)
             m.label(m.prefill_time).observe(inflight.handed_off_at - inflight.prefill_started_at)
         m.label(m.prompt_tokens).inc(done.num_prompt_tokens)
-        m.label(m.prefix_cache_queries).inc(done.num_prompt_tokens)
-        m.label(m.prefix_cache_hits).inc(done.cached_tokens)
+        m.label(m.prefix_cache_queries, where="worker").inc(done.num_prompt_tokens)
+        m.label(m.prefix_cache_hits, where="worker").inc(done.cached_tokens)
         m.label(m.handoff_bytes).observe(done.handoff_bytes)
         m.label(m.handoff_seconds).observe(done.handoff_ms / 1e3)
 
@@ -337,6 +337,13 @@ class Gateway:
         m.label(m.kv_blocks_total).set(total)
         m.label(m.kv_usage).set(used / total if total else 0.0)
         m.preemptions_seen = _advance_counter(m.label(m.preemptions), m.preemptions_seen, stats.num_preemptions)
+        totals = {"pool_queries": (m.label(m.prefix_cache_queries, where="pool"), stats.prefix_cache_queries),
+                  "pool_hits": (m.label(m.prefix_cache_hits, where="pool"), stats.prefix_cache_hits),
+                  "drafts": (m.label(m.spec_drafts), stats.num_spec_drafts),
+                  "draft_tokens": (m.label(m.spec_draft_tokens), stats.num_spec_draft_tokens),
+                  "accepted": (m.label(m.spec_accepted_tokens), stats.num_spec_accepted_tokens)}
+        for key, (counter, total) in totals.items():
+            m.engine_totals_seen[key] = _advance_counter(counter, m.engine_totals_seen.get(key, 0), total)
         m.label(m.decode_tps).set(stats.tokens_per_s)
         m.label(m.decode_yielded).set(stats.decode_yielded_s)
         m.label(m.tier).set(self.enforcer.evaluator.state.index + 1)

@@ -33,10 +33,17 @@ class Metrics:
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
                                       "Prefill on a worker, handoff sent included (the last try if preempted)",
                                       labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prompt cache",
-                                            labels, registry=r)
-        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prompt cache",
-                                         labels, registry=r)
+        # where: "worker" (llama.cpp's prompt cache: prefill skipped) or "pool" (the decode pool: import skipped)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in a prefix cache",
+                                            labels + ["where"], registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in a prefix cache",
+                                         labels + ["where"], registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative drafts verified", labels, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", labels,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,
+                                            registry=r)
+        self.engine_totals_seen: dict[str, int] = {}  # engine-side running totals when last mirrored into counters
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
         self.finished = Counter("vllm:request_success", "Finished requests by finish reason",

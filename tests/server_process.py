@@ -57,9 +57,11 @@ class ServerProcess:
     def health(self) -> dict:
         return httpx.get(self.base + "/health", timeout=5, verify=self.verify).json()
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """The first sample of `name` whose labels include `labels`."""
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
         for line in httpx.get(self.base + "/metrics", timeout=5, verify=self.verify).text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in wanted):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 

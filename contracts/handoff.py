@@ -12,8 +12,9 @@ import msgspec
 
 from contracts.kv_dtypes import kv_dtype
 
-HANDOFF_VERSION = 5  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...);
-# 4: n choices (SamplingParams.n, KVHandoff.other_choices); 5: sliding-window layers (KVLayout.swa_layers/swa_start)
+HANDOFF_VERSION = 6  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...);
+# 4: n choices (SamplingParams.n, KVHandoff.other_choices); 5: sliding-window layers (KVLayout.swa_layers/swa_start);
+# 6: KVHandoff.resume_index (recompute preemption)
 
 
 class HandoffFormatError(ValueError):
@@ -104,6 +105,9 @@ class KVHandoff:
     first_logprob: float | None = None  # log-probability of first_token, when sampling.logprobs is set
     first_top_logprobs: tuple[tuple[int, float], ...] = ()  # (token, logprob) alternatives, best first
     other_choices: tuple[FirstToken, ...] = ()  # choices 1 .. n-1: first tokens drawn from the same logits
+    # >= 0: not a new request but the recomputed KV of choice `resume_index` of one that is decoding, preempted by
+    # recompute: its prompt and output but the newest token (decode_gpu.scheduler, preemption_mode "recompute")
+    resume_index: int = -1
 
     @property
     def first_tokens(self) -> tuple[FirstToken, ...]:

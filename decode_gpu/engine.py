@@ -79,6 +79,8 @@ class DecodeEngine:
         self._throughput = _Throughput()
         self._grammars: Grammars | None = None  # built on the first structured request
         self.speculator = Speculator(config.speculative)
+        # sequences preempted by recompute whose tokens the engine's owner must have prefilled again (it drains this)
+        self.recompute_requests: list[Sequence] = []
         model = getattr(runner, "model", None)  # (test runners may have none)
         self._weights = (held_weight_dtype(model), weight_bytes(model)) if model is not None else ("", {})
 
@@ -97,7 +99,11 @@ class DecodeEngine:
         return min((s.priority for s in self.sequences if s.state is SeqState.RUNNING), default=None)
 
     def add(self, handoff: KVHandoff) -> list[TokenEvent]:
-        """Accept a handoff; its first tokens (sampled by the prefill worker) are reported at once."""
+        """Accept a handoff; its first tokens (sampled by the prefill worker) are reported at once. A recomputed
+        one (resume_index >= 0) brings a preempted choice back and reports nothing."""
+        if handoff.resume_index >= 0:
+            self.resume(handoff)
+            return []
         seq, events = self.open(handoff)
         if seq is not None:
             self.admit(seq)
@@ -133,6 +139,26 @@ class DecodeEngine:
         self.backlog.reserve(handoff.payload_bytes)
         root.handoff_bytes = handoff.payload_bytes
         return root, events
+
+    def resume(self, handoff: KVHandoff) -> None:
+        """The recomputed KV of a choice preempted by recompute: its prompt and output but the newest token, which it
+        feeds next. The worker's first token is the one the engine sampled already (or a draw it does not need)."""
+        seq = next((s for s in self.requests.get(handoff.request_id, []) if s.index == handoff.resume_index), None)
+        if seq is None or seq.state is not SeqState.RECOMPUTING:
+            raise HandoffRejectedError(f"no choice {handoff.resume_index} of request {handoff.request_id} is waiting "
+                                       f"for a recompute")
+        if tuple(handoff.prompt_tokens) != tuple(seq.tokens[:-1]):
+            raise HandoffRejectedError(f"the recompute of {seq.seq_id} holds {handoff.n_tokens} tokens that are not "
+                                       f"its {len(seq.tokens) - 1} tokens before the newest")
+        try:
+            check_handoff_matches(handoff, self.runner.identity)
+        except ValueError as err:
+            raise HandoffRejectedError(str(err)) from None
+        if not self.backlog.can_reserve(handoff.payload_bytes):
+            raise HandoffRejectedError(self.backlog.full_message(handoff.payload_bytes), code="engine_busy")
+        self.backlog.reserve(handoff.payload_bytes)
+        seq.handoff, seq.handoff_bytes = handoff, handoff.payload_bytes
+        self.scheduler.resume(seq)
 
     def _choice(self, handoff: KVHandoff, index: int, first_token: int) -> Sequence:
         seq_id = handoff.request_id if index == 0 else f"{handoff.request_id}#{index}"
@@ -200,6 +226,7 @@ class DecodeEngine:
         """Memory moves, then one forward, then batched sampling; appends to events as it goes, so that a
         failure part-way loses no event already made. Returns the tokens generated."""
         # seq id -> draft tokens, their KV slots reserved before the memory moves (which make any copy-on-write)
+        self.recompute_requests.extend(step.recompute)
         drafts = self.speculator.plan(step.decode, self.blocks, self.config.max_model_len, step.copies)
         failures = self.runner.prepare(step)  # [(seq id, why)]: this sequence's own move failed
         for seq, _ in step.imports:

@@ -135,7 +135,7 @@ class ModelRunner:
 
     def _import(self, seq: Sequence, blocks: list[int], cached: int) -> None:
         """Write the handoff's KV after its first `cached` positions, which the pool holds already."""
-        writer = PagedKVWriter(self.pool, blocks, seq.prompt_len, self.device, start=cached)
+        writer = PagedKVWriter(self.pool, blocks, seq.handoff.n_tokens, self.device, start=cached)
         import_handoff(seq.handoff, self.identity, writer, self.device, start=cached)
 
     def _swap_in(self, seq_id: str, blocks: list[int]) -> None:

@@ -17,6 +17,7 @@ from decode_gpu.block_manager import BlockCopy, BlockManager, prefix_hashes
 from decode_gpu.sequence import SeqState, Sequence
 
 
+PREEMPTION_MODES = ("swap", "recompute")
 OUT_OF_KV = "out of KV memory"  # how a sequence failed for want of blocks begins (load, not a fault)
 
 @dataclass(frozen=True)
@@ -24,6 +25,14 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # running sequences decoded together each step
     max_import_tokens: int = 8192  # prompt tokens imported from handoffs per step (bounds a step's latency)
     prefix_caching: bool = True  # share full prompt blocks between requests with the same prefix
+    # how a preempted sequence gives up its blocks: "swap" copies its KV to host memory; "recompute" frees it and asks
+    # for a prefill of its tokens (prompt and output but the newest) at its priority: the engine's owner must send
+    # that handoff back (KVHandoff.resume_index)
+    preemption_mode: str = "swap"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption_mode!r}")
 
 
 @dataclass
@@ -36,6 +45,7 @@ class ScheduledStep:
     copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write before a shared block is written
     decode: list[Sequence] = field(default_factory=list)  # feed each its newest token, sample the next
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # sequences that can never fit, and why
+    recompute: list[Sequence] = field(default_factory=list)  # preempted by recompute: their tokens need a prefill
 
 
 class Scheduler:
@@ -83,9 +93,17 @@ class Scheduler:
             self.finish(seq, "abort")
         return seq
 
+    def resume(self, seq: Sequence) -> None:
+        """A sequence preempted by recompute has its handoff back (seq.handoff): it waits for admission again."""
+        if seq.state is not SeqState.RECOMPUTING:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.state.value}, not waiting for a recompute")
+        seq.state = SeqState.WAITING
+        heapq.heappush(self.waiting, (seq.rank, seq))
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        """Does host swap space have room for this running sequence's blocks?"""
-        if self.max_swap_blocks is None:
+        """Does host swap space have room for this running sequence's blocks? (Always, when preempting by
+        recompute: nothing is copied.)"""
+        if self.max_swap_blocks is None or self.config.preemption_mode == "recompute":
             return True
         return self.num_swapped_blocks + len(self.blocks.block_tables[seq.seq_id]) <= self.max_swap_blocks
 
@@ -119,7 +137,9 @@ class Scheduler:
             seq = self.waiting[0][1]
             if seq.seq_id in self._swapped_this_step:
                 return  # it just lost its blocks; resuming it in the same step would only thrash
-            need = seq.num_cached + 1 if seq.state is SeqState.SWAPPED else seq.prompt_len + 1
+            # a waiting sequence imports its handoff: its prompt, or after a recompute its prompt and output
+            n_import = seq.handoff.n_tokens if seq.handoff is not None else seq.prompt_len
+            need = seq.num_cached + 1 if seq.state is SeqState.SWAPPED else n_import + 1
             need_blocks = self.blocks.blocks_for(need) + len(seq.forks)  # a fork copies the last block at once
             hashes = self._prefix_hashes(seq)
             if need_blocks > self.blocks.num_blocks:
@@ -135,9 +155,9 @@ class Scheduler:
                     return
                 continue
             if seq.state is SeqState.WAITING:
-                if step.imports and seq.prompt_len > import_budget:
+                if step.imports and n_import > import_budget:
                     return
-                import_budget -= seq.prompt_len
+                import_budget -= n_import
             heapq.heappop(self.waiting)
             blocks, cached = self.blocks.allocate_prefix(seq.seq_id, need, hashes)
             if seq.state is SeqState.SWAPPED:
@@ -146,10 +166,20 @@ class Scheduler:
             else:
                 step.imports.append((seq, list(blocks)))
                 step.cached_tokens[seq.seq_id] = cached
-                seq.num_cached = seq.prompt_len
+                seq.num_cached = n_import
             seq.state = SeqState.RUNNING
             self.running[seq.seq_id] = seq
             self._fork(seq, step)
+
+    def _preempt_by_recompute(self, victim: Sequence, step: ScheduledStep) -> None:
+        """Free the victim's blocks (its prompt's named blocks stay cached, so a recompute may find them) and ask
+        for its tokens to be prefilled again; it waits outside the queue until that handoff comes back."""
+        self.blocks.free(victim.seq_id)
+        del self.running[victim.seq_id]
+        victim.state, victim.num_cached = SeqState.RECOMPUTING, 0
+        step.recompute.append(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
 
     def _prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """The names of a waiting prompt's full blocks; none for a swapped sequence (its blocks come back from
@@ -160,7 +190,7 @@ class Scheduler:
                 or handoff.layout.swa_layers:
             return []
         salt = f"{handoff.layout.k_dtype}/{handoff.layout.v_dtype}"  # the KV values depend on the handoff's types
-        return prefix_hashes(seq.tokens[:seq.prompt_len], self.blocks.block_size, salt)
+        return prefix_hashes(handoff.prompt_tokens, self.blocks.block_size, salt)
 
     def _fork(self, seq: Sequence, step: ScheduledStep) -> None:
         """n > 1: the other choices share the prompt's blocks (copy-on-write); each copies the block its first
@@ -198,6 +228,9 @@ class Scheduler:
                                     f"(--swap-space-gib)"))
 
     def _preempt(self, victim: Sequence, step: ScheduledStep) -> None:
+        if self.config.preemption_mode == "recompute":
+            self._preempt_by_recompute(victim, step)
+            return
         blocks = self.blocks.block_tables[victim.seq_id]
         step.swap_out.append((victim.seq_id, list(blocks)))
         victim.num_swapped_blocks = len(blocks)

@@ -12,6 +12,7 @@ class SeqState(enum.Enum):
     WAITING = "waiting"  # handed off, KV not yet in the pool
     RUNNING = "running"  # KV in the pool, decoding each step
     SWAPPED = "swapped"  # preempted: KV copied to host memory, waiting to resume
+    RECOMPUTING = "recomputing"  # preempted: KV freed, waiting for a prefill worker's handoff of its tokens
     FINISHED = "finished"
 
 

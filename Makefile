@@ -62,12 +62,14 @@ gpu-check:
 bench-handoff: $(STAMP)
 	$(PY) -m bench.handoff_bench $(ARGS)
 
-# the engine against static and continuous batching, then prefix sharing, speculation and the int4 pool (docs/decode.md)
+# the engine against static and continuous batching, then prefix sharing, speculation, the int4 pool and preemption
+# by swap or recompute (docs/decode.md)
 bench-decode: $(STAMP)
 	$(PY) -m bench.decode_bench $(ARGS)
 	$(PY) -m bench.prefix_bench
 	$(PY) -m bench.spec_bench
 	$(PY) -m bench.kv_int4_bench
+	$(PY) -m bench.preemption_bench
 
 # llama.cpp's own server for the serving benchmark (built once, cached in ~/.cache/edge-llm)
 llama-server: $(STAMP)

@@ -11,10 +11,11 @@ policies at the bottom.
 """
 
 # Bumped whenever a frame's fields change; checked at the handshake, so a skewed peer is refused by name.
-PROTOCOL_VERSION = 8  # 3: SamplingParams output controls (penalties, logit_bias, min_p, min_tokens, ignore_eos);
+PROTOCOL_VERSION = 9  # 3: SamplingParams output controls (penalties, logit_bias, min_p, min_tokens, ignore_eos);
 # 4: n choices (SamplingParams.n, TokenEvent.index/choice_finish,
 # EngineStats.weight_dtype/weight_bytes); 5: the handoff's sliding-window layers (KVLayout.swa_layers/swa_start)
 # 6: PrefillJob.engine (the gateway chooses the decode engine per request)
 # 7: speculative decoding counters in EngineStats (num_spec_drafts/num_spec_draft_tokens/num_spec_accepted_tokens,
 # spec_accepted_per_pos)
 # 8: Speculate (gateway -> engine: a policy tier turns speculative decoding off)
+# 9: recompute preemption (Recompute, PrefillJob.resume_index, PrefillDone.resumed)

@@ -58,6 +58,9 @@ class PrefillJob:  # gateway -> prefill worker
     kv_type: str = ""  # "" -> the worker's configured KV type; a degradation tier may ask for "q4_0"
     max_total_tokens: int = 0  # prompt + max_tokens must fit this (the decode side's context); 0: unchecked
     engine: str = ""  # the decode engine's address to hand off to, chosen per request; "": the worker's own (--engine)
+    # >= 0: a recompute of choice `resume_index` of a request that is decoding (the engine preempted it): the
+    # handoff carries it back (KVHandoff.resume_index), and the gateway's request does not start again
+    resume_index: int = -1
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class PrefillDone:  # prefill worker -> gateway, after the handoff went to the e
     handoff_bytes: int
     handoff_ms: float  # export + encode + send
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prompt cache
+    resumed: bool = False  # the job was a recompute (PrefillJob.resume_index >= 0)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,15 @@ class Speculate:  # gateway -> decode engine: speculative decoding allowed now (
 
 
 @dataclass(frozen=True)
+class Recompute:  # decode engine -> gateway: prefill these tokens of a preempted choice again, at this priority
+    request_id: str
+    index: int  # the choice
+    tokens: tuple[int, ...]  # its prompt and output but the newest token (which it feeds next)
+    sampling: SamplingParams
+    priority: int
+
+
+@dataclass(frozen=True)
 class Token:  # decode engine -> gateway
     event: TokenEvent
 
@@ -134,5 +147,5 @@ class Stats:  # decode engine -> gateway, periodically
 
 
 MESSAGES = (Challenge, Hello, Welcome, Refused, PrefillJob, PrefillDone, PrefillFailed, CancelPrefill, WorkerStatus,
-            Heartbeat, Handoff, Abort, DecodeYield, Speculate, Token, Stats)
+            Heartbeat, Handoff, Abort, DecodeYield, Speculate, Recompute, Token, Stats)
 HEARTBEAT_INTERVAL_S = 1.0

@@ -25,7 +25,7 @@ from contracts.cpu_share import CpuShare
 from contracts.events import FinishReason, TokenEvent
 from contracts.framing import CONTROL_FRAME_BYTES, ProtocolError, accept_peer, pack, read_message
 from contracts.handoff import HandoffFormatError, decode_handoff
-from contracts.messages import Abort, DecodeYield, Handoff, Speculate, Stats, Token
+from contracts.messages import Abort, DecodeYield, Handoff, Recompute, Speculate, Stats, Token
 
 log = logging.getLogger("decode_gpu.server")
 STATS_INTERVAL_S = 0.5
@@ -66,6 +66,7 @@ class EngineService:
                     log.exception("decode step failed")
                     events = self.engine.fail_all(f"decode step failed: {err}")
                 self._publish(events)
+                self._ask_for_recomputes()
             if self.cpu_share is not None:
                 self.cpu_share.set_decoding(self.engine.best_running_priority)
             self.snapshot = self.engine.stats()
@@ -83,6 +84,8 @@ class EngineService:
             kind, payload = item
             if kind == "speculate":
                 self.engine.set_speculation(payload)
+            elif kind == "resume":
+                self._publish(self._resume(payload))
             else:
                 self._publish(self._admit(payload) if kind == "admit" else self._abort(*payload))
             try:
@@ -96,6 +99,22 @@ class EngineService:
             return []
         except HandoffRejectedError as err:
             return [TokenEvent.ending(seq.request_id, FinishReason.ERROR, str(err), seq.prompt_len, err.code)]
+
+    def _resume(self, handoff) -> list[TokenEvent]:
+        """A recompute came back: the preempted choice waits for admission again; one that does not fit ends."""
+        try:
+            self.engine.resume(handoff)
+            return []
+        except HandoffRejectedError as err:
+            return self._abort(handoff.request_id, f"recomputing a preempted request failed: {err}")
+
+    def _ask_for_recomputes(self) -> None:
+        """Sequences preempted by recompute: the gateway has their tokens prefilled again at their priority."""
+        asks = [Recompute(seq.request_id, seq.index, tuple(seq.tokens[:-1]), seq.sampling, seq.priority)
+                for seq in self.engine.recompute_requests]
+        self.engine.recompute_requests.clear()
+        if asks:
+            self.loop.call_soon_threadsafe(self._send_recomputes, asks)
 
     def _abort(self, request_id: str, error: str | None) -> list[TokenEvent]:
         event = self.engine.abort(request_id, error)
@@ -127,6 +146,9 @@ class EngineService:
         if request_id in self.aborted:  # the client went away while it was being prefilled
             del self.aborted[request_id]
             self._send_events([TokenEvent.ending(request_id, FinishReason.ABORT, num_prompt_tokens=handoff.n_tokens)])
+            return
+        if handoff.resume_index >= 0:  # a preempted choice's recompute: the engine thread takes it back
+            self.inbox.put(("resume", handoff))
             return
         try:
             if request_id in self.live:
@@ -162,6 +184,13 @@ class EngineService:
                 delivered = link.offer(frame, message) or delivered
             if not delivered:  # no gateway, or the only one was just dropped: it must not vanish
                 self._keep_ending(message)
+
+    def _send_recomputes(self, asks: list[Recompute]) -> None:
+        """To every gateway (there is one in practice); with none, the request has nobody to stream to anyway."""
+        for ask in asks:
+            frame = pack(ask)
+            if not any([link.offer(frame, ask) for link in list(self.links)]):
+                self._on_abort(ask.request_id, "no gateway to have a preempted request recomputed")
 
     def _frame(self, event: TokenEvent) -> tuple[Token, bytes] | None:
         """The event packed once for every gateway. One that cannot travel (text that msgpack refuses) ends its

@@ -58,7 +58,8 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
                          device, PriorityGate(enabled=yields))
     eos = tuple(t for t in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
                 if isinstance(t, int))
-    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching == "on")
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching == "on",
+                                preemption_mode=args.preemption_mode)
     config = EngineConfig(scheduler=scheduler, max_model_len=args.max_model_len,
                           max_backlog_bytes=args.max_backlog_bytes, swap_space_bytes=int(args.swap_space_gib * 2**30),
                           speculative=spec)
@@ -140,6 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "and seeded outputs are unchanged. A sequence whose drafts keep failing stops proposing")
     parser.add_argument("--num-speculative-tokens", type=int, default=4,
                         help="draft tokens verified per sequence and step at most (with --speculative ngram)")
+    parser.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"],
+                        help="a preempted sequence's KV: copied to host memory (swap), or freed and prefilled again by "
+                             "a prefill worker at its priority (recompute; needs the gateway, which sends it back)")
     parser.add_argument("--prefix-caching", default="on", choices=["on", "off"],
                         help="requests whose prompts start alike share the full KV blocks of the common prefix")
     parser.add_argument("--log-level", default="INFO")

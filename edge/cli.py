@@ -37,6 +37,8 @@ def main(argv=None) -> None:
                        help="speculative decoding: ngram drafts from the prompt and output, verified in one forward "
                             "(greedy and seeded outputs unchanged; docs/decode.md)")
     serve.add_argument("--num-speculative-tokens", type=int, help="draft tokens per sequence and step at most")
+    serve.add_argument("--preemption-mode", choices=["swap", "recompute"],
+                       help="a preempted decode sequence's KV: to host memory (swap) or prefilled again on a worker")
     serve.add_argument("--kv-storage", choices=["auto", "float32", "float16", "bfloat16", "int8", "int4"],
                        help="decode KV pool storage (int4: 0.59x int8's bytes, lower fidelity; docs/decode.md)")
     serve.add_argument("--enforce-eager", action="store_true", default=None,

@@ -62,6 +62,8 @@ class ServeConfig:
     max_model_len: int = 4096
     swap_space_gib: float = 4.0  # host memory for preempted decode sequences; 0: no preemption by swap
     prefix_caching: bool = True  # decode requests whose prompts start alike share the prefix's KV blocks
+    preemption_mode: str = "swap"  # swap | recompute: a preempted decode sequence's KV goes to host memory, or is
+    # freed and prefilled again by a worker at its priority (docs/decode.md)
     speculative: str = "off"  # off | ngram: prompt-lookup drafts verified in one forward (docs/decode.md)
     num_speculative_tokens: int = 4  # draft tokens per sequence and step at most
     max_backlog_bytes: int = 512 << 20  # KV handoff bytes waiting for decode admission; beyond: 503 engine_busy
@@ -88,7 +90,7 @@ CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu",
            "weight_dtype": ("auto", "bfloat16", "float16", "float32", "int8", "int4"),
            "decode_yields_to_prefill": ("auto", "on", "off"),
            "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8", "int4"),
-           "speculative": ("off", "ngram"),
+           "speculative": ("off", "ngram"), "preemption_mode": ("swap", "recompute"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
 BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "decode_engines": {"ge": 1},

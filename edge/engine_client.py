@@ -12,7 +12,7 @@ import logging
 from contracts.events import EngineStats, FinishReason
 from contracts.framing import (PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, read_message,
                                send_message)
-from contracts.messages import Abort, DecodeYield, Speculate, Stats, Token
+from contracts.messages import Abort, DecodeYield, Recompute, Speculate, Stats, Token
 from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
 
@@ -33,6 +33,7 @@ class EngineClient:
         self.closing = False  # set at shutdown: a dropped connection is then expected
         self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
         self.speculation = True  # the policy tier in force allows speculative decoding
+        self.on_recompute = lambda ask, client: None  # the gateway has a preempted choice prefilled again
         # where this engine listens now, asked before each connection (a Ray actor moves when it restarts); None: fixed
         self.resolve = None  # async () -> address
         self.connect_timeout_s: float | None = None  # give up on an address after this long (then resolve again)
@@ -118,6 +119,8 @@ class EngineClient:
                 self.registry.deliver(message.event.request_id, message.event)
             elif isinstance(message, Stats):
                 self.stats = message.stats
+            elif isinstance(message, Recompute):
+                self.on_recompute(message, self)
             else:
                 log.warning("ignoring an unexpected %s frame from the engine", type(message).__name__)
 

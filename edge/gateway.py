@@ -23,7 +23,8 @@ from edge.metrics import Metrics
 from edge.openai_api import ApiError, GenerateRequest
 from contracts.events import EngineStats, FinishReason, TokenEvent
 from contracts.handoff import SamplingParams
-from contracts.messages import ChatMessage, PrefillDone, PrefillFailed, PrefillJob
+from contracts.messages import ChatMessage, PrefillDone, PrefillFailed, PrefillJob, Recompute
+from contracts.tasks import spawn
 from edge.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.quota import key_id
@@ -102,6 +103,8 @@ class Gateway:
         self.ttft_window = TTFTWindow()
         self.shutting_down = False
         self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
+        for client in getattr(engine, "clients", {}).values():  # (tests may pass none)
+            client.on_recompute = self.recompute
 
     @property
     def ready(self) -> bool:
@@ -168,6 +171,24 @@ class Gateway:
             raise ApiError(400, str(err), code="invalid_value") from None
         return Run(inflight, request, decision, time.monotonic() + self.config.limits.request_timeout_s)
 
+    def recompute(self, ask: Recompute, client: EngineClient) -> None:
+        """The engine preempted a choice by recompute (preemption_mode "recompute"): have a worker prefill its tokens
+        again at its priority and hand them back to that engine. The request itself goes on decoding; if the
+        recompute cannot be queued, the engine ends the request."""
+        inflight = self.registry.get(ask.request_id)
+        job = PrefillJob(ask.request_id, dataclasses.replace(ask.sampling, n=1), ask.priority,
+                         prompt_tokens=ask.tokens, max_prompt_tokens=len(ask.tokens), resume_index=ask.index,
+                         engine="" if client is self.engine else client.address)  # one engine: the workers' own
+        try:
+            if inflight is None or inflight.status.terminal:
+                raise QueueFullError("the request has ended")
+            self.pool.submit(job)
+            log.info("recomputing choice %d of %s (%d tokens) at priority %d", ask.index, ask.request_id,
+                     len(ask.tokens), ask.priority)
+        except (QueueFullError, UnsendableJobError) as err:
+            log.warning("cannot recompute %s: %s; ending it", ask.request_id, err)
+            spawn(client.abort(ask.request_id), f"ending {ask.request_id}", log)
+
     def _not_ready_error(self) -> ApiError:
         """Loading at start; afterwards a component is restarting (or unreachable): say which."""
         never_ready = self.engine.state == "connecting" and all(w.info is None and w.stuck_count == 0
@@ -225,6 +246,8 @@ class Gateway:
                 return self._token(run, message)
 
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
+        if done.resumed:  # a recompute of a preempted choice: the request's own prefill is counted already
+            return
         inflight = run.inflight
         inflight.advance(RequestStatus.HANDED_OFF)
         # the engine sends the first token as the handoff lands, so it may overtake the worker's report

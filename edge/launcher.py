@@ -42,6 +42,7 @@ def engine_args(config, model_path: str) -> list[str]:
             "--yield-to-prefill", config.decode_yields_to_prefill,
             "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes),
             "--prefix-caching", "on" if config.prefix_caching else "off", "--speculative", config.speculative,
+            "--preemption-mode", config.preemption_mode,
             "--num-speculative-tokens", str(config.num_speculative_tokens)]
     if config.kv_cache_tokens:
         args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]

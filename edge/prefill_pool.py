@@ -264,7 +264,8 @@ class PrefillPool:
             entry = self._next_live_entry()
             if entry is None:
                 return
-            engine = self.choose_engine(entry.job.request_id)
+            # a recompute goes back to the engine that preempted it; a new prompt to the engine chosen now
+            engine = entry.job.engine if entry.job.resume_index >= 0 else self.choose_engine(entry.job.request_id)
             if engine is None:  # no engine ready: a worker's next message (a heartbeat at the latest) tries again
                 heapq.heappush(self.queue, entry)
                 return

@@ -159,10 +159,10 @@ class PrefillWorker:
             request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority)
             outcome = prefiller.prefill(request, should_cancel=should_cancel)
             started = time.perf_counter()
-            data = encode_handoff(outcome.handoff)
+            data = encode_handoff(replace(outcome.handoff, resume_index=job.resume_index))
             handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
             return data, PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data), handoff_ms,
-                                     cached_tokens=outcome.cached_tokens)
+                                     cached_tokens=outcome.cached_tokens, resumed=job.resume_index >= 0)
         except PrefillCancelledError as err:
             return PrefillFailed(job.request_id, "cancelled", str(err))
         except (BadPromptError, PromptTooLongError) as err:

@@ -97,3 +97,55 @@ def test_a_recompute_that_does_not_match_a_preempted_choice_is_refused(tiny):
 def test_an_unknown_preemption_mode_is_refused():
     with pytest.raises(ValueError, match="preemption_mode must be one of swap, recompute"):
         SchedulerConfig(preemption_mode="drop")
+
+
+SERVE = """
+kv_cache_tokens = 192
+max_model_len = 192
+preemption_mode = "recompute"
+prefix_cache_tokens = 1024
+"""
+# no degradation tiers: a busy tier on a loaded 2-core box would change the KV type and with it the text
+POLICY = """
+version = 1
+"""
+
+
+def test_edge_serve_recomputes_a_preempted_request_on_a_worker_and_it_finishes_with_its_own_text(tmp_path):
+    """Through the gateway: a background stream holds most of a 12-block pool; a more important request preempts it
+    by recompute; a worker prefills the background's prompt and output again, and both finish with every token.
+    The text after the preemption may differ from the text alone here: llama.cpp recomputes the output's KV with
+    the GGUF's Q4_1 weights, the engine had made it with its own int8/bfloat16 ones (the engine test above, with
+    the same float weights on both sides, holds the tokens to equality)."""
+    import threading
+
+    import httpx
+
+    from server_process import ServerProcess
+    server = ServerProcess(SERVE, tmp_path, POLICY).start()
+    try:
+        def complete(prompt: str, max_tokens: int, priority: int) -> int:
+            response = httpx.post(server.base + "/v1/completions", timeout=120, json={
+                "model": server.health()["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "priority": priority})
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["completion_tokens"]
+
+        background = "Write a long story about a lighthouse keeper who counts the ships that pass at night. " * 2
+        interactive = "List the steps to change a bicycle tire, one per line, with a short note for each step. " * 2
+        results = {}
+        thread = threading.Thread(target=lambda: results.setdefault("background", complete(background, 100, 5)))
+        thread.start()
+        assert wait_decoding(server)
+        results["interactive"] = complete(interactive, 60, 0)
+        thread.join(timeout=120)
+        assert results == {"background": 100, "interactive": 60}
+        assert server.metric("vllm:num_preemptions_total") >= 1
+        assert "recomputing choice 0 of" in server.log_path.read_text()
+    finally:
+        server.stop()
+
+
+def wait_decoding(server) -> bool:
+    from server_process import wait_for
+    return wait_for(lambda: server.metric("vllm:num_requests_running") >= 1, 30)

@@ -40,6 +40,7 @@ PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, 
     "engine_unavailable": (503, "server_error", "engine_unavailable"),
     "internal": (500, "server_error", "prefill_failed"),
     "cancelled": (499, "server_error", "cancelled"),
+    "recompute_failed": (503, "server_error", "kv_cache_full"),  # a preempted request could not be prefilled again
 }
 
 
@@ -174,20 +175,24 @@ class Gateway:
     def recompute(self, ask: Recompute, client: EngineClient) -> None:
         """The engine preempted a choice by recompute (preemption_mode "recompute"): have a worker prefill its tokens
         again at its priority and hand them back to that engine. The request itself goes on decoding; if the
-        recompute cannot be queued, the engine ends the request."""
+        recompute cannot be queued, the request ends with 503 (its handler then ends it in the engine too)."""
         inflight = self.registry.get(ask.request_id)
+        if inflight is None or inflight.status.terminal:  # it ended meanwhile: the engine must not keep waiting
+            spawn(client.abort(ask.request_id), f"ending {ask.request_id}", log)
+            return
         job = PrefillJob(ask.request_id, dataclasses.replace(ask.sampling, n=1), ask.priority,
                          prompt_tokens=ask.tokens, max_prompt_tokens=len(ask.tokens), resume_index=ask.index,
                          engine="" if client is self.engine else client.address)  # one engine: the workers' own
         try:
-            if inflight is None or inflight.status.terminal:
-                raise QueueFullError("the request has ended")
             self.pool.submit(job)
-            log.info("recomputing choice %d of %s (%d tokens) at priority %d", ask.index, ask.request_id,
-                     len(ask.tokens), ask.priority)
         except (QueueFullError, UnsendableJobError) as err:
-            log.warning("cannot recompute %s: %s; ending it", ask.request_id, err)
-            spawn(client.abort(ask.request_id), f"ending {ask.request_id}", log)
+            log.warning("cannot recompute %s: %s", ask.request_id, err)
+            self.registry.deliver(ask.request_id, PrefillFailed(
+                ask.request_id, "recompute_failed", f"the request was preempted for a more important one and could "
+                                                    f"not be queued again: {err}; retry shortly"))
+            return
+        log.info("recomputing choice %d of %s (%d tokens) at priority %d", ask.index, ask.request_id, len(ask.tokens),
+                 ask.priority)
 
     def _not_ready_error(self) -> ApiError:
         """Loading at start; afterwards a component is restarting (or unreachable): say which."""

@@ -103,11 +103,9 @@ def sliding_layers(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[boo
     """Which layers attend through a sliding window, as llama.cpp decides: an explicit per-layer array, or a
     pattern n where every n-th layer is global (Gemma 2: 2, Gemma 3: 6). All False for a family without SWA."""
     default_pattern = SWA_PATTERNS.get(arch)
-    window = reader.get_field(f"{arch}.attention.sliding_window")
-    if default_pattern is None or (window is not None and window.contents() == 0):
+    if default_pattern is None or metadata(reader, f"{arch}.attention.sliding_window") == 0:
         return [False] * n_layer
-    field = reader.get_field(f"{arch}.attention.sliding_window_pattern")
-    pattern = default_pattern if field is None else field.contents()
+    pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern", default_pattern)
     if isinstance(pattern, list):
         return [bool(x) for x in pattern]
     return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
@@ -115,18 +113,18 @@ def sliding_layers(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[boo
 
 def _check_features(reader: gguf.GGUFReader, path: str, arch: str) -> None:
     """Refuse, by name, what a supported family may use but the handoff or the decode model cannot follow."""
-    scaling = reader.get_field(f"{arch}.rope.scaling.type")
-    if scaling is not None and scaling.contents() not in ("none", "linear"):
-        raise UnsupportedModelError(f"{path}: {arch} with RoPE scaling {scaling.contents()!r} is not supported "
+    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(f"{path}: {arch} with RoPE scaling {scaling!r} is not supported "
                                     "(supported: none, linear, and Llama 3's rope_freqs)")
     names = {tensor.name for tensor in reader.tensors}
     if "rope_factors_long.weight" in names:
         raise UnsupportedModelError(f"{path}: {arch} with LongRoPE factors (rope_factors_long/short, the 128k-context "
                                     "variants) is not supported")
-    key_length, value_length = (reader.get_field(f"{arch}.attention.{k}_length") for k in ("key", "value"))
-    if key_length is not None and value_length is not None and key_length.contents() != value_length.contents():
-        raise UnsupportedModelError(f"{path}: {arch} with K head size {key_length.contents()} and V head size "
-                                    f"{value_length.contents()} is not supported (the KV pool needs them equal)")
+    key_length, value_length = (metadata(reader, f"{arch}.attention.{k}_length") for k in ("key", "value"))
+    if key_length is not None and value_length is not None and key_length != value_length:
+        raise UnsupportedModelError(f"{path}: {arch} with K head size {key_length} and V head size "
+                                    f"{value_length} is not supported (the KV pool needs them equal)")
 
 
 def _check_attention_shapes(reader: gguf.GGUFReader, path: str, n_layer: int, expected: dict) -> None:
@@ -146,13 +144,19 @@ def _check_attention_shapes(reader: gguf.GGUFReader, path: str, n_layer: int, ex
 _MISSING = object()
 
 
-def _field(reader: gguf.GGUFReader, key: str, path: str, default=_MISSING):
+def metadata(reader: gguf.GGUFReader, key: str, default=None):
+    """A GGUF metadata value, or `default` when the file has no such key."""
     field = reader.get_field(key)
-    if field is None:
+    return default if field is None else field.contents()
+
+
+def _field(reader: gguf.GGUFReader, key: str, path: str, default=_MISSING):
+    value = metadata(reader, key, _MISSING)
+    if value is _MISSING:
         if default is _MISSING:
             raise UnsupportedModelError(f"{path}: GGUF metadata lacks {key!r}")
         return default
-    return field.contents()
+    return value
 
 
 def file_fingerprint(path: str, chunk_bytes: int = 1 << 22) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from contracts.identity import DEFAULT_WINDOWS, sliding_layers
+from contracts.identity import DEFAULT_WINDOWS, metadata, sliding_layers
 
 ROPE_FREQS_KEY = "edge_rope_freqs"  # config.json field: the GGUF's rope_freqs (Llama 3.x), see apply_rope_freqs
 _LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models, whose query scale llama.cpp takes from n_embd
@@ -22,7 +22,7 @@ _LARGE_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models, whose quer
 def complete_config(config: PretrainedConfig, gguf_path: str) -> None:
     """Set, in place, every attention and RoPE setting of the family that the GGUF states or llama.cpp assumes."""
     reader = gguf.GGUFReader(gguf_path)
-    arch = _value(reader, "general.architecture")
+    arch = metadata(reader, "general.architecture")
     meta = _Metadata(reader, arch)
     n_embd, n_head = meta.get("embedding_length"), meta.get("attention.head_count")
     config.head_dim = meta.get("attention.key_length", n_embd // n_head)
@@ -82,15 +82,10 @@ class _Metadata:
         self.reader, self.arch = reader, arch
 
     def get(self, key: str, default=None):
-        return _value(self.reader, f"{self.arch}.{key}", default)
+        return metadata(self.reader, f"{self.arch}.{key}", default)
 
     def get_any(self, key: str, default=None):
-        return _value(self.reader, key, default)
-
-
-def _value(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+        return metadata(self.reader, key, default)
 
 
 def _tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray | None:

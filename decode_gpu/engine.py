@@ -132,13 +132,16 @@ class DecodeEngine:
         if not live:  # the last choice's end is the request's
             events[-1] = dataclasses.replace(events[-1], finish_reason=events[-1].choice_finish, choice_finish=None)
             return None, events
+        root, root.forks = live[0], live[1:]
+        self._hold(root, handoff)
+        return root, events
+
+    def _hold(self, seq: Sequence, handoff: KVHandoff) -> None:
+        """The sequence keeps its handoff until imported, its bytes counted in the backlog; a full backlog refuses it."""
         if not self.backlog.can_reserve(handoff.payload_bytes):
             raise HandoffRejectedError(self.backlog.full_message(handoff.payload_bytes), code="engine_busy")
-        root, root.forks = live[0], live[1:]
-        root.handoff = handoff
         self.backlog.reserve(handoff.payload_bytes)
-        root.handoff_bytes = handoff.payload_bytes
-        return root, events
+        seq.handoff, seq.handoff_bytes = handoff, handoff.payload_bytes
 
     def resume(self, handoff: KVHandoff) -> None:
         """The recomputed KV of a choice preempted by recompute: its prompt and output but the newest token, which it
@@ -150,14 +153,8 @@ class DecodeEngine:
         if tuple(handoff.prompt_tokens) != tuple(seq.tokens[:-1]):
             raise HandoffRejectedError(f"the recompute of {seq.seq_id} holds {handoff.n_tokens} tokens that are not "
                                        f"its {len(seq.tokens) - 1} tokens before the newest")
-        try:
-            check_handoff_matches(handoff, self.runner.identity)
-        except ValueError as err:
-            raise HandoffRejectedError(str(err)) from None
-        if not self.backlog.can_reserve(handoff.payload_bytes):
-            raise HandoffRejectedError(self.backlog.full_message(handoff.payload_bytes), code="engine_busy")
-        self.backlog.reserve(handoff.payload_bytes)
-        seq.handoff, seq.handoff_bytes = handoff, handoff.payload_bytes
+        self._check_model(handoff)
+        self._hold(seq, handoff)
         self.scheduler.resume(seq)
 
     def _choice(self, handoff: KVHandoff, index: int, first_token: int) -> Sequence:
@@ -359,11 +356,14 @@ class DecodeEngine:
         """The runner's PriorityGate, if it has one (test runners may not)."""
         return getattr(self.runner, "gate", None)
 
-    def _check_admissible(self, handoff: KVHandoff) -> None:
+    def _check_model(self, handoff: KVHandoff) -> None:
         try:
             check_handoff_matches(handoff, self.runner.identity)
         except ValueError as err:
             raise HandoffRejectedError(str(err)) from None
+
+    def _check_admissible(self, handoff: KVHandoff) -> None:
+        self._check_model(handoff)
         n, most = handoff.sampling.n, self.config.scheduler.max_num_seqs
         if n > most:
             raise HandoffRejectedError(f"n = {n} choices, this engine decodes at most {most} sequences together "

@@ -36,6 +36,8 @@ CPU = torch.device("cpu")
 
 
 def shared_prefix_handoffs(prefiller: Prefiller) -> list:
+    """N_REQUESTS greedy handoffs: one SYSTEM_TOKENS system prompt, then a question each (tests/test_prefix_caching.py
+    uses them too)."""
     system = prefiller.tokenize(SYSTEM * 10)[:SYSTEM_TOKENS]
     handoffs = []
     for i in range(N_REQUESTS):

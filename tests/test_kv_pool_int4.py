@@ -11,6 +11,8 @@ import torch
 from decode_gpu.kv_pool import (INT4_GROUP, KVPool, PoolShape, STORAGE_DTYPES, bytes_per_token, pack_int4,
                                 storage_fits, unpack_int4)
 from decode_gpu.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch
+from embedded_continuations import POSITIONS, PROMPTS, greedy_continuations
+from tiny_llama import greedy_tokens
 
 CPU = torch.device("cpu")
 BS = 16
@@ -114,12 +116,6 @@ def test_swap_out_and_in_and_copy_on_write_carry_the_scales():
 
 # ---- fidelity on the embedded model ----
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three laws of motion are", "To make a cup of tea, first", "Photosynthesis converts",
-           "SELECT name FROM users WHERE", "The best way to learn a language is"]
-POSITIONS = 32
-
-
 @pytest.fixture(scope="module")
 def embedded():
     """The embedded model in float32 with paged attention, its identity, and each prompt followed by the 32 tokens
@@ -129,12 +125,7 @@ def embedded():
     from prefill_cpu.embedded_model import embedded_model_path
     identity = read_gguf_identity(str(embedded_model_path()))
     model, tokenizer = load_decode_model(identity, CPU, torch.float32), load_tokenizer(identity)
-    runs = []
-    with torch.inference_mode():
-        for text in PROMPTS:
-            ids = torch.tensor([tokenizer(text).input_ids])
-            runs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=POSITIONS,
-                                       min_new_tokens=POSITIONS, do_sample=False, pad_token_id=0))
+    runs = greedy_continuations(model, tokenizer)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model, identity, runs
 
@@ -192,26 +183,13 @@ def test_engine_greedy_tokens_int4_against_int8(embedded, embedded_model_path):
                     for i, text in enumerate(PROMPTS)]
     finally:
         prefiller.close()
-    want, got = (engine_tokens(model, identity, handoffs, storage) for storage in ("int8", "int4"))
+    want, got = (greedy_tokens(model, identity, handoffs, "cpu", storage, kv_cache_tokens=2048)
+                 for storage in ("int8", "int4"))
     same = sum(want[h.request_id] == got[h.request_id] for h in handoffs)
     prefix = sum(_common_prefix(want[h.request_id], got[h.request_id]) for h in handoffs) / (len(handoffs) * POSITIONS)
     print(f"int4 vs int8 greedy: {same}/{len(handoffs)} requests identical, {prefix:.2f} of tokens before divergence")
     assert all(len(got[h.request_id]) == POSITIONS for h in handoffs)
     assert prefix >= 0.15
-
-
-def engine_tokens(model, identity, handoffs, storage: str) -> dict[str, list[int]]:
-    from decode_gpu.engine import DecodeEngine
-    from decode_gpu.model_runner import ModelRunner, RunnerConfig
-    runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=2048, kv_storage=storage), CPU)
-    engine = DecodeEngine(runner)
-    outputs: dict[str, list[int]] = {}
-    for event in [e for h in handoffs for e in engine.add(h)]:
-        outputs.setdefault(event.request_id, []).extend(event.token_ids)
-    while engine.has_work:
-        for event in engine.step():
-            outputs.setdefault(event.request_id, []).extend(event.token_ids)
-    return outputs
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

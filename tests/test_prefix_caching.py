@@ -10,17 +10,14 @@ import dataclasses
 import pytest
 import torch
 
-from contracts.handoff import SamplingParams
+from bench.prefix_bench import BLOCK, N_REQUESTS, SYSTEM_TOKENS, shared_prefix_handoffs
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model_loader import load_decode_model
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.scheduler import SchedulerConfig
-from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
+from prefill_cpu.prefiller import PrefillConfig, Prefiller
 
 CPU = torch.device("cpu")
-SYSTEM = ("You are the appliance's assistant. Answer in plain words, cite the manual's section numbers, never "
-          "invent a setting that the configuration reference does not list, and say so when you do not know. ")
-N_REQUESTS, SYSTEM_TOKENS, BLOCK = 16, 300, 16
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +25,7 @@ def shared_prefix(embedded_model_path):
     prefiller = Prefiller(PrefillConfig(embedded_model_path, n_ctx=512, n_threads=2, kv_type="f16",
                                         prefix_cache_tokens=512, prefix_cache_entries=2))
     try:
-        system = prefiller.tokenize(SYSTEM * 10)[:SYSTEM_TOKENS]
-        handoffs = []
-        for i in range(N_REQUESTS):
-            question = prefiller.tokenize(f" Question {i}: how do I change setting number {i * 7}?")
-            params = SamplingParams(temperature=0.0, max_tokens=8)
-            handoffs.append(prefiller.prefill(PrefillRequest(f"q{i:02d}", tuple(system + question), params)).handoff)
+        handoffs = shared_prefix_handoffs(prefiller)
         identity = prefiller.identity
     finally:
         prefiller.close()

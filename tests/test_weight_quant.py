@@ -10,6 +10,7 @@ from torch import nn
 
 from decode_gpu.weight_quant import (Int4Linear, Int8Embedding, Int8Linear, held_weight_dtype, quantize_model,
                                      weight_bytes)
+from embedded_continuations import POSITIONS, greedy_continuations
 from tiny_llama import TINY_LLAMA, greedy_tokens, handoff
 
 CPU = torch.device("cpu")
@@ -78,12 +79,6 @@ def test_the_engine_decodes_quantized_weights_as_transformers_generate_does(weig
     assert greedy_tokens(model, identity, handoffs, "cpu", "float32") == expected
 
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three laws of motion are", "To make a cup of tea, first", "Photosynthesis converts",
-           "SELECT name FROM users WHERE", "The best way to learn a language is"]
-POSITIONS = 32
-
-
 @pytest.fixture(scope="module")
 def reference():
     """The embedded model in float32, and for each prompt: the prompt + its own 32-token greedy continuation, and
@@ -93,14 +88,8 @@ def reference():
     from prefill_cpu.embedded_model import embedded_model_path
     identity = read_gguf_identity(str(embedded_model_path()))
     model, tokenizer = load_decode_model(identity, CPU, torch.float32), load_tokenizer(identity)
-    runs = []
     with torch.inference_mode():
-        for text in PROMPTS:
-            ids = torch.tensor([tokenizer(text).input_ids])
-            ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=POSITIONS,
-                                 min_new_tokens=POSITIONS, do_sample=False, pad_token_id=0)
-            runs.append((ids, _logprobs(model, ids)))
-    return model, runs
+        return model, [(ids, _logprobs(model, ids)) for ids in greedy_continuations(model, tokenizer)]
 
 
 def _logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -33,11 +33,12 @@ def handoff(model, identity, request_id: str, prompt: list[int]):
                      sampling=SamplingParams(temperature=0.0, max_tokens=6 + len(prompt) % 3))
 
 
-def greedy_tokens(model, identity, handoffs, device: str, storage: str, **runner_config) -> dict[str, list[int]]:
+def greedy_tokens(model, identity, handoffs, device: str, storage: str, kv_cache_tokens: int = 256,
+                  **runner_config) -> dict[str, list[int]]:
     """Every request's tokens, the first (the handoff's) included, from an engine run to the end."""
     from decode_gpu.engine import DecodeEngine
     from decode_gpu.model_runner import ModelRunner, RunnerConfig
-    config = RunnerConfig(kv_cache_tokens=256, kv_storage=storage, **runner_config)
+    config = RunnerConfig(kv_cache_tokens=kv_cache_tokens, kv_storage=storage, **runner_config)
     runner = ModelRunner(model, identity, config, torch.device(device))
     engine = DecodeEngine(runner)
     outputs: dict[str, list[int]] = {}

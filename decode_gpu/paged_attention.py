@@ -18,7 +18,7 @@ import importlib.util
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,8 @@ class PagedBatch:
     # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
     decode_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's first n_blocks pool blocks
     decode_mask: torch.Tensor | None = None  # [n_seqs, 1, 1, n_blocks * block_size] True inside the context
+    # the torch path's masks cut to a sliding window, by window: built by the first sliding layer of the forward
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 @functools.cache
@@ -203,13 +205,7 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
         return _torch_decode_attention(paged, layer, q, scale, extras)
     k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, q.dtype)  # [n_seqs, max_ctx, num_kv_heads, head_dim]
     q_seq = q[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
-    mask = paged.query_mask  # [n_seqs, max_query, max_ctx]
-    if extras.window:
-        max_q, max_ctx = mask.shape[1:]
-        query_pos = (paged.context_lens - paged.query_lens)[:, None] + torch.arange(max_q, device=q.device)  # [n_seqs, max_q]
-        key_pos = torch.arange(max_ctx, device=q.device)  # [max_ctx]
-        in_window = key_pos[None, None, :] > query_pos[:, :, None] - extras.window  # [n_seqs, max_q, max_ctx]
-        mask = mask & (in_window | ~paged.query_valid[:, :, None])  # padded rows keep their one key
+    mask = _mask(paged, extras.window)  # [n_seqs, max_query, max_ctx]
     out = _attend(q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),  # [n_seqs, heads, len, head_dim]
                   mask[:, None], scale, extras.softcap)  # [n_seqs, n_heads, max_query, head_dim]
     out = out.transpose(1, 2)  # [n_seqs, max_query, n_heads, head_dim]
@@ -226,12 +222,30 @@ def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scal
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:]).transpose(1, 2)  # [n_seqs, kv_heads, span, head_dim]
     v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:]).transpose(1, 2)
-    mask = paged.decode_mask  # [n_seqs, 1, 1, span]
-    if extras.window:  # the query sits at context_len - 1
-        span = torch.arange(mask.shape[-1], device=q.device)  # [span]
-        mask = mask & (span[None, :] >= paged.context_lens[:, None] - extras.window)[:, None, None]
+    mask = _mask(paged, extras.window)  # [n_seqs, 1, 1, span]
     out = _attend(q[:, :, None], k_ctx, v_ctx, mask, scale, extras.softcap)  # [n_seqs, n_heads, 1, head_dim]
     return out[:, :, 0]
+
+
+def _mask(paged: PagedBatch, window: int | None) -> torch.Tensor:
+    """The torch path's mask (decode: [n_seqs, 1, 1, span]; else [n_seqs, max_query, max_ctx]), cut to the last
+    `window` positions of each query: once per forward, shared by every sliding layer."""
+    decode = paged.decode_blocks is not None
+    mask = paged.decode_mask if decode else paged.query_mask
+    if not window:
+        return mask
+    if window not in paged.window_masks:
+        if decode:  # the query sits at context_len - 1
+            span = torch.arange(mask.shape[-1], device=mask.device)  # [span]
+            cut = mask & (span[None, :] >= paged.context_lens[:, None] - window)[:, None, None]
+        else:
+            max_q, max_ctx = mask.shape[1:]
+            query_pos = (paged.context_lens - paged.query_lens)[:, None] + torch.arange(max_q, device=mask.device)  # [n_seqs, max_q]
+            key_pos = torch.arange(max_ctx, device=mask.device)  # [max_ctx]
+            in_window = key_pos[None, None, :] > query_pos[:, :, None] - window  # [n_seqs, max_q, max_ctx]
+            cut = mask & (in_window | ~paged.query_valid[:, :, None])  # padded rows keep their one key
+        paged.window_masks[window] = cut
+    return paged.window_masks[window]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -184,13 +184,20 @@ class Scheduler:
     def _prefix_hashes(self, seq: Sequence) -> list[bytes]:
         """The names of a waiting prompt's full blocks; none for a swapped sequence (its blocks come back from
         host memory), without prefix caching, or for a model with sliding-window layers, whose imported blocks
-        hold zeros outside the request's own window."""
+        hold zeros outside the request's own window. Hashed once per handoff: a waiter is looked at every step."""
         handoff = seq.handoff
         if seq.state is not SeqState.WAITING or not self.config.prefix_caching or handoff is None \
                 or handoff.layout.swa_layers:
             return []
         salt = f"{handoff.layout.k_dtype}/{handoff.layout.v_dtype}"  # the KV values depend on the handoff's types
-        return prefix_hashes(handoff.prompt_tokens, self.blocks.block_size, salt)
+        # keyed by what names the tokens (a recompute's handoff holds more of the sequence's tokens than its prompt),
+        # not by the handoff itself, which must not outlive its import
+        key = (handoff.n_tokens, salt)
+        hashed_for, hashes = seq.meta.get("prefix_hashes", (None, []))
+        if hashed_for != key:
+            hashes = prefix_hashes(handoff.prompt_tokens, self.blocks.block_size, salt)
+            seq.meta["prefix_hashes"] = (key, hashes)
+        return hashes
 
     def _fork(self, seq: Sequence, step: ScheduledStep) -> None:
         """n > 1: the other choices share the prompt's blocks (copy-on-write); each copies the block its first

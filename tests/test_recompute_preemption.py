@@ -149,3 +149,31 @@ def test_edge_serve_recomputes_a_preempted_request_on_a_worker_and_it_finishes_w
 def wait_decoding(server) -> bool:
     from server_process import wait_for
     return wait_for(lambda: server.metric("vllm:num_requests_running") >= 1, 30)
+
+
+def test_a_recompute_that_cannot_be_queued_ends_its_request_with_503_saying_why():
+    """A full prefill queue: the handler gets a 503 kv_cache_full naming the preemption, not a silent abort."""
+    from contracts.messages import PrefillFailed, Recompute
+    from edge.config import ServeConfig
+    from edge.engine_client import EngineClient
+    from edge.gateway import Gateway
+    from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
+    from edge.metrics import Metrics
+    from edge.prefill_pool import QueueFullError
+    from policies.enforcer import PolicyEnforcer
+    from policies.schema import Policy
+
+    class FullPool:
+        def submit(self, job):
+            raise QueueFullError("the prefill queue is full (4 prompts waiting)")
+
+    registry = InFlightRegistry()
+    engine = EngineClient("unix:/nowhere", registry, b"")
+    gateway = Gateway(ServeConfig(), "m", FullPool(), engine, registry, Metrics("m"), PolicyEnforcer(Policy("test")))
+    assert engine.on_recompute == gateway.recompute
+    registry.add(InFlight("r", priority=5, status=RequestStatus.DECODING))
+    engine.on_recompute(Recompute("r", 0, (1, 2, 3), SamplingParams(), 5), engine)
+    failed = registry.get("r").events.get_nowait()
+    assert isinstance(failed, PrefillFailed) and failed.kind == "recompute_failed"
+    error = gateway._prefill_error(failed)
+    assert (error.status, error.code) == (503, "kv_cache_full") and "could not be queued again" in error.message

@@ -204,7 +204,10 @@ class PrefillPool:
         entry, worker.current, worker.preempting = worker.current, None, False
         restarted = self.on_stuck(worker.name)
         request = self.registry.get(entry.job.request_id) if entry is not None else None
-        if request is not None and request.status == RequestStatus.PREFILLING:
+        # its own prefill, or a recompute of a preempted choice (the request is decoding meanwhile)
+        waiting = request is not None and (request.status == RequestStatus.PREFILLING
+                                           or entry.job.resume_index >= 0 and not request.status.terminal)
+        if waiting:
             if restarted:  # it is killed, so it cannot hand this prompt off as well: another worker takes it
                 heapq.heappush(self.queue, entry)
             else:

@@ -175,8 +175,11 @@ def test_an_unsendable_job_is_refused_alone_and_the_queue_keeps_going():
     assert [entry.job.request_id for entry in pool.queue] == ["good"]
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["prefill", "recompute"])
 @pytest.mark.parametrize("killed", [True, False])
-def test_a_silent_worker_is_declared_stuck_and_its_job_moves_or_fails(tmp_path, killed):
+def test_a_silent_worker_is_declared_stuck_and_its_job_moves_or_fails(tmp_path, killed, recompute):
+    """A request's own prefill, or the recompute of its preempted choice (the request is decoding meanwhile):
+    either goes to another worker, or fails the request at once, never waiting for its deadline."""
     async def status_then_silence(reader, writer, hello):
         await send_message(writer, WorkerStatus("w0", "fp", 4096, "q8_0", 49152))
         await reader.read()  # reads the job, never answers, never beats
@@ -190,9 +193,10 @@ def test_a_silent_worker_is_declared_stuck_and_its_job_moves_or_fails(tmp_path, 
             pool.on_stuck = lambda name: stuck.append(name) or killed
             task = asyncio.create_task(pool.run())
             await until(lambda: pool.num_ready == 1)
-            request = InFlight("r1", 0)
+            request = InFlight("r1", 0, status=RequestStatus.DECODING if recompute else RequestStatus.WAITING)
             registry.add(request)
-            pool.submit(_job("r1"))
+            pool.submit(PrefillJob("r1", SamplingParams(max_tokens=4), 0, prompt_tokens=(1, 2, 3),
+                                   max_prompt_tokens=3, resume_index=0) if recompute else _job("r1"))
             await until(lambda: stuck)
             failure = request.events.get_nowait() if not request.events.empty() else None
             queued = [entry.job.request_id for entry in pool.queue]

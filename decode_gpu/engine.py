@@ -19,7 +19,7 @@ from decode_gpu.sampler import SampledRow, sample_rows
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow, resolve_seed
 from decode_gpu.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
 from decode_gpu.sequence import SeqState, Sequence
-from decode_gpu.speculative import SpecConfig, Speculator, accepted_length
+from decode_gpu.speculative import SpecConfig, Speculator, StepCosts, accepted_length
 from decode_gpu.structured import Grammars
 from decode_gpu.weight_quant import held_weight_dtype, weight_bytes
 from contracts.grammar import GrammarError
@@ -64,7 +64,9 @@ class _Throughput:
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(), tokenizer=None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), step_costs: StepCosts | None = None) -> None:
+        """step_costs: speculative decoding's cost model, if already measured for this runner's model and device
+        (otherwise the runner measures it here, when speculation is configured)."""
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer
@@ -78,7 +80,10 @@ class DecodeEngine:
         self._arrivals = itertools.count()
         self._throughput = _Throughput()
         self._grammars: Grammars | None = None  # built on the first structured request
-        self.speculator = Speculator(config.speculative)
+        spec = config.speculative
+        if spec.enabled and spec.planned and step_costs is None:  # measured once, before any request
+            step_costs = runner.step_costs(config.scheduler.max_num_seqs, spec.num_speculative_tokens)
+        self.speculator = Speculator(spec, step_costs)
         # sequences preempted by recompute whose tokens the engine's owner must have prefilled again (it drains this)
         self.recompute_requests: list[Sequence] = []
         model = getattr(runner, "model", None)  # (test runners may have none)

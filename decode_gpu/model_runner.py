@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,23 @@ from decode_gpu.sampler import sample_rows
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow
 from decode_gpu.scheduler import ScheduledStep
 from decode_gpu.sequence import Sequence
+from decode_gpu.speculative import StepCosts, measurement_rows
 from decode_gpu.step_inputs import StepInputs
 from contracts.handoff import SamplingParams
 from contracts.identity import GGUFIdentity
 
 log = logging.getLogger(__name__)
 PROFILE_LOGPROBS = 20  # the profiling forward samples with this many top logprobs, OpenAI's maximum
+COST_CONTEXT = 256  # the context of the dummy sequences speculative decoding's cost model is measured on
+
+
+@dataclass
+class _Probe:
+    """A dummy sequence for measuring a step (what forward and verify read of a Sequence)."""
+    seq_id: str
+    tokens: list[int]
+    num_cached: int
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,6 +192,58 @@ class ModelRunner:
         out = self.model(input_ids=ids_and_positions[:1], position_ids=ids_and_positions[1:], paged=paged,
                          use_cache=False)
         return out.logits[0].float()
+
+    @torch.inference_mode()
+    def step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5) -> StepCosts:
+        """What a plain step and a verify step cost by rows fed (speculative decoding plans its drafts with it),
+        measured before any request: dummy sequences of CONTEXT tokens (fewer when the pool is small) write
+        into the pool's blocks, which nothing holds yet; a verify of r rows feeds 1 + num_draft tokens per
+        sequence. Each point is the median of `reps` forwards after a warm-up."""
+        bs = self.pool.shape.block_size
+        limit = max_num_seqs * (1 + num_draft)
+        per_seq = max(1, min(-(-(COST_CONTEXT + 1 + num_draft) // bs), self.num_blocks // max_num_seqs))
+        context = max(1, per_seq * bs - 1 - num_draft)
+
+        def probes(n: int) -> tuple[list[_Probe], dict[str, list[int]]]:
+            seqs = [_Probe(str(i), [0] * (context + 1 + num_draft), context) for i in range(n)]
+            return seqs, {p.seq_id: [(i * per_seq + b) % self.num_blocks for b in range(per_seq)]
+                          for i, p in enumerate(seqs)}
+
+        def plain(rows: int) -> float:
+            seqs, tables = probes(rows)
+            return self._median_ms(lambda: self.forward(seqs, tables), reps)
+
+        def verify(rows: int, n: int | None = None) -> float:
+            """rows fed by n sequences (by default as few as can feed them), all but the last as many as can"""
+            seqs, tables = probes(n or -(-rows // (1 + num_draft)))
+            width = -(-rows // len(seqs))
+            drafts = [[0] * (width - 1) for _ in seqs]
+            drafts[-1] = drafts[-1][:rows - 1 - (len(seqs) - 1) * width]
+            return self._median_ms(lambda: self.verify(seqs, tables, drafts), reps)
+
+        started = time.perf_counter()
+        # what a sequence more costs: 2 rows a sequence against 1 + num_draft, for the same rows
+        many = min(max_num_seqs, limit // 2)
+        few = -(-2 * many // (1 + num_draft))
+        seq_ms = max(0.0, (verify(2 * many, many) - verify(2 * many)) / (many - few)) if many > few else 0.0
+        costs = StepCosts(tuple((r, plain(r)) for r in measurement_rows(max_num_seqs)),
+                          tuple((r, verify(r)) for r in measurement_rows(limit) if r > 1), 1 + num_draft, seq_ms)
+        log.info("speculative decoding's cost model, ms by rows fed (context %d), measured in %.1f s: %s", context,
+                 time.perf_counter() - started, costs.describe())
+        return costs
+
+    def _median_ms(self, forward, reps: int) -> float:
+        """The median of `reps` timed runs after a warm-up: what a step in a run of many costs (the best of them
+        would be optimistic)."""
+        forward()  # warm-up
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            forward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - started)
+        return sorted(times)[len(times) // 2] * 1e3
 
     def _before_forward(self, seqs: list[Sequence]) -> None:
         """Thread count (decode on the CPU next to llama.cpp prefill) and the priority the gate waits with."""

@@ -43,7 +43,7 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
                          f"model's dtype; set one of the two")
     dtype = resolve_dtype(args.weight_dtype if float_weights else args.dtype, device)
     spec = spec_config(args)
-    model, _ = load_weights(identity, device, dtype, args.weight_dtype, args.max_num_seqs)
+    model, _ = load_weights(identity, device, dtype, args.weight_dtype, spec.max_rows(args.max_num_seqs))
     tokenizer = load_tokenizer(identity)
     # decode and llama.cpp prefill share the cores only when decode runs on the CPU
     yields = args.yield_to_prefill == "on" or (args.yield_to_prefill == "auto" and device.type == "cpu")

@@ -1,4 +1,4 @@
-"""N-gram (prompt lookup) speculative decoding: draft proposals, per-sequence adaptivity, counters (no torch).
+"""N-gram (prompt lookup) speculative decoding: draft proposals, a cost model of the step, counters (no torch).
 
 A sequence's draft is what followed the most recent earlier occurrence of its last n tokens (n from
 `prompt_lookup_max` down to `prompt_lookup_min`), in its prompt or its output so far: no draft model. The engine
@@ -9,9 +9,14 @@ accepted with probability p(d), and on rejection the draw is distributed as p wi
 the draw is the one the plain step makes, the output equals the non-speculative output token for token, greedy
 or seeded (given the same logits: a forward of another shape may round differently).
 
-Speculation costs batch compute, so each sequence estimates how likely its draft tokens are to be accepted and
-proposes only as many as are likely enough; one whose drafts keep failing stops proposing, and probes again
-after a back-off that doubles each time a probe fails.
+Speculation costs compute, and how much depends on the device and the weights: on a GPU a forward of a few more
+rows costs almost nothing; on a CPU with int8 weights each row costs nearly as much as the first. So the step is
+planned against a cost model measured once at start-up (StepCosts: a forward's milliseconds by the rows it feeds).
+Each sequence estimates the chance that its next draft token is accepted (from its recent drafts, decayed); the
+planner takes draft tokens in order of their expected worth (the chance that they and the ones before them are
+accepted) as long as expected tokens per millisecond rise, and drafts nothing when the plain step makes more. A
+sequence whose drafts keep failing is left out; its estimate drifts back towards the optimistic prior while it
+does not draft, so it probes again later.
 """
 
 from __future__ import annotations
@@ -31,16 +36,14 @@ class SpecConfig:
     num_speculative_tokens: int = 4  # K: draft tokens verified per step at most (--num-speculative-tokens)
     prompt_lookup_max: int = 4  # the longest suffix n-gram looked up
     prompt_lookup_min: int = 2  # the shortest: one-token matches are mostly chance in prose
-    # what verifying one draft token costs, as a share of a plain step at batch 1. A plain step's cost is shared
-    # by its batch, a draft token's is not: a draft token is verified only while the chance that it and the ones
-    # before it are accepted is at least draft_cost x batch size; below that for a single token, a sequence stops
-    # proposing ... On the 2-core CPU with int8 weights one draft token costs 3.3 ms against a 24 ms step at batch
-    # 1, but a batch of 4 feeding 8 tokens instead of 4 costs 49 ms instead of 29 (the int8 kernel's cost grows
-    # with rows): 0.25 keeps batches of 4 and more from speculating there, past a first try and rare probes
-    draft_cost: float = 0.25
-    decay: float = 0.7  # ... its acceptance estimated from recent steps, older ones weighing less by this factor
-    backoff_steps: int = 8  # ... for this many steps, doubling after each probe that fails
-    max_backoff_steps: int = 128
+    decay: float = 0.7  # a sequence's acceptance is estimated from recent drafts, older ones weighing less by this
+    # factor, starting from one optimistic pseudo-trial (accepted); while it does not draft, its estimate moves back
+    # towards that by this factor a step, so that it is tried again
+    recovery: float = 0.9
+    # a plan with drafts must promise this much more tokens per ms than the plain step: acceptance estimates run
+    # optimistic (a copy ends without warning), and a plan that only breaks even costs the same and risks more
+    margin: float = 0.15
+    planned: bool = True  # plan drafts against the measured StepCosts; False: every proposal is drafted in full
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -54,6 +57,54 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "off"
+
+    def max_rows(self, max_num_seqs: int) -> int:
+        """The most rows one step may feed: every sequence its newest token and K draft tokens."""
+        return max_num_seqs * (1 + self.num_speculative_tokens if self.enabled else 1)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a forward costs, in ms, by the rows it feeds: `plain` for one token per sequence (the static step, a
+    CUDA graph's replay where there are graphs), `verify` for the ragged multi-token step, measured with `width`
+    rows per sequence (the last one fewer). Each is (rows, ms) points, ascending; linear between them, and past the
+    last along the last segment's slope. A verify step of more sequences for the same rows costs `seq_ms` more
+    for each (their own attention and metadata)."""
+    plain: tuple[tuple[int, float], ...]
+    verify: tuple[tuple[int, float], ...]
+    width: int = 1
+    seq_ms: float = 0.0
+
+    def plain_ms(self, rows: int) -> float:
+        return _interpolate(self.plain, rows)
+
+    def verify_ms(self, rows: int, seqs: int) -> float:
+        return _interpolate(self.verify, rows) + self.seq_ms * max(0, seqs - -(-rows // self.width))
+
+    def describe(self) -> str:
+        return "; ".join(f"{name} " + " ".join(f"{rows}:{ms:.1f}" for rows, ms in points)
+                         for name, points in (("plain", self.plain), ("verify", self.verify))) + \
+            f"; {self.seq_ms:.2f} a sequence more"
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], rows: int) -> float:
+    if len(points) == 1:
+        return points[0][1]
+    i = next((i for i in range(1, len(points)) if rows <= points[i][0]), len(points) - 1)
+    (r0, t0), (r1, t1) = points[i - 1], points[i]
+    return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+
+
+def measurement_rows(limit: int, cap: int = 64) -> list[int]:
+    """Where a cost curve is measured: every count up to 6 (the int8/float switch of the CPU's weights lies
+    there), then about 1.5x apart, up to `limit` or `cap` (past it, extrapolated)."""
+    top, rows, r = min(limit, cap), [], 1
+    while r < top:
+        rows.append(r)
+        r = r + 1 if r < 6 else int(r * 1.5)
+    if rows and top - rows[-1] < rows[-1] // 4:
+        rows.pop()  # too close to the top to tell apart
+    return rows + [top]
 
 
 class NgramIndex:
@@ -102,41 +153,50 @@ def accepted_length(draft: Seq[int], sampled: Seq[int]) -> int:
 
 @dataclass
 class DraftState:
-    """One sequence's proposer and its adaptivity."""
+    """One sequence's proposer and its acceptance estimate."""
     index: NgramIndex
     accepted: float = 1.0  # draft tokens accepted, and tried (up to and including the first rejected one), in
-    tried: float = 1.0  # recent steps, older steps decayed; one optimistic pseudo-trial to start from
-    idle_steps: int = 0  # steps left before the next probe while speculation is off for this sequence
-    backoff: int = 0  # the length of the last back-off; 0 once a draft is accepted whole
+    tried: float = 1.0  # recent drafts, older ones decayed; one optimistic pseudo-trial to start from
 
     @property
     def acceptance(self) -> float:
         """The estimated chance that a draft token is accepted, given that the ones before it were."""
         return self.accepted / self.tried
 
-    def draft_length(self, config: SpecConfig, batch: int) -> int:
-        """The longest draft (up to K) whose last token is still likely enough to be accepted in a batch of this
-        size; 0 while backing off, or when not even one token is (then the sequence backs off)."""
-        if self.idle_steps > 0:
-            self.idle_steps -= 1
-            return 0
-        k, reach, bar = 0, self.acceptance, config.draft_cost * batch
-        while k < config.num_speculative_tokens and reach >= bar:
-            k, reach = k + 1, reach * self.acceptance
-        if k == 0:
-            self._back_off(config)
-        return k
-
     def record(self, num_drafted: int, num_accepted: int, config: SpecConfig) -> None:
         self.accepted = config.decay * self.accepted + num_accepted
         self.tried = config.decay * self.tried + num_accepted + (num_accepted < num_drafted)
-        if num_accepted == num_drafted:
-            self.backoff = 0
 
-    def _back_off(self, config: SpecConfig) -> None:
-        self.backoff = min(config.max_backoff_steps, 2 * self.backoff or config.backoff_steps)
-        self.idle_steps = self.backoff - 1  # this step is the first
-        self.accepted = self.tried = 1.0  # the probe after the back-off starts afresh
+    def rest(self, config: SpecConfig) -> None:
+        """A step without a draft: the estimate moves back towards the optimistic start (one pseudo-trial,
+        accepted)."""
+        self.accepted = config.recovery * self.accepted + (1 - config.recovery)
+        self.tried = config.recovery * self.tried + (1 - config.recovery)
+
+
+def plan_drafts(proposals: list[list[int]], acceptance: list[float], costs: StepCosts | None,
+                margin: float = 0.0) -> list[int]:
+    """How many tokens of each proposal to verify this step, for the most expected tokens per ms.
+
+    A draft token's expected worth is the chance that it and every one before it are accepted (acceptance ** j
+    for the j-th). Tokens are taken best first, which keeps each sequence's a prefix of its proposal, and the
+    step takes the count that maximizes (batch + expected accepted) / verify_ms(batch + count, batch); it drafts nothing
+    unless that beats batch / plain_ms(batch) by `margin`. Without costs, everything is drafted."""
+    if costs is None:
+        return list(map(len, proposals))
+    batch = len(proposals)
+    worth = sorted((-(a ** j), i, j) for i, (proposal, a) in enumerate(zip(proposals, acceptance))
+                   for j in range(1, len(proposal) + 1))
+    best, best_rate, expected = 0, (1 + margin) * batch / costs.plain_ms(batch), float(batch)
+    for n, (neg_worth, _, _) in enumerate(worth, 1):
+        expected -= neg_worth
+        rate = expected / costs.verify_ms(batch + n, batch)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    lengths = [0] * batch
+    for _, i, _ in worth[:best]:
+        lengths[i] += 1
+    return lengths
 
 
 @dataclass
@@ -160,8 +220,9 @@ class SpecCounters:
 class Speculator:
     """The engine's drafts: which sequences propose this step, with how many tokens, and what came of it."""
 
-    def __init__(self, config: SpecConfig) -> None:
+    def __init__(self, config: SpecConfig, costs: StepCosts | None = None) -> None:
         self.config = config
+        self.costs = costs if config.planned else None
         self.enabled = config.enabled  # a policy may turn speculation off under load, and on again
         self.counters = SpecCounters()
 
@@ -174,32 +235,35 @@ class Speculator:
         at its end)."""
         if not self.enabled:
             return {}
+        proposals = [self._proposal(seq, max_model_len) for seq in seqs]
+        lengths = plan_drafts(proposals, [self._state(seq).acceptance for seq in seqs], self.costs, self.config.margin)
         drafts = {}
-        for seq in seqs:
-            draft = self._proposal(seq, max_model_len, len(seqs))
-            if draft and self._reserve(seq, len(draft), blocks, len(seqs), copies):
-                drafts[seq.seq_id] = draft
+        for seq, proposal, k in zip(seqs, proposals, lengths):
+            if k and self._reserve(seq, k, blocks, len(seqs), copies):
+                drafts[seq.seq_id] = proposal[:k]
+            elif seq.state is SeqState.RUNNING:
+                self._state(seq).rest(self.config)
         return drafts
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         self.counters.record(num_drafted, num_accepted)
-        seq.meta["draft"].record(num_drafted, num_accepted, self.config)
+        self._state(seq).record(num_drafted, num_accepted, self.config)
 
-    def _proposal(self, seq: Sequence, max_model_len: int, batch: int) -> list[int]:
-        """As many tokens as are likely to be accepted, up to K; none for structured outputs (the grammar matcher
-        would have to take drafts and roll them back) or while the sequence backs off."""
-        if seq.state is not SeqState.RUNNING or seq.meta.get("matcher") is not None:
-            return []
+    def _state(self, seq: Sequence) -> DraftState:
         if "draft" not in seq.meta:
             seq.meta["draft"] = DraftState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
-        state: DraftState = seq.meta["draft"]
+        return seq.meta["draft"]
+
+    def _proposal(self, seq: Sequence, max_model_len: int) -> list[int]:
+        """Up to K tokens; none for structured outputs (the grammar matcher would have to take drafts and roll
+        them back)."""
+        if seq.state is not SeqState.RUNNING or seq.meta.get("matcher") is not None:
+            return []
         # a step makes up to 1 + K tokens and feeds positions up to len(tokens) - 1 + K: within max_tokens and
         # max_model_len
-        limit = min(seq.sampling.max_tokens - len(seq.output_tokens) - 1, max_model_len - len(seq.tokens))
-        if limit <= 0:
-            return []
-        k = min(limit, state.draft_length(self.config, batch))
-        return state.index.propose(seq.tokens, k) if k > 0 else []
+        limit = min(seq.sampling.max_tokens - len(seq.output_tokens) - 1, max_model_len - len(seq.tokens),
+                    self.config.num_speculative_tokens)
+        return self._state(seq).index.propose(seq.tokens, limit) if limit > 0 else []
 
     @staticmethod
     def _reserve(seq: Sequence, num_draft: int, blocks: BlockManager, spare: int, copies: list[BlockCopy]) -> bool:

@@ -18,10 +18,12 @@ from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.sampler import sample
 from decode_gpu.sampling_params import SamplingBatch, SamplingRow
 from decode_gpu.server import parse_args, spec_config
-from decode_gpu.speculative import DraftState, NgramIndex, SpecConfig, accepted_length, propose_ngram
+from decode_gpu.speculative import (DraftState, NgramIndex, SpecConfig, StepCosts, accepted_length, measurement_rows,
+                                    plan_drafts, propose_ngram)
 from tiny_llama import handoff, tiny_engine_setup
 
-NGRAM = SpecConfig(method="ngram", num_speculative_tokens=4)
+# every proposal drafted in full (no cost model): the tests of exactness and accounting want drafts every step
+NGRAM = SpecConfig(method="ngram", num_speculative_tokens=4, planned=False)
 REPETITIVE = [5, 6, 7, 8, 9, 10, 11, 12] * 4
 
 
@@ -31,11 +33,12 @@ def tiny():
     return model, identity, handoffs, handoff(model, identity, "rep", REPETITIVE)
 
 
-def _engine(tiny, spec: SpecConfig = SpecConfig(), kv_tokens: int = 512, **config) -> DecodeEngine:
+def _engine(tiny, spec: SpecConfig = SpecConfig(), kv_tokens: int = 512, step_costs: StepCosts | None = None,
+            **config) -> DecodeEngine:
     model, identity = tiny[:2]
     runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=kv_tokens, kv_storage="float32"),
                          torch.device("cpu"))
-    return DecodeEngine(runner, EngineConfig(speculative=spec, **config))
+    return DecodeEngine(runner, EngineConfig(speculative=spec, **config), step_costs=step_costs)
 
 
 def _run(engine: DecodeEngine, handoffs) -> dict[str, list[int]]:
@@ -93,22 +96,79 @@ def test_accepted_length_is_the_prefix_the_target_draws_confirm():
     assert accepted_length([], [3]) == 0
 
 
-def test_drafts_shrink_as_acceptance_falls_then_stop_and_probe_again_with_doubling_waits():
-    config = SpecConfig(method="ngram", num_speculative_tokens=4, draft_cost=0.175, decay=0.5, backoff_steps=2,
-                        max_backoff_steps=4)
+# --- planning drafts against the cost model -----------------------------------------------------------------
+FLAT = StepCosts(plain=((1, 10.0), (8, 10.0)), verify=((2, 10.0), (40, 10.0)), width=5)  # a GPU's small batches
+LINEAR = StepCosts(plain=((1, 10.0), (8, 80.0)), verify=((2, 20.0), (40, 400.0)), width=5)  # every row costs alike
+# a CPU with int8 weights up to 4 rows and float above (the embedded model here, rounded): 5 rows cost much more
+STEPPED = StepCosts(plain=((1, 20.0), (4, 25.0), (5, 38.0), (8, 40.0)),
+                    verify=((2, 23.0), (4, 26.0), (5, 38.0), (20, 44.0), (40, 54.0)), width=5, seq_ms=1.0)
+
+
+def test_the_cost_model_interpolates_extrapolates_and_charges_for_sequences():
+    assert STEPPED.plain_ms(1) == 20.0 and STEPPED.plain_ms(3) == pytest.approx(23.33, abs=0.01)
+    assert STEPPED.verify_ms(12, 3) == pytest.approx(38 + 6 * 7 / 15)  # 3 sequences feed 12 rows as measured
+    assert STEPPED.verify_ms(12, 4) == pytest.approx(STEPPED.verify_ms(12, 3) + 1.0)  # one more sequence
+    assert STEPPED.verify_ms(60, 12) == pytest.approx(64.0)  # past the last point, along the last slope
+    assert measurement_rows(8) == [1, 2, 3, 4, 5, 6, 8]
+    assert measurement_rows(160) == [1, 2, 3, 4, 5, 6, 9, 13, 19, 28, 42, 64]  # capped at 64
+    assert measurement_rows(1) == [1]
+
+
+def test_drafts_are_planned_for_the_most_tokens_per_ms():
+    proposals = [[1, 2, 3, 4]] * 2
+    assert plan_drafts(proposals, [0.5, 0.5], FLAT) == [4, 4]  # verifying costs nothing more: draft all
+    assert plan_drafts(proposals, [0.95, 0.95], LINEAR) == [0, 0]  # every row costs a step's row: never pays
+    # alone, 3 draft tokens stay under the 5-row step of the CPU's weights; a 4th token is not worth 38 ms
+    assert plan_drafts([[1, 2, 3, 4]], [0.9], STEPPED) == [3]
+    assert plan_drafts([[1, 2, 3, 4]], [0.1], STEPPED) == [0]  # unlikely drafts: the plain step makes more
+    # a row costs a fifth of a step: the likelier sequence's whole draft pays, the other's first token does not
+    fifth = StepCosts(plain=((1, 10.0), (8, 10.0)), verify=((2, 10.0), (3, 12.0)), width=5)
+    assert plan_drafts([[1, 2, 3, 4], [5, 6, 7, 8]], [0.3, 0.95], fifth) == [0, 4]
+    assert plan_drafts([[1, 2], []], [0.9, 0.9], FLAT) == [2, 0]
+    assert plan_drafts(proposals, [0.5, 0.5], None) == [4, 4]  # no cost model: everything
+    # a plan that only breaks even is not taken once a margin is asked for
+    even = StepCosts(plain=((1, 10.0), (2, 10.0)), verify=((2, 15.0), (10, 15.0)), width=5)
+    assert plan_drafts([[1]], [0.6], even) == [1] and plan_drafts([[1]], [0.6], even, margin=0.1) == [0]
+
+
+def test_acceptance_falls_with_rejections_and_recovers_while_a_sequence_rests():
+    config = SpecConfig(method="ngram", decay=0.5, recovery=0.5)
     state = DraftState(NgramIndex(2, 4))
-    assert state.draft_length(config, batch=2) == 4  # optimistic at first
+    assert state.acceptance == 1.0  # optimistic at first
     state.record(4, 1, config)  # 1 accepted of 2 tried: (0.5 + 1) / (0.5 + 2) = 0.6
     assert state.acceptance == pytest.approx(0.6)
-    assert state.draft_length(config, batch=2) == 2  # 0.6 ** 2 >= 0.175 x 2 > 0.6 ** 3
-    assert state.draft_length(config, batch=1) == 3  # alone, a draft token costs less: 0.6 ** 3 >= 0.175 > 0.6 ** 4
-    state.record(2, 0, config)  # 0.75 / 2.25 = 0.33 < 0.35: this step and the next propose nothing, then a probe
-    assert [state.draft_length(config, batch=2) for _ in range(3)] == [0, 0, 4]
-    state.record(4, 0, config)
-    state.record(4, 0, config)  # the probe fails: off for 4 steps (the cap)
-    assert [state.draft_length(config, batch=2) for _ in range(5)] == [0] * 4 + [4]
-    state.record(4, 4, config)  # a draft accepted whole: the back-off starts over
-    assert state.backoff == 0 and state.draft_length(config, batch=2) == 4
+    state.record(2, 0, config)  # (0.75 + 0) / (1.25 + 1) = 0.33
+    assert state.acceptance == pytest.approx(1 / 3)
+    rested = []
+    for _ in range(4):
+        state.rest(config)
+        rested.append(state.acceptance)
+    assert rested == sorted(rested) and rested[-1] > 0.9  # back towards the optimistic start: tried again
+
+
+def test_a_plan_drafts_only_where_the_cost_model_says_it_pays(tiny):
+    """Through the engine: with every row as dear as a plain step's, nothing is drafted; with verification free,
+    every step of a repetitive prompt drafts. The tokens are the same either way."""
+    request = _with(tiny[3], max_tokens=40)
+    planned = dataclasses.replace(NGRAM, planned=True)
+    plain = _run(_engine(tiny), [request])
+    for costs, drafts in ((LINEAR, False), (FLAT, True)):
+        engine = _engine(tiny, planned, step_costs=costs)
+        assert _run(engine, [request]) == plain
+        assert (engine.stats().num_spec_drafts > 0) == drafts
+
+
+def test_the_engine_measures_its_cost_model_at_start_and_its_output_is_unchanged(tiny):
+    """The measurement writes dummy K/V into blocks nothing owns yet: the requests after it decode as before."""
+    request = _with(tiny[3], max_tokens=40)
+    engine = _engine(tiny, SpecConfig(method="ngram", num_speculative_tokens=4))
+    costs = engine.speculator.costs
+    assert [rows for rows, _ in costs.plain] == measurement_rows(engine.config.scheduler.max_num_seqs)
+    assert [rows for rows, _ in costs.verify] == [r for r in measurement_rows(engine.config.scheduler.max_num_seqs * 5)
+                                                  if r > 1]
+    assert all(ms > 0 for _, ms in costs.plain + costs.verify) and costs.seq_ms >= 0 and costs.width == 5
+    assert engine.blocks.num_used_blocks == 0
+    assert _run(engine, [request]) == _run(_engine(tiny), [request])
 
 
 # --- the acceptance rule against its target distribution ----------------------------------------------------

@@ -152,8 +152,8 @@ class ModelRunner:
 
     def _swap_in(self, seq_id: str, blocks: list[int]) -> None:
         saved = self.swap_space.pop(seq_id)
-        # a sequence may come back with fewer blocks than it left with: blocks reserved for a draft it had not
-        # grown into, which hold only stale K/V past its context (speculative decoding)
+        # it left with the blocks holding its KV (Scheduler._holding_kv) and comes back with room for its next token
+        # too, which may be a block more
         n = min(len(blocks), saved[0].shape[0])
         self.pool.write_blocks(blocks[:n], [rows[:n] for rows in saved])
 

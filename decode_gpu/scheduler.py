@@ -105,7 +105,12 @@ class Scheduler:
         recompute: nothing is copied.)"""
         if self.max_swap_blocks is None or self.config.preemption_mode == "recompute":
             return True
-        return self.num_swapped_blocks + len(self.blocks.block_tables[seq.seq_id]) <= self.max_swap_blocks
+        return self.num_swapped_blocks + self._holding_kv(seq) <= self.max_swap_blocks
+
+    def _holding_kv(self, seq: Sequence) -> int:
+        """How many of a running sequence's blocks hold its KV: the rest are reserved for positions it has not
+        written (a draft's, or the next token's), and are not worth copying to host memory."""
+        return self.blocks.blocks_for(seq.num_cached)
 
     def _remove(self, seq: Sequence, keep_names: bool = True) -> None:
         if self.running.pop(seq.seq_id, None) is None:
@@ -238,7 +243,7 @@ class Scheduler:
         if self.config.preemption_mode == "recompute":
             self._preempt_by_recompute(victim, step)
             return
-        blocks = self.blocks.block_tables[victim.seq_id]
+        blocks = self.blocks.block_tables[victim.seq_id][:self._holding_kv(victim)]
         step.swap_out.append((victim.seq_id, list(blocks)))
         victim.num_swapped_blocks = len(blocks)
         self.num_swapped_blocks += len(blocks)

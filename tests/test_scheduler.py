@@ -73,6 +73,27 @@ def test_high_priority_arrival_preempts_lower_priority_when_blocks_are_short():
     assert outputs["background"] == expected_tokens(list(range(3, 23)), 8)
 
 
+def test_a_swapped_sequence_takes_only_the_blocks_holding_its_kv_to_host_memory():
+    """Blocks reserved past a sequence's KV (a draft's positions, speculative decoding) are freed, not copied."""
+    engine, runner = make_engine(num_blocks=10, block_size=4)
+    outputs = {}
+    add(engine, outputs, "background", list(range(3, 13)), max_tokens=8, priority=10)  # 10 tokens: 3 blocks
+    step(engine, outputs)
+    seq = engine.requests["background"][0]
+    engine.blocks.append("background", seq.num_cached + 1 + 8)  # a draft's reservation: 2 blocks more
+    holding = engine.blocks.blocks_for(seq.num_cached)
+    assert len(engine.blocks.block_tables["background"]) == holding + 2
+    add(engine, outputs, "interactive", list(range(30, 50)), max_tokens=4, priority=0)  # needs 6 blocks
+    scheduled = engine.scheduler.schedule()
+    assert [(seq_id, len(blocks)) for seq_id, blocks in scheduled.swap_out] == [("background", holding)]
+    assert engine.scheduler.num_swapped_blocks == seq.num_swapped_blocks == holding
+    runner.prepare(scheduled)
+    for rid, more in run_to_completion(engine).items():
+        outputs[rid].extend(more)
+    assert outputs["background"] == expected_tokens(list(range(3, 13)), 8)
+    assert engine.scheduler.num_swapped_blocks == 0 and not runner.swap_space
+
+
 def test_abort_frees_blocks_at_every_stage():
     engine, runner = make_engine(num_blocks=10, block_size=4)
     outputs = {}

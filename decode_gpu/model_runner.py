@@ -196,7 +196,7 @@ class ModelRunner:
     @torch.inference_mode()
     def step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5) -> StepCosts:
         """What a plain step and a verify step cost by rows fed (speculative decoding plans its drafts with it),
-        measured before any request: dummy sequences of CONTEXT tokens (fewer when the pool is small) write
+        measured before any request: dummy sequences of COST_CONTEXT tokens (fewer when the pool is small) write
         into the pool's blocks, which nothing holds yet; a verify of r rows feeds 1 + num_draft tokens per
         sequence. Each point is the median of `reps` forwards after a warm-up."""
         bs = self.pool.shape.block_size

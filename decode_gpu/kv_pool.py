@@ -4,10 +4,11 @@ int8: q8_0-style, one float16 scale per 32 elements, codes in [-127, 127]. int4:
 2i in the low nibble, 2i + 1 in the high one), one float16 (scale, minimum) pair per 32 elements, value =
 code * scale + minimum with codes in [0, 15]. Chosen by teacher-forced fidelity on the embedded SmolLM2
 (top-1 agreement / mean KL against float32 storage over 256 positions, codes simulated in the attention):
-asymmetric groups of 32 0.92 / 0.048 (the pool itself: 0.90 / 0.045, tests/test_kv_pool_int4.py);
+asymmetric groups of 32 0.92 / 0.048 (the pool itself, unrotated: 0.90 / 0.045, tests/test_kv_pool_int4.py);
 symmetric q4_0-style codes in groups of 32 0.86 / 0.093, in groups of 16 (the same bytes as ours) 0.87 / 0.062;
 asymmetric groups of 64 0.84 / 0.146, of 16 0.89 / 0.033 (a fifth more bytes). K after RoPE is what suffers
-(V alone in int4: 0.97 / 0.008). A head of 64 is 40 bytes against int8's 68: 0.59x.
+(V alone in int4: 0.97 / 0.008), so int4 K is stored rotated (rotate_k; queries are rotated alike), as llama.cpp
+does: the pool then gives 0.93 / 0.036. A head of 64 is 40 bytes against int8's 68: 0.59x.
 
 Created and owned by the model runner; every tensor here lives on the runner's device.
 """
@@ -18,6 +19,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from decode_gpu.kv_import import unrotate
 
 log = logging.getLogger(__name__)
 INT8_GROUP = 32  # elements sharing one scale in int8 storage (q8_0-style)
@@ -67,6 +70,8 @@ class KVPool:
             raise ValueError(f"{shape.storage} KV storage needs a head size divisible by {QUANT_GROUPS[shape.storage]}")
         self.shape = shape
         self.int4 = shape.storage == "int4"
+        # int4 K is stored rotated, which spreads a few large channels over the group (head_dim is a multiple of 32)
+        self.k_rotation = shape.head_dim & -shape.head_dim if self.int4 else 0
         row = shape.head_dim // 2 if self.int4 else shape.head_dim  # int4: two codes a byte
         dims = (shape.num_blocks, shape.block_size, shape.num_kv_heads, row)
         dtype = STORAGE_DTYPES[shape.storage]
@@ -83,9 +88,18 @@ class KVPool:
                  shape.num_blocks, shape.block_size, shape.num_blocks * shape.block_size, shape.storage,
                  shape.num_blocks * shape.block_size * shape.bytes_per_token() / 2**20, device)
 
+    def rotate_k(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, heads, head_dim] in the basis K is stored in (an int4 pool's: each run of k_rotation elements
+        times the orthonormal Walsh-Hadamard H; a query rotated alike gives the same scores, H being orthonormal and
+        symmetric); unchanged for other storages."""
+        if not self.k_rotation:
+            return x
+        return unrotate(x.float(), self.k_rotation).to(x.dtype)
+
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """slots: [n] flat pool slots (block * block_size + offset); keys, values: [n, num_kv_heads, head_dim]."""
-        self._store(self.k[layer], self.k_scale[layer] if self.k_scale else None, slots, keys)
+        """slots: [n] flat pool slots (block * block_size + offset); keys, values: [n, num_kv_heads, head_dim].
+        An int4 pool stores the keys rotated (rotate_k): gather and gather_blocks give them back that way."""
+        self._store(self.k[layer], self.k_scale[layer] if self.k_scale else None, slots, self.rotate_k(keys))
         self._store(self.v[layer], self.v_scale[layer] if self.v_scale else None, slots, values)
 
     def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -164,6 +164,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     new_k = _unit_last_stride(key[0].transpose(0, 1))  # [n_new, num_kv_heads, head_dim]
     new_v = _unit_last_stride(value[0].transpose(0, 1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = paged.pool.rotate_k(q)  # into the basis the pool keeps K in (int4), which leaves every score as it was
     extras = _Extras(sliding_window or None, softcap or None)
     attend = _triton_attention if paged.backend == "triton" else _torch_attention
     return attend(paged, module.layer_idx, q, new_k, new_v, scale, extras)[None], None
@@ -183,7 +184,7 @@ def _triton_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: tor
     pool = paged.pool
     k_scales = pool.k_scale[layer] if pool.k_scale else None
     v_scales = pool.v_scale[layer] if pool.v_scale else None
-    store_kv(pool.k[layer], pool.v[layer], k_scales, v_scales, paged.slot_mapping, new_k, new_v)
+    store_kv(pool.k[layer], pool.v[layer], k_scales, v_scales, paged.slot_mapping, pool.rotate_k(new_k), new_v)
     return attend(q, pool.k[layer], pool.v[layer], k_scales, v_scales, paged.block_tables, paged.context_lens,
                   paged.query_start, paged.query_lens, paged.max_query_len, paged.num_splits, scale,
                   window=extras.window, softcap=extras.softcap)

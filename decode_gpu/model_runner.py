@@ -198,7 +198,9 @@ class ModelRunner:
         """What a plain step and a verify step cost by rows fed (speculative decoding plans its drafts with it),
         measured before any request: dummy sequences of COST_CONTEXT tokens (fewer when the pool is small) write
         into the pool's blocks, which nothing holds yet; a verify of r rows feeds 1 + num_draft tokens per
-        sequence. Each point is the median of `reps` forwards after a warm-up."""
+        sequence. Each point is the median of `reps` forwards after a warm-up, taken in rounds over every point,
+        so that a burst of other work on the machine (a prefill worker starting on the same cores) lands on
+        all of them alike rather than on a few."""
         bs = self.pool.shape.block_size
         limit = max_num_seqs * (1 + num_draft)
         per_seq = max(1, min(-(-(COST_CONTEXT + 1 + num_draft) // bs), self.num_blocks // max_num_seqs))
@@ -209,41 +211,47 @@ class ModelRunner:
             return seqs, {p.seq_id: [(i * per_seq + b) % self.num_blocks for b in range(per_seq)]
                           for i, p in enumerate(seqs)}
 
-        def plain(rows: int) -> float:
+        def plain(rows: int):
             seqs, tables = probes(rows)
-            return self._median_ms(lambda: self.forward(seqs, tables), reps)
+            return lambda: self.forward(seqs, tables)
 
-        def verify(rows: int, n: int | None = None) -> float:
+        def verify(rows: int, n: int | None = None):
             """rows fed by n sequences (by default as few as can feed them), all but the last as many as can"""
             seqs, tables = probes(n or -(-rows // (1 + num_draft)))
             width = -(-rows // len(seqs))
             drafts = [[0] * (width - 1) for _ in seqs]
             drafts[-1] = drafts[-1][:rows - 1 - (len(seqs) - 1) * width]
-            return self._median_ms(lambda: self.verify(seqs, tables, drafts), reps)
+            return lambda: self.verify(seqs, tables, drafts)
 
         started = time.perf_counter()
+        plain_rows, verify_rows = measurement_rows(max_num_seqs), [r for r in measurement_rows(limit) if r > 1]
         # what a sequence more costs: 2 rows a sequence against 1 + num_draft, for the same rows
         many = min(max_num_seqs, limit // 2)
         few = -(-2 * many // (1 + num_draft))
-        seq_ms = max(0.0, (verify(2 * many, many) - verify(2 * many)) / (many - few)) if many > few else 0.0
-        costs = StepCosts(tuple((r, plain(r)) for r in measurement_rows(max_num_seqs)),
-                          tuple((r, verify(r)) for r in measurement_rows(limit) if r > 1), 1 + num_draft, seq_ms)
+        points = {("plain", r): plain(r) for r in plain_rows} | {("verify", r): verify(r) for r in verify_rows}
+        if many > few:
+            points |= {("many", 2 * many): verify(2 * many, many), ("few", 2 * many): verify(2 * many)}
+        ms = self._median_ms(points, reps)
+        seq_ms = max(0.0, (ms["many", 2 * many] - ms["few", 2 * many]) / (many - few)) if many > few else 0.0
+        costs = StepCosts(tuple((r, ms["plain", r]) for r in plain_rows),
+                          tuple((r, ms["verify", r]) for r in verify_rows), 1 + num_draft, seq_ms)
         log.info("speculative decoding's cost model, ms by rows fed (context %d), measured in %.1f s: %s", context,
                  time.perf_counter() - started, costs.describe())
         return costs
 
-    def _median_ms(self, forward, reps: int) -> float:
-        """The median of `reps` timed runs after a warm-up: what a step in a run of many costs (the best of them
-        would be optimistic)."""
-        forward()  # warm-up
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            forward()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            times.append(time.perf_counter() - started)
-        return sorted(times)[len(times) // 2] * 1e3
+    def _median_ms(self, forwards: dict, reps: int) -> dict:
+        """The median ms of each forward over `reps` rounds that run every forward once, after a warm-up round:
+        what a step in a run of many costs (the best of them would be optimistic)."""
+        times = {key: [] for key in forwards}
+        for rep in range(reps + 1):
+            for key, forward in forwards.items():
+                started = time.perf_counter()
+                forward()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                if rep:  # round 0 warms up: packing, kernel selection, Triton's compiles
+                    times[key].append(time.perf_counter() - started)
+        return {key: sorted(t)[len(t) // 2] * 1e3 for key, t in times.items()}
 
     def _before_forward(self, seqs: list[Sequence]) -> None:
         """Thread count (decode on the CPU next to llama.cpp prefill) and the priority the gate waits with."""

@@ -21,11 +21,19 @@ from edge.child_main import PARENT_PID_ENV
 log = logging.getLogger("edge.launcher")
 
 
+# OpenMP threads spin this many rounds after a parallel region before they sleep (libgomp, which torch and ggml
+# use). Long enough to bridge the gaps between the ops of one decode step: sleeping there (OMP_WAIT_POLICY=PASSIVE)
+# made a CPU decode step 1.7x as slow (batch 8: 75.9 against 44.0 ms; batch 1: 42.5 against 21.3). Short enough
+# that threads idle between steps, or yielding to a prefill, soon sleep: with decode and prefill splitting the cores
+# (contracts/cpu_share.py) both run as fast as with passive waiting (bench.cpu_share_bench, docs/decode.md).
+OMP_SPIN_COUNT = "10000"
+
+
 def child_environment() -> dict[str, str]:
-    """OpenMP threads that busy-wait between parallel regions (torch's and ggml's) starve each other when
-    prefill and CPU decode share cores; passive waiting keeps both fast. An operator's setting wins."""
+    """The environment of every child process. An operator's setting of any of these wins."""
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in env:  # an explicit wait policy decides the spinning itself
+        env.setdefault("GOMP_SPINCOUNT", OMP_SPIN_COUNT)
     # glibc gives each thread that allocates its own arena and keeps freed memory there; with handoff-sized
     # buffers on several threads RSS then swings by tens of MiB and a leak cannot be told from the noise
     env.setdefault("MALLOC_ARENA_MAX", "2")

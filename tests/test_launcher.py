@@ -215,3 +215,19 @@ def test_the_trampoline_runs_the_module_only_while_its_supervisor_lives(child_lo
     assert ours.returncode == 3 and len(starts(log)) == 1  # ran the module with its arguments
     gone = subprocess.run(argv, env={**os.environ, PARENT_PID_ENV: str(os.getpid() + 1)}, timeout=30)
     assert gone.returncode == 1 and len(starts(log)) == 1  # a parent other than the one expected: not run
+
+
+def test_children_spin_briefly_between_parallel_regions_unless_the_operator_says_otherwise(monkeypatch):
+    """Sleeping between the ops of a CPU decode step (OMP_WAIT_POLICY=PASSIVE) made it 1.7x as slow; a bounded
+    spin (GOMP_SPINCOUNT) keeps it fast. An operator's wait policy or spin count wins."""
+    from edge.launcher import OMP_SPIN_COUNT, child_environment
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = child_environment()
+    assert env["GOMP_SPINCOUNT"] == OMP_SPIN_COUNT and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert child_environment()["GOMP_SPINCOUNT"] == "500"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = child_environment()
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env

@@ -2,8 +2,8 @@
 
     python -m decode_gpu.server --model PATH.gguf --listen unix:/tmp/edge/engine.sock [--device auto]
 
-The engine steps in its own thread (torch releases the GIL); an asyncio loop owns the sockets
-(decode_gpu.engine_service). The engine listens only after the model is loaded, so a successful connection
+The engine is built and stepped on one thread of its own (torch releases the GIL; `EngineThread`); an asyncio
+loop owns the sockets (decode_gpu.engine_service). The engine listens only after the model is loaded, so a successful connection
 means the engine is ready.
 """
 
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
+import queue
 import signal
 import threading
 
@@ -74,8 +76,36 @@ def spec_config(args: argparse.Namespace) -> SpecConfig:
                          f"{args.num_speculative_tokens}: {err}") from None
 
 
-async def serve(args: argparse.Namespace) -> None:
-    engine = build_engine(args)
+class EngineThread:
+    """The one thread of the process that runs torch: it builds the engine, then steps it. libgomp keeps a team of
+    OpenMP threads for every thread that runs parallel ops, and once the process holds more of them than there are
+    cores it stops spinning between parallel regions: a CPU step built on one thread and run on another took twice
+    as long (docs/decode.md). A daemon, so that a step that hangs cannot keep the process alive."""
+
+    def __init__(self, name: str = "engine") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, fn, *args) -> asyncio.Future:
+        """fn(*args) on this thread, after the jobs submitted before it."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((done, fn, args))
+        return asyncio.wrap_future(done)
+
+    def _work(self) -> None:
+        while True:
+            done, fn, args = self._jobs.get()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as err:  # SystemExit from a configuration build_engine refuses, too
+                done.set_exception(err)
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> None:
+    """Until `stop` is set (by default: SIGINT or SIGTERM), or the engine thread ends on its own (an error)."""
+    torch_thread = EngineThread()
+    engine = await torch_thread.run(build_engine, args)
     loop = asyncio.get_running_loop()
     identity = engine.runner.identity
     max_frame = max_handoff_bytes(identity.n_layer, identity.num_kv_heads, identity.head_dim_k,
@@ -85,21 +115,27 @@ async def serve(args: argparse.Namespace) -> None:
     # threads next to the other at all of them is the worst split, docs/decode.md)
     share = CpuShare(args.cpu_share_file) if args.cpu_share_file and engine.runner.shares_cpu else None
     service = EngineService(engine, loop, control_secret(args.listen), max_frame, args.max_gateway_queue_bytes, share)
-    thread = threading.Thread(target=service.run_engine, name="engine", daemon=True)
-    thread.start()
+    stepping = torch_thread.run(service.run_engine)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    stepping.add_done_callback(lambda _: stop.set())  # an engine thread that died must not leave a deaf process
     server = await start_server(service.handle_connection, args.listen)
     stats_task = asyncio.create_task(service.publish_stats())
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     log.info("decode engine ready on %s", args.listen)
     await stop.wait()
+    ended = stepping.done() and not service.stopping.is_set()
     log.info("decode engine stopping: aborting %d in-flight requests", len(engine.requests))
     service.stopping.set()
-    await asyncio.to_thread(thread.join, 10)
+    await asyncio.wait([stepping], timeout=10)
     await service.flush(timeout_s=2.0)  # let the abort events reach the gateway
     stats_task.cancel()
     server.close()
+    failure = stepping.exception() if stepping.done() else None
+    if ended or failure is not None:  # the supervisor restarts an engine that exits with an error
+        log.error("the decode engine's thread ended: %r", failure, exc_info=failure)
+        raise SystemExit(f"the decode engine's thread ended: {failure!r}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

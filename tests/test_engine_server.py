@@ -368,3 +368,58 @@ def test_requests_live_when_the_last_gateway_leaves_end_with_a_clear_error(tmp_p
             return events
     ending = asyncio.run(scenario())["long"][-1]
     assert ending.finish_reason is FinishReason.ERROR and "the gateway closed its connection" in ending.error
+
+
+# --- the process: one thread runs torch --------------------------------------------------------
+def _serve_args(tmp_path):
+    from decode_gpu import server
+    return server.parse_args(["--model", "unused.gguf", "--listen", f"unix:{tmp_path}/engine.sock"])
+
+
+def test_the_engine_is_built_and_stepped_on_the_same_thread_and_not_the_loops(tmp_path, monkeypatch):
+    """libgomp keeps a team of OpenMP threads per thread that runs parallel ops. Built on the asyncio thread and
+    stepped on another, the engine held more team threads than cores, and its CPU step took twice as long."""
+    from decode_gpu import server
+    threads = {}
+
+    def build(args):
+        threads["build"] = threading.current_thread()
+        return make_engine()[0]
+
+    async def main():
+        stop = asyncio.Event()
+
+        def run_engine(service):
+            threads["step"] = threading.current_thread()
+            service.loop.call_soon_threadsafe(stop.set)
+            service.stopping.wait(10)
+
+        monkeypatch.setattr(server.EngineService, "run_engine", run_engine)
+        await server.serve(_serve_args(tmp_path), stop)
+
+    monkeypatch.setattr(server, "build_engine", build)
+    asyncio.run(main())
+    assert threads["build"] is threads["step"] and threads["step"] is not threading.main_thread()
+
+
+def test_an_engine_thread_that_dies_ends_the_process_with_an_error(tmp_path, monkeypatch):
+    from decode_gpu import server
+
+    def run_engine(service):
+        raise RuntimeError("inbox broke")
+
+    monkeypatch.setattr(server, "build_engine", lambda args: make_engine()[0])
+    monkeypatch.setattr(server.EngineService, "run_engine", run_engine)
+    with pytest.raises(SystemExit, match="inbox broke"):
+        asyncio.run(server.serve(_serve_args(tmp_path), None))
+
+
+def test_a_configuration_the_engine_refuses_stops_the_process_with_its_message(tmp_path, monkeypatch):
+    from decode_gpu import server
+
+    def build(args):
+        raise SystemExit("--weight-dtype float16 with --dtype bfloat16: set one of the two")
+
+    monkeypatch.setattr(server, "build_engine", build)
+    with pytest.raises(SystemExit, match="set one of the two"):
+        asyncio.run(server.serve(_serve_args(tmp_path), asyncio.Event()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import ctypes
 import logging
 import signal
@@ -52,6 +53,9 @@ class PrefillWorker:
         self.links = EngineLinks(engine, name, secret)  # engine: this worker's own (--engine), or None
         self.cancelled: set[str] = set()  # read by the prefill thread: llama.cpp's abort callback asks it
         self.lock = asyncio.Lock()  # one prompt at a time, and a context's thread finishes before the next starts
+        # every prompt on the same thread: each thread that runs llama.cpp keeps an OpenMP team of its own, and with
+        # more of them than cores libgomp stops spinning between parallel regions (decode_gpu.server.EngineThread)
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self._warned_kv_types: set[str] = set()
 
     async def handle_gateway(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -127,7 +131,7 @@ class PrefillWorker:
         """The prefill on a thread. If this task is cancelled (the gateway went away), llama.cpp is told to stop
         and the thread is waited for all the same: the lock must not pass to the next job while this thread is
         still inside llama_decode on the same context."""
-        future = asyncio.ensure_future(asyncio.to_thread(self._prefill, job, prefiller, should_cancel))
+        future = asyncio.get_running_loop().run_in_executor(self.thread, self._prefill, job, prefiller, should_cancel)
         interrupted = False
         while not future.done():
             try:

@@ -22,10 +22,26 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
 
 
+# ggml's CMake option for each /proc/cpuinfo flag, as the Makefile sets them for llama-cpp-python
+GGML_FEATURES = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX_VNNI": "avx_vnni",
+                 "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni",
+                 "AVX512_BF16": "avx512_bf16"}
+
+
 def cpu_flags() -> list[str]:
     """The CPU flags our prefill workers' llama.cpp was built with (the Makefile's CMAKE_ARGS: this CPU's
-    AVX/AVX-512 features without AMX, whose kernels crash here), so both engines run the same kernels."""
-    return shlex.split(os.environ.get("CMAKE_ARGS", "")) or ["-DGGML_NATIVE=ON"]
+    AVX/AVX-512 features without AMX, whose kernels crash here), so both engines run the same kernels. Without
+    CMAKE_ARGS (run outside make) the same flags come from /proc/cpuinfo: GGML_NATIVE would build -march=native,
+    AMX kernels included, and that binary segfaults on its first prompt on AMX machines."""
+    if os.environ.get("CMAKE_ARGS"):
+        return shlex.split(os.environ["CMAKE_ARGS"])
+    try:
+        have = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return ["-DGGML_NATIVE=ON"]  # not Linux: no AMX crash known there
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{name}={'ON' if flag in have else 'OFF'}"
+                                   for name, flag in GGML_FEATURES.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def binary_path() -> Path:
@@ -46,12 +62,17 @@ def source_dir() -> Path:
 
 
 def build(jobs: int) -> Path:
-    if binary_path().exists():
+    """The binary, built for the current flags: a binary built with other flags (an older build's -march=native)
+    is rebuilt."""
+    flags = [*CMAKE_FLAGS, *cpu_flags()]
+    stamp = CACHE / "build" / "edge-llm-flags.txt"
+    if binary_path().exists() and stamp.exists() and stamp.read_text() == " ".join(flags):
         return binary_path()
     src = source_dir()
     print(f"building llama-server in {CACHE / 'build'} (several minutes on 2 cores, once)", flush=True)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(CACHE / "build"), *CMAKE_FLAGS, *cpu_flags()], check=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(CACHE / "build"), *flags], check=True)
     subprocess.run(["cmake", "--build", str(CACHE / "build"), "--target", "llama-server", "-j", str(jobs)], check=True)
+    stamp.write_text(" ".join(flags))
     return binary_path()
 
 

@@ -4,12 +4,14 @@
 
 The embedded model (SmolLM2-135M-Instruct), greedy, weights as `edge serve --weight-dtype X --speculative ngram`
 loads them on the CPU (auto: int8 for up to 4 rows, bfloat16 above, which verifies several tokens per sequence for
-less). Drafts are planned with the cost model the engine measures at start-up (printed below the table). Two
+less). Drafts are planned with the cost model the engine measures at start-up (printed below the table). Three
 workloads, each of chat prompts (batch b: --streams x b requests, the workload's prompts in turn, queued together
-into an engine of max_num_seqs b, so b answers decode at once until the queue runs dry), each answer ending where
-the model ends it (at most --tokens):
-  repetitive      a function in the prompt, and the request to return it with one name changed: the answer
-                  quotes the prompt's code, which prompt lookup finds (then the model explains it in prose)
+into an engine of max_num_seqs b, so b answers decode at once until the queue runs dry), each answer ending at the
+model's end-of-sequence token or at a stop string (at most --tokens):
+  code edit       a function in the prompt, and the request to return it with one name changed; the answer ends
+                  with its code block (stop "```\n"), as a code-editing client asks for it: prompt lookup finds
+                  the quoted code
+  code + prose    the same prompts without the stop: the model quotes the code, then explains it in prose
   non-repetitive  open questions answered in prose
 Prefill (llama.cpp) happens before the clock starts; the clock covers every decode step after the first (the
 first imports the handoffs). tok/s: generated tokens over the time until the last answer ends (throughput);
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 
 from contracts.handoff import SamplingParams
 from decode_gpu.device import resolve_dtype
 from decode_gpu.engine import DecodeEngine, EngineConfig
-from decode_gpu.model_loader import load_tokenizer
+from decode_gpu.model_loader import eos_token_ids, load_tokenizer
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.scheduler import SchedulerConfig
 from decode_gpu.speculative import SpecConfig, StepCosts
@@ -56,8 +59,12 @@ QUESTIONS = ["Why do people enjoy walking in the mountains?", "What makes a good
              "How did the invention of the printing press change Europe?", "What should I pack for a week of camping?"]
 
 
+WORKLOADS = ("code edit", "code + prose", "non-repetitive")
+CODE_BLOCK_END = "```\n"  # the closing fence; the opening one carries the language ("```python\n")
+
+
 def prompts(workload: str) -> list[list[dict]]:
-    if workload == "repetitive":
+    if workload != "non-repetitive":
         return [[{"role": "user", "content": f"Here is a Python function:\n```python\n{code}```\nReturn the whole "
                   f"function again with the variable `{name}` renamed to `output`. Reply with the code only."}]
                 for code, name in zip(FUNCTIONS, RENAMES)]
@@ -66,7 +73,8 @@ def prompts(workload: str) -> list[list[dict]]:
 
 def handoffs(prefiller: Prefiller, tokenizer, workload: str, n: int, max_tokens: int) -> list:
     """n requests, the workload's prompts in turn."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # each answer ends where the model ends it
+    stop = (CODE_BLOCK_END,) if workload == "code edit" else ()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop)
     out = []
     chats = prompts(workload)
     for i, messages in enumerate(chats[j % len(chats)] for j in range(n)):
@@ -82,10 +90,21 @@ def runner_for(model, identity, spec: SpecConfig) -> ModelRunner:
                        torch.device("cpu"))
 
 
-def run(model, identity, handoffs_: list, batch: int, spec: SpecConfig, costs: StepCosts | None = None) -> dict:
-    engine = DecodeEngine(runner_for(model, identity, spec),
-                          EngineConfig(scheduler=SchedulerConfig(max_num_seqs=batch), speculative=spec),
-                          step_costs=costs)
+@dataclass(frozen=True)
+class Target:
+    """The model an engine is built around, with what ends its answers."""
+    model: object
+    identity: object
+    tokenizer: object  # for stop strings
+
+    def engine(self, batch: int, spec: SpecConfig, costs: StepCosts | None) -> DecodeEngine:
+        return DecodeEngine(runner_for(self.model, self.identity, spec),
+                            EngineConfig(scheduler=SchedulerConfig(max_num_seqs=batch), speculative=spec),
+                            self.tokenizer, eos_token_ids(self.tokenizer, self.model), costs)
+
+
+def run(target: Target, handoffs_: list, batch: int, spec: SpecConfig, costs: StepCosts | None = None) -> dict:
+    engine = target.engine(batch, spec, costs)
     outputs: dict[str, list[int]] = {}
     for handoff in handoffs_:
         for event in engine.add(handoff):
@@ -113,6 +132,7 @@ def run(model, identity, handoffs_: list, batch: int, spec: SpecConfig, costs: S
     drafted = stats.num_spec_draft_tokens
     per_stream = [(len(outputs[rid]) - began[rid][1]) / (ended[rid] - began[rid][0]) for rid in ended]
     return dict(tok_s=(sum(map(len, outputs.values())) - counted) / seconds,
+                answer_tokens=sum(map(len, outputs.values())) / len(outputs),
                 stream_tok_s=sum(per_stream) / len(per_stream), outputs=outputs,
                 acceptance=stats.num_spec_accepted_tokens / drafted if drafted else None, drafts=stats.num_spec_drafts)
 
@@ -132,16 +152,14 @@ def main() -> None:
     identity = prefiller.identity
     tokenizer = load_tokenizer(identity)
     cpu = torch.device("cpu")
-    work = {(w, b): handoffs(prefiller, tokenizer, w, args.streams * b, args.tokens)
-            for w in ("repetitive", "non-repetitive")
-            for b in batches}
+    work = {(w, b): handoffs(prefiller, tokenizer, w, args.streams * b, args.tokens) for w in WORKLOADS for b in batches}
     prefiller.close()
     on = SpecConfig(method="ngram", num_speculative_tokens=args.k)
     print(f"\nN-gram speculative decoding on the CPU ({torch.get_num_threads()} threads, greedy, at most {args.tokens} "
           f"tokens an answer, K = {args.k}; same tokens: speculation changed no token)")
-    print("| weights | workload | batch | tok/s off | tok/s ngram | speed-up | stream tok/s off | stream tok/s ngram "
-          "| stream speed-up | acceptance | drafts | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| weights | workload | batch | tokens an answer | tok/s off | tok/s ngram | speed-up | stream tok/s off "
+          "| stream tok/s ngram | stream speed-up | acceptance | drafts | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     models = []
     for weight_dtype in args.weights.split(","):
         float_weights = FLOAT_WEIGHTS.get(weight_dtype)
@@ -149,18 +167,18 @@ def main() -> None:
                                      on.max_rows(MAX_NUM_SEQS))  # as edge serve loads them with speculation on
         costs = runner_for(model, identity, on).step_costs(MAX_NUM_SEQS, on.num_speculative_tokens)
         models.append(f"- {report.weight_dtype}: {costs.describe()}")
-        rows(model, identity, work, on, args.repeats, report.weight_dtype, costs)
+        rows(Target(model, identity, tokenizer), work, on, args.repeats, report.weight_dtype, costs)
     print("\nThe cost model the drafts were planned with, ms by rows fed:", *models, sep="\n")
 
 
-def rows(model, identity, work: dict, on: SpecConfig, repeats: int, weights: str, costs: StepCosts) -> None:
+def rows(target: Target, work: dict, on: SpecConfig, repeats: int, weights: str, costs: StepCosts) -> None:
     for (workload, batch), hs in work.items():
-        runs = [(run(model, identity, hs, batch, SpecConfig()), run(model, identity, hs, batch, on, costs))
+        runs = [(run(target, hs, batch, SpecConfig()), run(target, hs, batch, on, costs))
                 for _ in range(repeats)]
         off = max((r[0] for r in runs), key=lambda r: r["tok_s"])
         spec = max((r[1] for r in runs), key=lambda r: r["tok_s"])
         acceptance = f"{spec['acceptance']:.2f}" if spec["acceptance"] is not None else "-"
-        print(f"| {weights} | {workload} | {batch} | {off['tok_s']:.1f} | {spec['tok_s']:.1f} "
+        print(f"| {weights} | {workload} | {batch} | {off['answer_tokens']:.0f} | {off['tok_s']:.1f} | {spec['tok_s']:.1f} "
               f"| {spec['tok_s'] / off['tok_s']:.2f}x | {off['stream_tok_s']:.1f} | {spec['stream_tok_s']:.1f} "
               f"| {spec['stream_tok_s'] / off['stream_tok_s']:.2f}x "
               f"| {acceptance} | {spec['drafts']} | {'yes' if spec['outputs'] == off['outputs'] else 'no'} |",

@@ -62,6 +62,14 @@ def load_tokenizer(identity: GGUFIdentity, cache_dir: Path | None = None):
     return AutoTokenizer.from_pretrained(target)
 
 
+def eos_token_ids(tokenizer, model: PreTrainedModel) -> tuple[int, ...]:
+    """The tokens that end an answer: the tokenizer's end-of-sequence and the model's generation config's (an
+    engine built without them decodes past the end of every answer until max_tokens)."""
+    config_ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(config_ids if isinstance(config_ids, list) else [config_ids])}
+    return tuple(sorted(t for t in ids if isinstance(t, int)))
+
+
 def _convert(identity: GGUFIdentity, target: Path, dtype: torch.dtype) -> None:
     log.info("converting %s to %s torch weights once (minutes for a large model); cached in %s",
              identity.path, dtype, target)

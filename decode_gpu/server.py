@@ -22,7 +22,7 @@ from decode_gpu.device import resolve_device, resolve_dtype
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.engine_service import EngineService
 from decode_gpu.gateway_link import DEFAULT_QUEUE_BYTES
-from decode_gpu.model_loader import load_tokenizer
+from decode_gpu.model_loader import eos_token_ids, load_tokenizer
 from decode_gpu.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.priority_gate import PriorityGate
 from decode_gpu.scheduler import SchedulerConfig
@@ -58,14 +58,12 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
                                                        enforce_eager=args.enforce_eager,
                                                        num_speculative_tokens=spec.num_speculative_tokens if spec.enabled else 0),
                          device, PriorityGate(enabled=yields))
-    eos = tuple(t for t in {tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)}
-                if isinstance(t, int))
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, prefix_caching=args.prefix_caching == "on",
                                 preemption_mode=args.preemption_mode)
     config = EngineConfig(scheduler=scheduler, max_model_len=args.max_model_len,
                           max_backlog_bytes=args.max_backlog_bytes, swap_space_bytes=int(args.swap_space_gib * 2**30),
                           speculative=spec)
-    return DecodeEngine(runner, config, tokenizer, eos)
+    return DecodeEngine(runner, config, tokenizer, eos_token_ids(tokenizer, model))
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:

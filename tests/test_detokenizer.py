@@ -39,3 +39,13 @@ def test_a_stop_string_cuts_the_text_even_across_tokens(tokenizer):
                               add_special_tokens=False)
     got, stopped = stream(tokenizer, tokens, stop=("END of",))
     assert stopped and got == "The answer is 42. "
+
+
+def test_the_end_tokens_come_from_the_tokenizer_and_the_generation_config(tokenizer):
+    from types import SimpleNamespace
+    from decode_gpu.model_loader import eos_token_ids
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # SmolLM2-Instruct's end of a chat turn
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
+    assert eos_token_ids(tokenizer, model) == (im_end,)
+    model.generation_config.eos_token_id = [0, im_end]  # a list, as some configs give it
+    assert eos_token_ids(tokenizer, model) == tuple(sorted({0, im_end}))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,14 +29,36 @@ INT4_INNER_K_TILES = 2  # tinygemm's packing parameter (2, 4 or 8); 2 accepts an
 # GGUF tensor types (gguf.GGMLQuantizationType names) that `auto` maps to a quantized weight on CUDA
 GGUF_INT8 = {"Q8_0", "Q8_1", "Q8_K"}
 GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+# affine 4-bit in blocks of 32 (Q4_K: sub-blocks of 32 with their own scale and minimum): int4 in groups of 32 holds
+# their codes exactly. A matrix stored with more bits loses in int4: the embedded model's Q8_0 head did (top-1 0.875
+# against float32 with it in int4, 0.961 with it in int8, docs/decode.md)
+GGUF_EXACT_INT4 = {"Q4_0", "Q4_1", "Q4_K"}
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T + b, with q int8 [out, in] and one scale per output channel (symmetric).
+class _QuantizedLinear(nn.Module):
+    """A weight-only quantized linear layer. float_above: also keep the float weight and use it for inputs of more
+    rows than this. On a CPU the packed int kernels win at small batches (fewer bytes, less work) and lose at larger
+    ones to the bfloat16 kernel (AMX); None: quantized only."""
+    in_features: int
+    out_features: int
 
-    float_above: also keep the float weight and use it for inputs of more rows than this. On a CPU the int8 kernel
-    wins at batch 1 (it reads half the bytes) and loses at larger batches to the bfloat16 one (AMX); None: int8
-    only."""
+    def keep_float(self, weight: torch.Tensor, float_above: int | None) -> None:
+        """Hold the float weight too, for inputs of more rows than float_above (None: quantized only)."""
+        self.float_above = float_above
+        self.weight = (None if float_above is None
+                       else nn.Parameter(weight.detach().to(self.activation_dtype), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
+        x2 = x.reshape(-1, self.in_features)
+        if self.float_above is not None and x2.shape[0] > self.float_above:
+            return F.linear(x, self.weight, self.bias)
+        y = self.product(x2)  # [rows, out]
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(_QuantizedLinear):
+    """y = x @ (q * scale).T + b, with q int8 [out, in] and one scale per output channel (symmetric)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  float_above: int | None = None) -> None:
@@ -44,27 +67,17 @@ class Int8Linear(nn.Module):
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(dtype))  # [out]
+        self.activation_dtype = dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.keep_float(weight, float_above)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         self._packed_kernel = _int8_kernel_works(weight.device, dtype)
 
-    def keep_float(self, weight: torch.Tensor, float_above: int | None) -> None:
-        """Hold the float weight too, for inputs of more rows than float_above (None: int8 only)."""
-        self.float_above = float_above
-        self.weight = (None if float_above is None
-                       else nn.Parameter(weight.detach().to(self.scales.dtype), requires_grad=False))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
-        x2 = x.reshape(-1, self.in_features)
-        if self.float_above is not None and x2.shape[0] > self.float_above:
-            return F.linear(x, self.weight, self.bias)
+    def product(self, x2: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if self._packed_kernel:
-            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
-        else:  # no packed int8 kernel on this device: an int8 -> dtype cast of the layer per call (correct, slower)
-            y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales
-        y = y if self.bias is None else y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        # no packed int8 kernel on this device: an int8 -> dtype cast of the layer per call (correct, slower)
+        return F.linear(x2, self.qweight.to(x2.dtype)) * self.scales
 
 
 @functools.cache
@@ -81,11 +94,13 @@ def _int8_kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedLinear):
     """Asymmetric 4-bit groups along the input: w = (q - 8) * scale + zero, one (scale, zero) per group of
-    `group` inputs per output; tinygemm's packed layout (torch's _weight_int4pack_mm kernels)."""
+    `group` inputs per output; tinygemm's packed layout (torch's _weight_int4pack_mm kernels). A GGUF matrix in
+    Q4_0, Q4_1 or Q4_K is affine 4-bit in blocks of 32 already: its codes come back exactly."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 float_above: int | None = None) -> None:
         super().__init__()
         out_features, in_features = weight.shape
         self.group = INT4_GROUP
@@ -98,17 +113,15 @@ class Int4Linear(nn.Module):
         zeros = low + 8 * scales  # so that (q - 8) * scale + zero = q * scale + low
         self.register_buffer("qweight", _pack_int4(q.reshape(out_features, in_features)))
         self.register_buffer("scales_and_zeros", torch.stack([scales.T, zeros.T], dim=-1).to(dtype).contiguous())
+        self.activation_dtype = dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.keep_float(weight, float_above)
         self.in_features, self.out_features = in_features, out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
-        x2 = x.reshape(-1, self.in_features)
+    def product(self, x2: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if x2.is_cuda:
-            y = torch._weight_int4pack_mm(x2, self.qweight, self.group, self.scales_and_zeros)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
-        y = y if self.bias is None else y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return torch._weight_int4pack_mm(x2, self.qweight, self.group, self.scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
 
 
 class Int8Embedding(nn.Module):
@@ -162,12 +175,14 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dtype: torch.dtype,
-                   float_above: int | None = None, prebuilt: dict[str, "Int8Linear"] | None = None) -> None:
+                   float_above: int | None = None, prebuilt: dict[str, _QuantizedLinear] | None = None,
+                   head_int8: bool = False) -> None:
     """Replace the model's linear layers by `weight_dtype` ("int8" or "int4") ones, layer by layer on `device`,
-    then move the rest there. The input embedding is int8 either way, shared with a tied lm_head under int8
-    (the int4 layout cannot be read row by row). float_above (int8): keep the float weights too, for batches
-    of more rows (Int8Linear). prebuilt: int8 layers by module name, already made from these weights on `device`
-    (the CPU measurement's), used instead of quantizing them again."""
+    then move the rest there. The input embedding is int8 either way, shared with a tied int8 lm_head (the int4
+    layout cannot be read row by row). head_int8 (int4): the lm_head int8, for a GGUF whose output matrix has more
+    than 4 bits (load_weights). float_above: keep the float weights too, for batches of more rows. prebuilt:
+    layers by module name, already made from these weights on `device` (the CPU measurement's), used instead of
+    quantizing them again."""
     if weight_dtype not in ("int8", "int4"):
         raise ValueError(f"quantize_model takes int8 or int4, not {weight_dtype!r}")
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -175,13 +190,13 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
     started = time.perf_counter()
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in linears:
-        quantized = (prebuilt or {}).get(name) if weight_dtype == "int8" else None
+        quantized = (prebuilt or {}).get(name)
         if quantized is not None:
             quantized.keep_float(module.weight, float_above)
         else:
             weight, bias = module.weight.to(device), module.bias.to(device) if module.bias is not None else None
-            quantized = (Int8Linear(weight, bias, dtype, float_above) if weight_dtype == "int8"
-                         else Int4Linear(weight, bias, dtype))
+            kind = "int8" if weight_dtype == "int8" or (head_int8 and module is head) else "int4"
+            quantized = (Int8Linear if kind == "int8" else Int4Linear)(weight, bias, dtype, float_above)
         _replace(model, name, quantized)
     new_head = model.get_output_embeddings()
     if tied and isinstance(new_head, Int8Linear):
@@ -190,8 +205,8 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
         table = Int8Embedding(*_int8_rows(embedding.weight.to(device), dtype))
     model.set_input_embeddings(table)
     model.to(device)
-    log.info("quantized %d linear layers to %s on %s in %.1f s", len(linears), weight_dtype, device,
-             time.perf_counter() - started)
+    log.info("quantized %d linear layers to %s%s on %s in %.1f s", len(linears), weight_dtype,
+             " (lm_head int8)" if weight_dtype == "int4" and head_int8 else "", device, time.perf_counter() - started)
 
 
 def _int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,48 +223,66 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 class WeightPlan:
     weight_dtype: str  # "int8", "int4" or "float" (the model's dtype)
     why: str
-    float_above: int | None = None  # int8: float weights too, for batches of more rows (Int8Linear)
-    prebuilt: dict = field(default_factory=dict, repr=False)  # int8 layers the measurement made, by module name
+    float_above: int | None = None  # float weights too, for batches of more rows (_QuantizedLinear)
+    prebuilt: dict = field(default_factory=dict, repr=False)  # layers the measurement made, by module name
+    head_int8: bool = False  # int4: the lm_head int8 (the GGUF's output matrix has more than 4 bits)
 
 
-def auto_weight_plan(device: torch.device, gguf_types: set[str], model: nn.Module | None = None,
+@dataclass(frozen=True)
+class GGUFWeightTypes:
+    """The storage types of a GGUF's weight matrices: its layers', and its output matrix's (the embedding's when
+    tied). Empty without a GGUF to read."""
+    layers: frozenset[str] = frozenset()
+    head: str = ""
+
+    @property
+    def head_int8(self) -> bool:
+        """Whether an int4 model keeps its lm_head in int8: the GGUF stores it with more than 4 bits."""
+        return self.head not in GGUF_EXACT_INT4
+
+
+def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Module | None = None,
                      max_batch: int = 32) -> WeightPlan:
-    """weight_dtype = auto. CUDA: the GGUF's own quantization. CPU: a measurement, per batch size, of int8
-    against the model's float weights on its largest layers."""
+    """weight_dtype = auto. CUDA: the GGUF's own quantization. CPU: a measurement, per batch size, of the quantized
+    layers against the model's float weights: int4 where every layer matrix is affine 4-bit in the GGUF (its codes
+    come back exactly), int8 otherwise. The lm_head is int4 only where the GGUF's is."""
     if device.type == "cuda":
-        if gguf_types & GGUF_INT4:
-            return WeightPlan("int4", f"the GGUF's weights are {'/'.join(sorted(gguf_types & GGUF_INT4))}")
-        if gguf_types & GGUF_INT8:
-            return WeightPlan("int8", f"the GGUF's weights are {'/'.join(sorted(gguf_types & GGUF_INT8))}")
+        if types.layers & GGUF_INT4:
+            return WeightPlan("int4", f"the GGUF's weights are {'/'.join(sorted(types.layers & GGUF_INT4))}",
+                              head_int8=types.head_int8)
+        if types.layers & GGUF_INT8:
+            return WeightPlan("int8", f"the GGUF's weights are {'/'.join(sorted(types.layers & GGUF_INT8))}")
         return WeightPlan("float", "the GGUF's weights are not quantized")
     if model is None:
         return WeightPlan("float", "no model to measure")
-    return _measured_cpu_plan(model, max_batch)
+    kind = "int4" if types.layers and types.layers <= GGUF_EXACT_INT4 else "int8"
+    return _measured_cpu_plan(model, max_batch, kind, kind == "int4" and types.head_int8)
 
 
-def _measured_cpu_plan(model: nn.Module, max_batch: int) -> WeightPlan:
-    """int8 for the batch sizes where it is at least 10% faster than the float weights. Measured on a pass over
+def _measured_cpu_plan(model: nn.Module, max_batch: int, kind: str = "int8", head_int8: bool = False) -> WeightPlan:
+    """`kind` for the batch sizes where it is at least 10% faster than the float weights. Measured on a pass over
     every linear layer of the model, as a decode step makes it: weights that do not stay in the caches (one layer
     alone fits, and then the float kernel looks better than it is). On this CPU, in this process: the kernels'
-    speed depends on the ISA and the thread count. int4 is never picked here: its fidelity is poor
-    (docs/decode.md)."""
+    speed depends on the ISA and the thread count."""
     named = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    built = {name: Int8Linear(m.weight, m.bias, m.weight.dtype) for name, m in named.items()}
-    floats, int8s = list(named.values()), list(built.values())
+    head = model.get_output_embeddings()
+    built = {name: (Int8Linear if kind == "int8" or (head_int8 and m is head) else Int4Linear)(
+        m.weight, m.bias, m.weight.dtype) for name, m in named.items()}
+    floats, quantized = list(named.values()), list(built.values())
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     wins, timings = 0, []
     for batch in batches:
         inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in floats}
         float_s = _time(lambda: [m(inputs[m.in_features]) for m in floats], reps=3)
-        int8_s = _time(lambda: [m(inputs[m.in_features]) for m in int8s], reps=3)
-        timings.append(f"{batch}: {float_s * 1e3:.1f}/{int8_s * 1e3:.1f}")
-        if int8_s >= 0.9 * float_s:
+        quantized_s = _time(lambda: [m(inputs[m.in_features]) for m in quantized], reps=3)
+        timings.append(f"{batch}: {float_s * 1e3:.1f}/{quantized_s * 1e3:.1f}")
+        if quantized_s >= 0.9 * float_s:
             break
         wins = batch
-    why = f"measured over the model's linear layers, ms float/int8 by batch {', '.join(timings)}"
+    why = f"measured over the model's linear layers, ms float/{kind} by batch {', '.join(timings)}"
     if not wins:
         return WeightPlan("float", why)
-    return WeightPlan("int8", why, None if wins >= max_batch else wins, built)
+    return WeightPlan(kind, why, None if wins >= max_batch else wins, built, head_int8)
 
 
 @torch.inference_mode()
@@ -263,23 +296,29 @@ def _time(fn, reps: int = 5) -> float:
     return best
 
 
-def gguf_matrix_types(path: str) -> set[str]:
-    """The storage types of a GGUF's 2-D tensors (its weight matrices), e.g. {"Q4_K", "Q6_K"}."""
+def gguf_weight_types(path: str) -> GGUFWeightTypes:
+    """The storage types of a GGUF's 2-D tensors (its weight matrices), e.g. layers {"Q4_K", "Q6_K"}, head "Q6_K"."""
     import gguf
-    reader = gguf.GGUFReader(path)
-    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    if not os.path.isfile(path):
+        return GGUFWeightTypes()
+    matrices = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    head = matrices.pop("output.weight", None) or matrices.get("token_embd.weight", "")
+    matrices.pop("token_embd.weight", None)
+    return GGUFWeightTypes(frozenset(matrices.values()), head)
 
 
 def held_weight_dtype(model: nn.Module) -> str:
-    """What the model's linear layers hold: int8, int4, or the float dtype."""
-    for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear)):
-            if isinstance(module, Int4Linear):
-                return "int4"
-            if module.float_above is None:
-                return "int8"
-            return f"int8 up to batch {module.float_above}, {dtype_name(module.weight.dtype)} above"
-    return dtype_name(next(model.parameters()).dtype)
+    """What the model's linear layers hold: int8, int4 (its lm_head int8, maybe), or the float dtype; with the batch
+    above which the float weights are used, if they are held too."""
+    layers = [m for m in model.modules() if isinstance(m, _QuantizedLinear)]
+    if not layers:
+        return dtype_name(next(model.parameters()).dtype)
+    held = "int4" if any(isinstance(m, Int4Linear) for m in layers) else "int8"
+    if held == "int4" and isinstance(model.get_output_embeddings(), Int8Linear):
+        held += " (lm_head int8)"
+    if layers[0].float_above is None:
+        return held
+    return f"{held} up to batch {layers[0].float_above}, {dtype_name(layers[0].weight.dtype)} above"
 
 
 def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtype: str,
@@ -289,18 +328,21 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     from decode_gpu.model_loader import load_decode_model
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, not {weight_dtype!r}")
-    plan = WeightPlan(weight_dtype if weight_dtype in ("int8", "int4") else "float", "configured")
+    types = gguf_weight_types(identity.path)
+    plan = WeightPlan(weight_dtype if weight_dtype in ("int8", "int4") else "float", "configured",
+                      head_int8=types.head_int8)
     if weight_dtype == "auto" and device.type == "cuda":
-        plan = auto_weight_plan(device, gguf_matrix_types(identity.path))
+        plan = auto_weight_plan(device, types)
     measure = weight_dtype == "auto" and device.type == "cpu"
     on_cpu = plan.weight_dtype != "float" or measure
     model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype)
     if measure:
-        plan = auto_weight_plan(device, set(), model, max_batch)
+        plan = auto_weight_plan(device, types, model, max_batch)
     if plan.weight_dtype == "float":
         model.to(device)
     else:
-        quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above, plan.prebuilt)
+        quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above, plan.prebuilt,
+                       plan.weight_dtype == "int4" and plan.head_int8)
     report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
     log.info("decode %s", report.describe())
     return model, report

@@ -163,15 +163,16 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
     """Bytes the decode model holds for each weight_dtype, from the model built on the meta device (no memory,
     no conversion) and quantized by the engine's own quantize_model: its numbers are what the engine holds."""
     import torch
-    from decode_gpu.weight_quant import FLOAT_WEIGHTS, quantize_model, weight_bytes
+    from decode_gpu.weight_quant import FLOAT_WEIGHTS, gguf_weight_types, quantize_model, weight_bytes
     skeleton = _meta_model(path)
+    head_int8 = gguf_weight_types(path).head_int8  # int4: the lm_head follows the GGUF's (load_weights)
     held: dict[str, int | None] = {}
     for weight_dtype in WEIGHT_DTYPES:
         dtype = FLOAT_WEIGHTS.get(weight_dtype, FLOAT_WEIGHTS[QUANTIZED_ACTIVATIONS])
         model = copy.deepcopy(skeleton).to(dtype)
         try:
             if weight_dtype in ("int8", "int4"):
-                quantize_model(model, weight_dtype, torch.device("meta"), dtype)
+                quantize_model(model, weight_dtype, torch.device("meta"), dtype, head_int8=head_int8)
             held[weight_dtype] = sum(weight_bytes(model).values())
         except ValueError as err:  # int4 needs layer inputs divisible by its group
             log.warning("%s weights: %s", weight_dtype, err)

@@ -342,10 +342,21 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         model.to(device)
     else:
         quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above, plan.prebuilt,
-                       plan.weight_dtype == "int4" and plan.head_int8)
+                       plan.weight_dtype == "int4" and plan.head_int8 and _int8_head_fits(device, dtype))
     report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
     log.info("decode %s", report.describe())
     return model, report
+
+
+def _int8_head_fits(device: torch.device, dtype: torch.dtype) -> bool:
+    """An int8 lm_head beside int4 layers only with a packed int8 kernel: without one, the head's weight would be
+    cast to `dtype` at every step (for an 8B model's head, a 1 GB copy a step); its int4 codes are then the lesser
+    loss."""
+    if _int8_kernel_works(device, dtype):
+        return True
+    log.warning("no packed int8 kernel on %s: the lm_head is int4 like the layers, though the GGUF keeps it at more "
+                "bits", device)
+    return False
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -3,8 +3,8 @@
     .venv/bin/python -m bench.spec_bench [--batches 1,4] [--streams 4] [--tokens 256] [--k 4] [--weights auto,bfloat16]
 
 The embedded model (SmolLM2-135M-Instruct), greedy, weights as `edge serve --weight-dtype X --speculative ngram`
-loads them on the CPU (auto: int8 for up to 4 rows, bfloat16 above, which verifies several tokens per sequence for
-less). Drafts are planned with the cost model the engine measures at start-up (printed below the table). Three
+loads them on the CPU (auto for the embedded model: int4, lm_head int8, up to 8 rows, bfloat16 above, which
+verifies several tokens per sequence for less). Drafts are planned with the cost model the engine measures at start-up (printed below the table). Three
 workloads, each of chat prompts (batch b: --streams x b requests, the workload's prompts in turn, queued together
 into an engine of max_num_seqs b, so b answers decode at once until the queue runs dry), each answer ending at the
 model's end-of-sequence token or at a stop string (at most --tokens):

@@ -195,8 +195,7 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
             quantized.keep_float(module.weight, float_above)
         else:
             weight, bias = module.weight.to(device), module.bias.to(device) if module.bias is not None else None
-            kind = "int8" if weight_dtype == "int8" or (head_int8 and module is head) else "int4"
-            quantized = (Int8Linear if kind == "int8" else Int4Linear)(weight, bias, dtype, float_above)
+            quantized = _layer_class(weight_dtype, module is head and head_int8)(weight, bias, dtype, float_above)
         _replace(model, name, quantized)
     new_head = model.get_output_embeddings()
     if tied and isinstance(new_head, Int8Linear):
@@ -207,6 +206,12 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
     model.to(device)
     log.info("quantized %d linear layers to %s%s on %s in %.1f s", len(linears), weight_dtype,
              " (lm_head int8)" if weight_dtype == "int4" and head_int8 else "", device, time.perf_counter() - started)
+
+
+def _layer_class(weight_dtype: str, int8_head: bool) -> type[_QuantizedLinear]:
+    """The layer type for `weight_dtype` ("int8" or "int4"); int8_head: this is the lm_head, kept int8 in an int4
+    model."""
+    return Int8Linear if weight_dtype == "int8" or int8_head else Int4Linear
 
 
 def _int8_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,8 +271,8 @@ def _measured_cpu_plan(model: nn.Module, max_batch: int, kind: str = "int8", hea
     speed depends on the ISA and the thread count."""
     named = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = model.get_output_embeddings()
-    built = {name: (Int8Linear if kind == "int8" or (head_int8 and m is head) else Int4Linear)(
-        m.weight, m.bias, m.weight.dtype) for name, m in named.items()}
+    built = {name: _layer_class(kind, m is head and head_int8)(m.weight, m.bias, m.weight.dtype)
+             for name, m in named.items()}
     floats, quantized = list(named.values()), list(built.values())
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     wins, timings = 0, []
@@ -328,7 +333,8 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     from decode_gpu.model_loader import load_decode_model
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, not {weight_dtype!r}")
-    types = gguf_weight_types(identity.path)
+    # the GGUF's own types matter to auto (CUDA follows them, the CPU measures by them) and to int4's lm_head
+    types = gguf_weight_types(identity.path) if weight_dtype in ("auto", "int4") else GGUFWeightTypes()
     plan = WeightPlan(weight_dtype if weight_dtype in ("int8", "int4") else "float", "configured",
                       head_int8=types.head_int8)
     if weight_dtype == "auto" and device.type == "cuda":

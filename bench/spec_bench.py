@@ -4,10 +4,10 @@
 
 The embedded model (SmolLM2-135M-Instruct), greedy, weights as `edge serve --weight-dtype X --speculative ngram`
 loads them on the CPU (auto for the embedded model: int4, lm_head int8, up to 8 rows, bfloat16 above, which
-verifies several tokens per sequence for less). Drafts are planned with the cost model the engine measures at start-up (printed below the table). Three
-workloads, each of chat prompts (batch b: --streams x b requests, the workload's prompts in turn, queued together
-into an engine of max_num_seqs b, so b answers decode at once until the queue runs dry), each answer ending at the
-model's end-of-sequence token or at a stop string (at most --tokens):
+verifies several tokens per sequence for less). Drafts are planned with the cost model the engine measures at
+start-up (printed below the table). Three workloads, each of chat prompts (batch b: --streams x b requests, the
+workload's prompts in turn, queued together into an engine of max_num_seqs b, so b answers decode at once until the
+queue runs dry), each answer ending at the model's end-of-sequence token or at a stop string (at most --tokens):
   code edit       a function in the prompt, and the request to return it with one name changed; the answer ends
                   with its code block (stop "```\n"), as a code-editing client asks for it: prompt lookup finds
                   the quoted code
@@ -152,7 +152,8 @@ def main() -> None:
     identity = prefiller.identity
     tokenizer = load_tokenizer(identity)
     cpu = torch.device("cpu")
-    work = {(w, b): handoffs(prefiller, tokenizer, w, args.streams * b, args.tokens) for w in WORKLOADS for b in batches}
+    work = {(w, b): handoffs(prefiller, tokenizer, w, args.streams * b, args.tokens)
+            for w in WORKLOADS for b in batches}
     prefiller.close()
     on = SpecConfig(method="ngram", num_speculative_tokens=args.k)
     print(f"\nN-gram speculative decoding on the CPU ({torch.get_num_threads()} threads, greedy, at most {args.tokens} "
@@ -178,8 +179,9 @@ def rows(target: Target, work: dict, on: SpecConfig, repeats: int, weights: str,
         off = max((r[0] for r in runs), key=lambda r: r["tok_s"])
         spec = max((r[1] for r in runs), key=lambda r: r["tok_s"])
         acceptance = f"{spec['acceptance']:.2f}" if spec["acceptance"] is not None else "-"
-        print(f"| {weights} | {workload} | {batch} | {off['answer_tokens']:.0f} | {off['tok_s']:.1f} | {spec['tok_s']:.1f} "
-              f"| {spec['tok_s'] / off['tok_s']:.2f}x | {off['stream_tok_s']:.1f} | {spec['stream_tok_s']:.1f} "
+        print(f"| {weights} | {workload} | {batch} | {off['answer_tokens']:.0f} | {off['tok_s']:.1f} "
+              f"| {spec['tok_s']:.1f} | {spec['tok_s'] / off['tok_s']:.2f}x | {off['stream_tok_s']:.1f} "
+              f"| {spec['stream_tok_s']:.1f} "
               f"| {spec['stream_tok_s'] / off['stream_tok_s']:.2f}x "
               f"| {acceptance} | {spec['drafts']} | {'yes' if spec['outputs'] == off['outputs'] else 'no'} |",
               flush=True)

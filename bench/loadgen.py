@@ -22,6 +22,7 @@ class RequestSpec:
     max_tokens: int
     priority: int = 0
     label: str = "default"  # workload class, e.g. "interactive" or "background"
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (vLLM's and llama-server's field)
 
 
 @dataclass
@@ -63,6 +64,8 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, spec: Reque
             "temperature": 0, "stream_options": {"include_usage": True}, **(extra or {})}
     if spec.priority:
         body["priority"] = spec.priority  # servers that do not know it ignore it
+    if spec.ignore_eos:
+        body["ignore_eos"] = True
     started = time.perf_counter()
     last = None
     try:

@@ -67,7 +67,7 @@ async def bench_system(system, args) -> dict:
         loads = {}
         for i, rate in enumerate(args.rates):
             # fresh prompts at each load (the system prompt stays shared), so no server replays a cached prompt
-            specs = mixed(args.requests, args.seed + 1000 * i, args.max_tokens)
+            specs = mixed(args.requests, args.seed + 1000 * i, args.max_tokens, ignore_eos=args.ignore_eos)
             results, wall = await run_open_loop(system.url, system.model, specs,
                                                 arrival_times(len(specs), rate, args.seed, args.burstiness))
             loads[rate] = summarize(results, wall, args.slo)
@@ -80,7 +80,8 @@ async def bench_system(system, args) -> dict:
 
 
 def print_tables(all_results: dict, args) -> None:
-    print(f"\nMixed workload ({args.requests} requests per load, max_tokens {args.max_tokens}, seed {args.seed}, "
+    print(f"\nMixed workload ({args.requests} requests per load, max_tokens {args.max_tokens}"
+          f"{', ignore_eos' if args.ignore_eos else ''}, seed {args.seed}, "
           f"gamma shape {args.burstiness}); SLO: {args.slo}")
     head = ("system", "offered req/s", "done", "req/s", "out tok/s", "goodput req/s", "TTFT p50/p90/p99 s",
             "TPOT p50/p99 ms", "ITL p50/p99 ms", "E2E p50/p90/p99 s", "errors")
@@ -143,6 +144,9 @@ def parse_args():
     parser.add_argument("--rates", default="0.25,0.5,1", help="offered loads, requests per second")
     parser.add_argument("--requests", type=int, default=16, help="requests per offered load")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="mixed workload: every answer runs to --max-tokens (as vLLM's serving benchmark can), so "
+                             "out tok/s compares the same work; --no-ignore-eos lets each model end its answers")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every llama.cpp-based server")

@@ -17,8 +17,10 @@ def text_of(n_tokens: int, rng: np.random.Generator) -> str:
     return " ".join(rng.choice(WORDS, size=max(1, int(n_tokens / 1.3))))
 
 
-def mixed(n: int, seed: int, max_tokens: int = 64, shared_system: bool = True) -> list[RequestSpec]:
-    """Prompt lengths 64/256/1024 tokens in a 6:3:1 mix, each under the same system prompt."""
+def mixed(n: int, seed: int, max_tokens: int = 64, shared_system: bool = True,
+          ignore_eos: bool = False) -> list[RequestSpec]:
+    """Prompt lengths 64/256/1024 tokens in a 6:3:1 mix, each under the same system prompt; with ignore_eos
+    every answer is max_tokens long, so servers whose weights end answers at different places do the same work."""
     rng = np.random.default_rng(seed)
     lengths = rng.choice([64, 256, 1024], size=n, p=[0.6, 0.3, 0.1])
     specs = []
@@ -26,7 +28,7 @@ def mixed(n: int, seed: int, max_tokens: int = 64, shared_system: bool = True) -
         messages = [{"role": "user", "content": "Summarize: " + text_of(int(length), rng)}]
         if shared_system:
             messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
-        specs.append(RequestSpec(tuple(messages), max_tokens, label=f"prompt{length}"))
+        specs.append(RequestSpec(tuple(messages), max_tokens, label=f"prompt{length}", ignore_eos=ignore_eos))
     return specs
 
 

@@ -120,6 +120,7 @@ class Abort:  # gateway -> decode engine
 @dataclass(frozen=True)
 class DecodeYield:  # gateway -> decode engine: best priority among prompts queued or prefilling (None: none)
     priority: int | None
+    backlog: bool = False  # prompts wait in the gateway's queue for a free prefill worker (every ready one is busy)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 
 from decode_gpu.engine import DecodeEngine, HandoffRejectedError
 from decode_gpu.gateway_link import DEFAULT_QUEUE_BYTES, GatewayLink
@@ -34,9 +35,13 @@ STATS_INTERVAL_S = 0.5
 class EngineService:
     def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop, secret: bytes = b"",
                  max_handoff_frame: int = CONTROL_FRAME_BYTES, max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 cpu_share: CpuShare | None = None) -> None:
+                 cpu_share: CpuShare | None = None, pace_s: float = 0.0) -> None:
         self.engine = engine
         self.cpu_share = cpu_share  # decode on the CPU: tells local prefill workers when it is decoding
+        # decode on the CPU next to prefill workers: while prompts wait for a busy worker, a step starts at most
+        # every pace_s (0: no pacing), so decode takes less of the cores and batches more sequences a step
+        self.pace_s = pace_s
+        self._step_started = 0.0
         self.gate: PriorityGate = engine.runner.gate or PriorityGate(enabled=False)
         self.loop = loop
         self.secret = secret
@@ -59,7 +64,10 @@ class EngineService:
     def run_engine(self) -> None:
         while not self.stopping.is_set():
             self._drain_inbox(block=not self.engine.has_work)
+            if self.pace_s and self.engine.has_work:
+                self._pace()
             if self.engine.has_work:
+                self._step_started = time.monotonic()
                 try:  # the engine fails a sequence, or a whole batch, itself; this is the last line
                     events = self.engine.step()
                 except Exception as err:
@@ -75,9 +83,18 @@ class EngineService:
         if self.cpu_share is not None:
             self.cpu_share.set_decoding(None)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _pace(self) -> None:
+        """While prompts wait for a busy prefill worker on these cores, hold the next step until pace_s after the
+        last one began, serving the inbox meanwhile (aborts end at once); the wait ends as soon as the backlog does."""
+        while not self.stopping.is_set() and self.gate.backlog:
+            left = self._step_started + self.pace_s - time.monotonic()
+            if left <= 0:
+                return
+            self._drain_inbox(block=True, timeout_s=left)
+
+    def _drain_inbox(self, block: bool, timeout_s: float = 0.1) -> None:
         try:
-            item = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=timeout_s) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -271,7 +288,8 @@ class EngineService:
         elif isinstance(message, Abort):
             self._on_abort(message.request_id)
         elif isinstance(message, DecodeYield):
-            log.debug("best priority in prefill: %s", message.priority)
+            log.debug("best priority in prefill: %s, backlog: %s", message.priority, message.backlog)
+            self.gate.backlog = message.backlog
             self.gate.hold(message.priority)
         elif isinstance(message, Speculate):
             self.set_speculation(message.enabled)

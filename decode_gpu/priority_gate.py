@@ -23,6 +23,8 @@ class PriorityGate:
         self._held_for: int | None = None  # best priority waiting for or in prefill; None: nothing to yield to
         self._held_since = 0.0
         self.waited_s = 0.0  # total time decode yielded, for stats
+        # prompts wait in the gateway's queue for a busy prefill worker (what the engine may pace its steps for)
+        self.backlog = False
 
     def hold(self, priority: int | None) -> None:
         """The best priority among prompts queued or prefilling (None: none). Any thread."""

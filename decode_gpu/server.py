@@ -112,7 +112,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     # (only when the engine halves its own threads too, with --yield-to-prefill on: one side alone at half its
     # threads next to the other at all of them is the worst split, docs/decode.md)
     share = CpuShare(args.cpu_share_file) if args.cpu_share_file and engine.runner.shares_cpu else None
-    service = EngineService(engine, loop, control_secret(args.listen), max_frame, args.max_gateway_queue_bytes, share)
+    pace_s = args.cpu_decode_pace_ms / 1e3 if share is not None else 0.0
+    if pace_s:
+        log.info("decode paces its steps to one every %.0f ms while prompts wait for a prefill worker",
+                 args.cpu_decode_pace_ms)
+    service = EngineService(engine, loop, control_secret(args.listen), max_frame, args.max_gateway_queue_bytes, share,
+                            pace_s)
     stepping = torch_thread.run(service.run_engine)
     if stop is None:
         stop = asyncio.Event()
@@ -166,6 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "and a sequence that must give up its blocks fails (0: no preemption)")
     parser.add_argument("--max-gateway-queue-bytes", type=int, default=DEFAULT_QUEUE_BYTES,
                         help="token events queued for one gateway connection; beyond it the connection is dropped")
+    parser.add_argument("--cpu-decode-pace-ms", type=float, default=0.0,
+                        help="decoding on the CPU next to local prefill workers (--cpu-share-file): while prompts wait "
+                             "for a busy worker, start a step at most every this many ms (0: off; a TPOT budget that "
+                             "leaves the cores to prefill and batches more sequences a step, docs/config.md)")
     parser.add_argument("--cpu-share-file", default="",
                         help="decoding on the CPU, publish whether it decodes in this file, for prefill workers on the "
                              "same cores (edge serve passes one in its run directory)")

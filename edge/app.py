@@ -144,6 +144,7 @@ def make_app(config: ServeConfig) -> web.Application:
                            config.worker_heartbeat_timeout_s)
         engine = EngineClient(engine_address, registry, secret)
     pool.on_best_priority = engine.prefill_priority_changed
+    pool.on_backlog = engine.prefill_backlog_changed
     pool.choose_engine = engine.choose
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
@@ -174,6 +175,11 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         share = ["--cpu-share-file", os.path.join(run_dir, "cpu-share")]
         supervisor.add("decode_engine", "decode_gpu.server",
                        engine_args(config, model_path) + ["--listen", engine_address, *share])
+        if config.cpu_decode_pace_ms and default_threads(config) > 1:
+            log.warning("cpu_decode_pace_ms = %g with %d threads a prefill worker: a worker that shares the cores "
+                        "with decode runs half its threads while decode has sequences, so the cores idle while decode "
+                        "waits out its pace; pacing pays with threads_per_worker = 1 and a worker per core "
+                        "(docs/config.md)", config.cpu_decode_pace_ms, default_threads(config))
         kv_type = worker_kv_type(config, engine_address)
         log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,
                  engine_address)

@@ -68,6 +68,7 @@ class ServeConfig:
     num_speculative_tokens: int = 4  # draft tokens per sequence and step at most
     max_backlog_bytes: int = 512 << 20  # KV handoff bytes waiting for decode admission; beyond: 503 engine_busy
     decode_yields_to_prefill: str = "auto"  # auto | on | off; auto: on when the engine decodes on the CPU
+    cpu_decode_pace_ms: float = 0  # CPU decode beside local workers: one step at most every N ms while prompts wait
     launch: bool = True  # start the engine and workers here; False: connect to the addresses below
     run_dir: str = ""  # where local sockets live; "" -> a fresh temporary directory
     engine_address: str = ""  # "" -> unix socket in run_dir
@@ -94,7 +95,7 @@ CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu",
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
 # the smallest (and largest) sensible values; a 0 where one is allowed means "off" or "pick for me"
 BOUNDS = {"port": {"ge": 0, "le": 65535}, "prefill_workers": {"ge": 1}, "decode_engines": {"ge": 1},
-          "ray_prefill_cpus": {"ge": 0}, "threads_per_worker": {"ge": 0},
+          "ray_prefill_cpus": {"ge": 0}, "cpu_decode_pace_ms": {"ge": 0}, "threads_per_worker": {"ge": 0},
           "n_ctx": {"ge": 1}, "n_batch": {"ge": 1}, "prefix_cache_tokens": {"ge": 0}, "kv_cache_tokens": {"ge": 0},
           "max_num_seqs": {"ge": 1}, "num_speculative_tokens": {"ge": 1, "le": 16}, "audit_log_max_bytes": {"ge": 4096}, "audit_log_backups": {"ge": 0}, "swap_space_gib": {"ge": 0}, "max_backlog_bytes": {"ge": 1}, "worker_heartbeat_timeout_s": {"gt": 1}, "max_model_len": {"ge": 1}, "gpu_memory_utilization": {"gt": 0, "le": 1}, "max_body_bytes": {"ge": 1},
           "default_max_tokens": {"ge": 1}, "prefill_queue_size": {"ge": 1}, "header_timeout_s": {"gt": 0},

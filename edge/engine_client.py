@@ -32,6 +32,7 @@ class EngineClient:
         self.stats: EngineStats | None = None
         self.closing = False  # set at shutdown: a dropped connection is then expected
         self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
+        self.backlog = False  # prompts wait for a free prefill worker, as last told by the prefill pool
         self.speculation = True  # the policy tier in force allows speculative decoding
         self.on_recompute = lambda ask, client: None  # the gateway has a preempted choice prefilled again
         # where this engine listens now, asked before each connection (a Ray actor moves when it restarts); None: fixed
@@ -70,7 +71,7 @@ class EngineClient:
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer, self.state, self.last_error = writer, "ready", None
         log.info("connected to the decode engine at %s", self.address)
-        await self._send(DecodeYield(self.yield_to))  # a restarted engine must hear what is in prefill now
+        await self._send(DecodeYield(self.yield_to, self.backlog))  # a restarted engine must hear what is in prefill now
         if not self.speculation:
             await self._send(Speculate(False))  # ... and that the policy has speculation off
         try:
@@ -103,7 +104,12 @@ class EngineClient:
     def prefill_priority_changed(self, priority: int | None) -> None:
         """The prefill pool's best priority changed; the engine's less important decode yields to it."""
         self.yield_to = priority
-        spawn(self._send(DecodeYield(priority)), "telling the engine the best priority in prefill", log)
+        spawn(self._send(DecodeYield(priority, self.backlog)), "telling the engine the best priority in prefill", log)
+
+    def prefill_backlog_changed(self, backlog: bool) -> None:
+        """Prompts now wait (or no longer wait) for a free prefill worker."""
+        self.backlog = backlog
+        spawn(self._send(DecodeYield(self.yield_to, backlog)), "telling the engine about the prefill backlog", log)
 
     async def _send(self, message) -> None:
         """Best effort: a lost connection is handled by run(), which reconnects and resends the yield."""

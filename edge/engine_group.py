@@ -131,3 +131,7 @@ class EngineGroup:
         self.yield_to = priority
         for client in self.clients.values():
             client.prefill_priority_changed(priority)
+
+    def prefill_backlog_changed(self, backlog: bool) -> None:
+        for client in self.clients.values():
+            client.prefill_backlog_changed(backlog)

@@ -47,7 +47,7 @@ def engine_args(config, model_path: str) -> list[str]:
             "--weight-dtype", config.weight_dtype,
             "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
             "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
-            "--yield-to-prefill", config.decode_yields_to_prefill,
+            "--yield-to-prefill", config.decode_yields_to_prefill, "--cpu-decode-pace-ms", str(config.cpu_decode_pace_ms),
             "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes),
             "--prefix-caching", "on" if config.prefix_caching else "off", "--speculative", config.speculative,
             "--preemption-mode", config.preemption_mode,

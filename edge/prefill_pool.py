@@ -5,7 +5,8 @@ is busy with lower-priority prompts, a higher-priority arrival preempts the wors
 stops at once (within a llama.cpp chunk) and that job goes back to the queue in its old place, to resume
 from the worker's prompt cache. Whenever the best priority among queued and prefilling prompts changes,
 `on_best_priority` hears it (the gateway passes it on to the engine, whose lower-priority decode then
-yields the CPU on a CPU-only box).
+yields the CPU on a CPU-only box); `on_backlog` hears whether prompts wait for a busy worker (an engine
+decoding on the same cores may then pace its steps, `cpu_decode_pace_ms`).
 
 Nothing a worker does can stall the queue: a job is encoded when it is submitted (a value that cannot
 travel is refused then, for that request alone); a worker whose connection drops or sends a bad frame
@@ -82,6 +83,8 @@ class PrefillPool:
         self.tokens_per_s = 0.0
         self.closing = False  # set at shutdown: dropped connections are then expected
         self.on_best_priority = lambda priority: None  # called with int | None on every change
+        self.on_backlog = lambda backlog: None  # called with a bool on every change (see _announce)
+        self.backlog = False
         self.on_stuck = lambda name: False  # kill a stuck worker (the supervisor); True if it will be restarted
         self.best_priority: int | None = None
         # Ray mode (edge.cluster): where a worker listens now, asked before each connection, since a restarted actor
@@ -254,6 +257,12 @@ class PrefillPool:
         if best != self.best_priority:
             self.best_priority = best
             self.on_best_priority(best)
+        # prompts wait while every ready worker is busy (none ready: nothing prefills; one idle: it is not a backlog)
+        ready = [w for w in self.workers.values() if w.state == "ready"]
+        backlog = bool(self.queue) and bool(ready) and all(w.current is not None for w in ready)
+        if backlog != self.backlog:
+            self.backlog = backlog
+            self.on_backlog(backlog)
 
     def _record(self, done: PrefillDone) -> None:
         if done.prefill_ms > 0:

@@ -14,7 +14,7 @@ from decode_gpu.server import EngineService
 from contracts.events import FinishReason, TokenEvent
 from contracts.framing import connect_when_listening, read_message, send_message, start_server
 from contracts.handoff import encode_handoff
-from contracts.messages import Handoff, Token
+from contracts.messages import Abort, DecodeYield, Handoff, Token
 from fake_runner import FakeRunner, expected_tokens, fake_handoff, make_engine
 
 SECRET = b"engine-server-test"
@@ -423,3 +423,64 @@ def test_a_configuration_the_engine_refuses_stops_the_process_with_its_message(t
     monkeypatch.setattr(server, "build_engine", build)
     with pytest.raises(SystemExit, match="set one of the two"):
         asyncio.run(server.serve(_serve_args(tmp_path), asyncio.Event()))
+
+
+async def arrivals_until_ended(reader, request_id: str, timeout_s: float = 20.0) -> list[tuple[float, TokenEvent]]:
+    """(arrival time, event) of one request's events, until its terminal one."""
+    seen: list[tuple[float, TokenEvent]] = []
+
+    async def read():
+        while not seen or seen[-1][1].finish_reason is None:
+            message = await read_message(reader)
+            assert message is not None, "the engine closed the gateway connection"
+            if isinstance(message, Token) and message.event.request_id == request_id:
+                seen.append((time.monotonic(), message.event))
+
+    await asyncio.wait_for(read(), timeout_s)
+    return seen
+
+
+def test_with_a_prefill_backlog_steps_start_at_most_once_a_pace(tmp_path):
+    pace_s, max_tokens = 0.3, 5
+    engine, _ = make_engine()
+    prompt = prompt_of(1)
+
+    async def scenario():
+        async with Harness(tmp_path, engine, pace_s=pace_s) as harness:
+            gateway, gateway_writer = await harness.gateway()
+            await send_message(gateway_writer, DecodeYield(None, backlog=True))
+            await until(lambda: harness.service.gate.backlog)
+            _, prefill = await harness.connect("prefill")
+            await send_handoff(prefill, fake_handoff("paced", prompt, max_tokens))
+            return await arrivals_until_ended(gateway, "paced")
+    seen = asyncio.run(scenario())
+    assert [t for _, e in seen for t in e.token_ids] == expected_tokens(prompt, max_tokens)
+    # the first token comes with the handoff, the rest from max_tokens - 1 steps, each a pace after the last began
+    steps = [at for at, e in seen[1:] if e.token_ids]
+    assert steps[-1] - steps[0] >= (len(steps) - 1) * pace_s * 0.8
+
+
+def test_a_paced_engine_ends_an_abort_at_once_and_stops_pacing_when_the_backlog_clears(tmp_path):
+    pace_s = 5.0  # far longer than anything below may take
+    engine, _ = make_engine()
+
+    async def scenario():
+        async with Harness(tmp_path, engine, pace_s=pace_s) as harness:
+            gateway, gateway_writer = await harness.gateway()
+            await send_message(gateway_writer, DecodeYield(None, backlog=True))
+            await until(lambda: harness.service.gate.backlog)
+            _, prefill = await harness.connect("prefill")
+            await send_handoff(prefill, fake_handoff("aborted", prompt_of(1), 50))
+            await until(lambda: harness.service.snapshot.generated_tokens >= 1)  # one step; the next waits
+            asked = time.monotonic()
+            await send_message(gateway_writer, Abort("aborted"))
+            aborted = await arrivals_until_ended(gateway, "aborted")
+            abort_s = aborted[-1][0] - asked
+            released = time.monotonic()  # paced, its 5 steps would take 4 paces at least
+            await send_message(gateway_writer, DecodeYield(None, backlog=False))
+            await send_handoff(prefill, fake_handoff("released", prompt_of(2), 6))
+            done = await arrivals_until_ended(gateway, "released")
+            return abort_s, aborted[-1][1], done[-1][0] - released, done[-1][1]
+    abort_s, abort_end, release_s, release_end = asyncio.run(scenario())
+    assert abort_end.finish_reason is FinishReason.ABORT and abort_s < pace_s * 0.8
+    assert release_end.finish_reason is FinishReason.LENGTH and release_s < pace_s * 0.8

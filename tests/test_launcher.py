@@ -231,3 +231,12 @@ def test_children_spin_briefly_between_parallel_regions_unless_the_operator_says
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     env = child_environment()
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+
+
+def test_the_engine_gets_the_pace_from_the_serve_config():
+    from decode_gpu.server import parse_args
+    from edge.config import ServeConfig
+    from edge.launcher import engine_args
+    args = parse_args(engine_args(ServeConfig(cpu_decode_pace_ms=100), "m.gguf") + ["--listen", "unix:/x"])
+    assert args.cpu_decode_pace_ms == 100.0
+    assert parse_args(engine_args(ServeConfig(), "m.gguf") + ["--listen", "unix:/x"]).cpu_decode_pace_ms == 0.0

@@ -159,3 +159,20 @@ def test_an_int4_model_with_an_int8_head_shares_it_with_the_embedding():
     assert isinstance(head, Int8Linear) and isinstance(table, Int8Embedding) and table.qweight is head.qweight
     assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
     assert held_weight_dtype(model) == "int4 (lm_head int8)"
+
+
+def test_without_a_packed_int8_kernel_an_int4_model_keeps_its_head_int4(monkeypatch, caplog, embedded_model_path):
+    """The embedded GGUF's Q8_0 head goes int8 beside int4 layers only where a packed int8 kernel exists: without
+    one it would be cast every step, so it stays int4, with a warning."""
+    from decode_gpu import weight_quant
+    from prefill_cpu.prefiller import PrefillConfig, Prefiller
+    prefiller = Prefiller(PrefillConfig(str(embedded_model_path), n_ctx=64, kv_type="f16"))
+    identity = prefiller.identity
+    prefiller.close()
+    monkeypatch.setattr(weight_quant, "_int8_kernel_works", lambda device, dtype: False)
+    model, report = weight_quant.load_weights(identity, CPU, torch.bfloat16, "int4", 1)
+    assert isinstance(model.get_output_embeddings(), Int4Linear) and report.weight_dtype == "int4"
+    assert "no packed int8 kernel" in caplog.text
+    monkeypatch.undo()
+    model, report = weight_quant.load_weights(identity, CPU, torch.bfloat16, "int4", 1)
+    assert isinstance(model.get_output_embeddings(), Int8Linear) and report.weight_dtype == "int4 (lm_head int8)"

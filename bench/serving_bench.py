@@ -151,6 +151,7 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every llama.cpp-based server")
     parser.add_argument("--slots", type=int, default=12, help="llama-server -np (parallel slots)")
+    parser.add_argument("--pace-ms", type=float, default=100, help="ours-paced: its cpu_decode_pace_ms")
     parser.add_argument("--ctx-per-slot", type=int, default=2048)
     parser.add_argument("--background", type=int, default=30, help="priority scenario: background streams (0: skip)")
     parser.add_argument("--background-tokens", type=int, default=128)
@@ -170,7 +171,7 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     gguf = args.model or embedded_model_path()
-    systems = make_systems(args.systems.split(","), gguf, args.threads, args.slots, args.ctx_per_slot)
+    systems = make_systems(args.systems.split(","), gguf, args.threads, args.slots, args.ctx_per_slot, args.pace_ms)
     all_results = {}
     for system in systems:
         print(f"benchmarking {system.name} ...", flush=True)

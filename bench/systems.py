@@ -63,7 +63,8 @@ class System:
                 self.process.wait()
 
 
-def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_slot: int) -> list[System]:
+def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_slot: int,
+                 pace_ms: float = 100) -> list[System]:
     model_id = Path(gguf).name.removesuffix(".gguf")
     config = Path(tempfile.mkstemp(suffix=".toml")[1])
     config.write_text(f'log_level = "WARNING"\nthreads_per_worker = {threads}\nmax_num_seqs = 64\n'
@@ -72,12 +73,12 @@ def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_
     # single-threaded worker per core, and decode paced while prompts wait for one
     paced = Path(tempfile.mkstemp(suffix=".toml")[1])
     paced.write_text(config.read_text().replace(f'threads_per_worker = {threads}\n', f'prefill_workers = {threads}\n'
-                                                'threads_per_worker = 1\ncpu_decode_pace_ms = 100\n'))
+                                                f'threads_per_worker = 1\ncpu_decode_pace_ms = {pace_ms:g}\n'))
     catalog = {
         "ours": lambda: System("ours (edge serve)", model_id, lambda p: [
             sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p), "--config", str(config)],
             ready_path="/health"),
-        "ours-paced": lambda: System(f"ours ({threads} workers x 1 thread, paced 100 ms)", model_id, lambda p: [
+        "ours-paced": lambda: System(f"ours ({threads} workers x 1 thread, paced {pace_ms:g} ms)", model_id, lambda p: [
             sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p), "--config", str(paced)],
             ready_path="/health"),
         "llama-server": lambda: System(f"llama-server (-np {slots})", model_id, lambda p: [

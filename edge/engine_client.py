@@ -71,7 +71,8 @@ class EngineClient:
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer, self.state, self.last_error = writer, "ready", None
         log.info("connected to the decode engine at %s", self.address)
-        await self._send(DecodeYield(self.yield_to, self.backlog))  # a restarted engine must hear what is in prefill now
+        # a restarted engine must hear what is in prefill now
+        await self._send(DecodeYield(self.yield_to, self.backlog))
         if not self.speculation:
             await self._send(Speculate(False))  # ... and that the policy has speculation off
         try:

@@ -440,6 +440,15 @@ async def arrivals_until_ended(reader, request_id: str, timeout_s: float = 20.0)
     return seen
 
 
+async def with_backlog(harness: Harness):
+    """A gateway that has told the engine prompts wait for a prefill worker, and a prefill connection."""
+    gateway, gateway_writer = await harness.gateway()
+    await send_message(gateway_writer, DecodeYield(None, backlog=True))
+    await until(lambda: harness.service.gate.backlog)
+    _, prefill = await harness.connect("prefill")
+    return gateway, gateway_writer, prefill
+
+
 def test_with_a_prefill_backlog_steps_start_at_most_once_a_pace(tmp_path):
     pace_s, max_tokens = 0.3, 5
     engine, _ = make_engine()
@@ -447,10 +456,7 @@ def test_with_a_prefill_backlog_steps_start_at_most_once_a_pace(tmp_path):
 
     async def scenario():
         async with Harness(tmp_path, engine, pace_s=pace_s) as harness:
-            gateway, gateway_writer = await harness.gateway()
-            await send_message(gateway_writer, DecodeYield(None, backlog=True))
-            await until(lambda: harness.service.gate.backlog)
-            _, prefill = await harness.connect("prefill")
+            gateway, _, prefill = await with_backlog(harness)
             await send_handoff(prefill, fake_handoff("paced", prompt, max_tokens))
             return await arrivals_until_ended(gateway, "paced")
     seen = asyncio.run(scenario())
@@ -466,10 +472,7 @@ def test_a_paced_engine_ends_an_abort_at_once_and_stops_pacing_when_the_backlog_
 
     async def scenario():
         async with Harness(tmp_path, engine, pace_s=pace_s) as harness:
-            gateway, gateway_writer = await harness.gateway()
-            await send_message(gateway_writer, DecodeYield(None, backlog=True))
-            await until(lambda: harness.service.gate.backlog)
-            _, prefill = await harness.connect("prefill")
+            gateway, gateway_writer, prefill = await with_backlog(harness)
             await send_handoff(prefill, fake_handoff("aborted", prompt_of(1), 50))
             await until(lambda: harness.service.snapshot.generated_tokens >= 1)  # one step; the next waits
             asked = time.monotonic()

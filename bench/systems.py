@@ -66,21 +66,22 @@ class System:
 def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_slot: int,
                  pace_ms: float = 100) -> list[System]:
     model_id = Path(gguf).name.removesuffix(".gguf")
-    config = Path(tempfile.mkstemp(suffix=".toml")[1])
-    config.write_text(f'log_level = "WARNING"\nthreads_per_worker = {threads}\nmax_num_seqs = 64\n'
-                      f'kv_cache_tokens = {slots * ctx_per_slot * 2}\n[limits]\nprefill_queue_size = 512\n')
-    # the throughput layout of a CPU-only box (docs/config.md, "Prefill and decode on the same cores"): a
-    # single-threaded worker per core, and decode paced while prompts wait for one
-    paced = Path(tempfile.mkstemp(suffix=".toml")[1])
-    paced.write_text(config.read_text().replace(f'threads_per_worker = {threads}\n', f'prefill_workers = {threads}\n'
-                                                f'threads_per_worker = 1\ncpu_decode_pace_ms = {pace_ms:g}\n'))
+
+    def edge_serve(name: str, layout: str) -> System:
+        """`edge serve` with the prefill layout `layout` (TOML lines) and what every run of ours shares."""
+        config = Path(tempfile.mkstemp(suffix=".toml")[1])
+        config.write_text(f'log_level = "WARNING"\n{layout}max_num_seqs = 64\n'
+                          f'kv_cache_tokens = {slots * ctx_per_slot * 2}\n[limits]\nprefill_queue_size = 512\n')
+        return System(name, model_id, lambda p: [sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port",
+                                                 str(p), "--config", str(config)], ready_path="/health")
+
     catalog = {
-        "ours": lambda: System("ours (edge serve)", model_id, lambda p: [
-            sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p), "--config", str(config)],
-            ready_path="/health"),
-        "ours-paced": lambda: System(f"ours ({threads} workers x 1 thread, paced {pace_ms:g} ms)", model_id, lambda p: [
-            sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p), "--config", str(paced)],
-            ready_path="/health"),
+        "ours": lambda: edge_serve("ours (edge serve)", f"threads_per_worker = {threads}\n"),
+        # the throughput layout of a CPU-only box (docs/decode.md, "Pacing decode while prompts wait"): a
+        # single-threaded worker per core, and decode paced while prompts wait for one
+        "ours-paced": lambda: edge_serve(f"ours ({threads} workers x 1 thread, paced {pace_ms:g} ms)",
+                                         f"prefill_workers = {threads}\nthreads_per_worker = 1\n"
+                                         f"cpu_decode_pace_ms = {pace_ms:g}\n"),
         "llama-server": lambda: System(f"llama-server (-np {slots})", model_id, lambda p: [
             str(build_llama_server(os.cpu_count() or 2)), "-m", gguf, "--port", str(p), "-t", str(threads),
             "-np", str(slots), "-c", str(slots * ctx_per_slot), "--log-disable"], ready_path="/health"),

@@ -105,12 +105,15 @@ class EngineClient:
     def prefill_priority_changed(self, priority: int | None) -> None:
         """The prefill pool's best priority changed; the engine's less important decode yields to it."""
         self.yield_to = priority
-        spawn(self._send(DecodeYield(priority, self.backlog)), "telling the engine the best priority in prefill", log)
+        self._tell_prefill_state("the best priority in prefill")
 
     def prefill_backlog_changed(self, backlog: bool) -> None:
         """Prompts now wait (or no longer wait) for a free prefill worker."""
         self.backlog = backlog
-        spawn(self._send(DecodeYield(self.yield_to, backlog)), "telling the engine about the prefill backlog", log)
+        self._tell_prefill_state("the prefill backlog")
+
+    def _tell_prefill_state(self, what: str) -> None:
+        spawn(self._send(DecodeYield(self.yield_to, self.backlog)), f"telling the engine {what}", log)
 
     async def _send(self, message) -> None:
         """Best effort: a lost connection is handled by run(), which reconnects and resends the yield."""

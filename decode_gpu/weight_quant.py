@@ -20,7 +20,8 @@ from torch.nn import functional as F
 
 log = logging.getLogger(__name__)
 
-WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "int4")
+WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0")
+QUANTIZED_WEIGHTS = ("int8", "int4", "q8_0")  # q8_0: ggml's Q8_0 blocks and CPU kernels (ggml_linear.py), CPU only
 FLOAT_WEIGHTS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # inputs per int4 (scale, zero) group: 32, the block of llama.cpp's Q4_0/Q4_1 (a Q4_1 GGUF's weights are then
 # nearly exact in int4: its blocks are min + k x step); a 128 group lost half the top-1 agreement on the embedded model
@@ -39,6 +40,7 @@ class _QuantizedLinear(nn.Module):
     """A weight-only quantized linear layer. float_above: also keep the float weight and use it for inputs of more
     rows than this. On a CPU the packed int kernels win at small batches (fewer bytes, less work) and lose at larger
     ones to the bfloat16 kernel (AMX); None: quantized only."""
+    held_as: str  # the weight_dtype this layer holds
     in_features: int
     out_features: int
 
@@ -59,6 +61,7 @@ class _QuantizedLinear(nn.Module):
 
 class Int8Linear(_QuantizedLinear):
     """y = x @ (q * scale).T + b, with q int8 [out, in] and one scale per output channel (symmetric)."""
+    held_as = "int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  float_above: int | None = None) -> None:
@@ -98,6 +101,7 @@ class Int4Linear(_QuantizedLinear):
     """Asymmetric 4-bit groups along the input: w = (q - 8) * scale + zero, one (scale, zero) per group of
     `group` inputs per output; tinygemm's packed layout (torch's _weight_int4pack_mm kernels). A GGUF matrix in
     Q4_0, Q4_1 or Q4_K is affine 4-bit in blocks of 32 already: its codes come back exactly."""
+    held_as = "int4"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  float_above: int | None = None) -> None:
@@ -177,14 +181,16 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dtype: torch.dtype,
                    float_above: int | None = None, prebuilt: dict[str, _QuantizedLinear] | None = None,
                    head_int8: bool = False) -> None:
-    """Replace the model's linear layers by `weight_dtype` ("int8" or "int4") ones, layer by layer on `device`,
+    """Replace the model's linear layers by `weight_dtype` ("int8", "int4" or "q8_0") ones, layer by layer on `device`,
     then move the rest there. The input embedding is int8 either way, shared with a tied int8 lm_head (the int4
     layout cannot be read row by row). head_int8 (int4): the lm_head int8, for a GGUF whose output matrix has more
     than 4 bits (load_weights). float_above: keep the float weights too, for batches of more rows. prebuilt:
     layers by module name, already made from these weights on `device` (the CPU measurement's), used instead of
     quantizing them again."""
-    if weight_dtype not in ("int8", "int4"):
-        raise ValueError(f"quantize_model takes int8 or int4, not {weight_dtype!r}")
+    if weight_dtype not in QUANTIZED_WEIGHTS:
+        raise ValueError(f"quantize_model takes one of {QUANTIZED_WEIGHTS}, not {weight_dtype!r}")
+    if weight_dtype == "q8_0" and device.type != "cpu":
+        raise ValueError(f"q8_0 weights run on ggml's CPU kernels, not on {device.type}")
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     started = time.perf_counter()
@@ -209,8 +215,11 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
 
 
 def _layer_class(weight_dtype: str, int8_head: bool) -> type[_QuantizedLinear]:
-    """The layer type for `weight_dtype` ("int8" or "int4"); int8_head: this is the lm_head, kept int8 in an int4
+    """The layer type for `weight_dtype` (QUANTIZED_WEIGHTS); int8_head: this is the lm_head, kept int8 in an int4
     model."""
+    if weight_dtype == "q8_0":
+        from decode_gpu.ggml_linear import GGMLLinear
+        return GGMLLinear
     return Int8Linear if weight_dtype == "int8" or int8_head else Int4Linear
 
 
@@ -226,7 +235,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class WeightPlan:
-    weight_dtype: str  # "int8", "int4" or "float" (the model's dtype)
+    weight_dtype: str  # "int8", "int4", "q8_0" or "float" (the model's dtype)
     why: str
     float_above: int | None = None  # float weights too, for batches of more rows (_QuantizedLinear)
     prebuilt: dict = field(default_factory=dict, repr=False)  # layers the measurement made, by module name
@@ -261,33 +270,46 @@ def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Mod
     if model is None:
         return WeightPlan("float", "no model to measure")
     kind = "int4" if types.layers and types.layers <= GGUF_EXACT_INT4 else "int8"
-    return _measured_cpu_plan(model, max_batch, kind, kind == "int4" and types.head_int8)
+    from decode_gpu import ggml_linear
+    kinds = (kind, "q8_0") if ggml_linear.available() else (kind,)
+    return _measured_cpu_plan(model, max_batch, kinds, types.head_int8)
 
 
-def _measured_cpu_plan(model: nn.Module, max_batch: int, kind: str = "int8", head_int8: bool = False) -> WeightPlan:
-    """`kind` for the batch sizes where it is at least 10% faster than the float weights. Measured on a pass over
-    every linear layer of the model, as a decode step makes it: weights that do not stay in the caches (one layer
-    alone fits, and then the float kernel looks better than it is). On this CPU, in this process: the kernels'
-    speed depends on the ISA and the thread count."""
+def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] = ("int8",),
+                       head_int8: bool = False) -> WeightPlan:
+    """Of `kinds`, the one fastest at one row, for the batch sizes where it is at least 10% faster than the float
+    weights. Measured on a pass over every linear layer of the model, as a decode step makes it: weights that do not
+    stay in the caches (one layer alone fits, and then the float kernel looks better than it is). On this CPU, in
+    this process: the kernels' speed depends on the ISA (torch's packed int kernels need AVX-512 to win, ggml's do
+    not) and the thread count."""
     named = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = model.get_output_embeddings()
-    built = {name: _layer_class(kind, m is head and head_int8)(m.weight, m.bias, m.weight.dtype)
-             for name, m in named.items()}
-    floats, quantized = list(named.values()), list(built.values())
+    floats = list(named.values())
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
-    wins, timings = 0, []
-    for batch in batches:
-        inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in floats}
-        float_s = _time(lambda: [m(inputs[m.in_features]) for m in floats], reps=3)
-        quantized_s = _time(lambda: [m(inputs[m.in_features]) for m in quantized], reps=3)
-        timings.append(f"{batch}: {float_s * 1e3:.1f}/{quantized_s * 1e3:.1f}")
-        if quantized_s >= 0.9 * float_s:
-            break
-        wins = batch
-    why = f"measured over the model's linear layers, ms float/{kind} by batch {', '.join(timings)}"
-    if not wins:
+    inputs = {b: {m.in_features: torch.randn(b, m.in_features, dtype=m.weight.dtype) for m in floats} for b in batches}
+    float_s: dict[int, float] = {}  # batch -> seconds of the float pass
+    best, notes = None, []
+    for kind in kinds:
+        built = {name: _layer_class(kind, m is head and head_int8)(m.weight, m.bias, m.weight.dtype)
+                 for name, m in named.items()}
+        wins, one_row, timings = 0, float("inf"), []
+        for batch in batches:
+            if batch not in float_s:
+                float_s[batch] = _time(lambda: [m(inputs[batch][m.in_features]) for m in floats], reps=3)
+            quantized_s = _time(lambda: [m(inputs[batch][m.in_features]) for m in built.values()], reps=3)
+            timings.append(f"{batch}: {float_s[batch] * 1e3:.1f}/{quantized_s * 1e3:.1f}")
+            one_row = min(one_row, quantized_s)
+            if quantized_s >= 0.9 * float_s[batch]:
+                break
+            wins = batch
+        notes.append(f"float/{kind} by batch {', '.join(timings)}")
+        if wins and (best is None or one_row < best[2]):
+            best = (kind, wins, one_row, built)
+    why = f"measured over the model's linear layers, ms {'; '.join(notes)}"
+    if best is None:
         return WeightPlan("float", why)
-    return WeightPlan(kind, why, None if wins >= max_batch else wins, built, head_int8)
+    kind, wins, _, built = best
+    return WeightPlan(kind, why, None if wins >= max_batch else wins, built, kind == "int4" and head_int8)
 
 
 @torch.inference_mode()
@@ -318,7 +340,7 @@ def held_weight_dtype(model: nn.Module) -> str:
     layers = [m for m in model.modules() if isinstance(m, _QuantizedLinear)]
     if not layers:
         return dtype_name(next(model.parameters()).dtype)
-    held = "int4" if any(isinstance(m, Int4Linear) for m in layers) else "int8"
+    held = "int4" if any(isinstance(m, Int4Linear) for m in layers) else layers[0].held_as
     if held == "int4" and isinstance(model.get_output_embeddings(), Int8Linear):
         held += " (lm_head int8)"
     if layers[0].float_above is None:
@@ -335,7 +357,9 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, not {weight_dtype!r}")
     # the GGUF's own types matter to auto (CUDA follows them, the CPU measures by them) and to int4's lm_head
     types = gguf_weight_types(identity.path) if weight_dtype in ("auto", "int4") else GGUFWeightTypes()
-    plan = WeightPlan(weight_dtype if weight_dtype in ("int8", "int4") else "float", "configured",
+    if weight_dtype == "q8_0" and device.type != "cpu":
+        raise ValueError(f"weight_dtype q8_0 runs on ggml's CPU kernels only, not on {device.type}")
+    plan = WeightPlan(weight_dtype if weight_dtype in QUANTIZED_WEIGHTS else "float", "configured",
                       head_int8=types.head_int8)
     if weight_dtype == "auto" and device.type == "cuda":
         plan = auto_weight_plan(device, types)

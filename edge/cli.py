@@ -30,9 +30,9 @@ def main(argv=None) -> None:
     serve.add_argument("--kv-type", choices=["auto", "f16", "q8_0", "q4_0"],
                        help="handoff KV type (auto: f16 for workers next to the engine, q8_0 across hosts)")
     serve.add_argument("--kv-cache-tokens", type=int)
-    serve.add_argument("--weight-dtype", choices=["auto", "bfloat16", "float16", "float32", "int8", "int4"],
-                       help="decode weights: int8/int4 weight-only quantization, or float (auto: the GGUF's "
-                            "quantization on CUDA, a measurement on the CPU; docs/decode.md)")
+    serve.add_argument("--weight-dtype", choices=["auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0"],
+                       help="decode weights: int8/int4 weight-only quantization, q8_0 on ggml's CPU kernels, or float "
+                            "(auto: the GGUF's quantization on CUDA, a measurement on the CPU; docs/decode.md)")
     serve.add_argument("--speculative", choices=["off", "ngram"],
                        help="speculative decoding: ngram drafts from the prompt and output, verified in one forward "
                             "(greedy and seeded outputs unchanged; docs/decode.md)")

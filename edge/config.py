@@ -88,7 +88,7 @@ class ServeConfig:
 
 CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda"),
            "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "weight_dtype": ("auto", "bfloat16", "float16", "float32", "int8", "int4"),
+           "weight_dtype": ("auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0"),
            "decode_yields_to_prefill": ("auto", "on", "off"),
            "kv_storage": ("auto", "float32", "float16", "bfloat16", "int8", "int4"),
            "speculative": ("off", "ngram"), "preemption_mode": ("swap", "recompute"),

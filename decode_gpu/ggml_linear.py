@@ -8,7 +8,8 @@ written for every x86 and ARM ISA (llama.cpp's decode runs on them): Q8_0 was ab
 row there (docs/decode.md, "ggml weights on the CPU").
 
 How: one small ggml graph (y = W x) per layer and row count, built once; a call points the graph's input and
-output tensors at the torch tensors' memory and computes it on the calling thread. ggml quantizes the activations
+output tensors at the torch tensors' memory and computes it on the calling thread, with as many threads as torch
+has at that moment. ggml quantizes the activations
 to its dot-product type itself. Everything here is CPU-only and needs llama-cpp-python's shared libraries, whose
 struct layouts are pinned with its version (0.3.36); `available()` checks the one field offset written directly.
 """
@@ -111,12 +112,16 @@ class _MatMulGraph:
         self._graph = lib.new_graph(self._ctx)
         lib.build_forward_expand(self._graph, self._y)
         _P.from_address(weight + _TENSOR_DATA_OFFSET).value = weight_ptr
-        self._plan = lib.graph_plan(self._graph, 1, None)
-        self._work = torch.empty(max(self._plan.work_size, 1), dtype=torch.uint8)  # the activations, quantized
+        # work: the activations quantized, sized for the most threads a call may use
+        self._plan = lib.graph_plan(self._graph, os.cpu_count() or 1, None)
+        self._work = torch.empty(max(self._plan.work_size, 1), dtype=torch.uint8)
         self._plan.work_data = self._work.data_ptr()
         self._lib = lib
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:  # x: [rows, in] float32, y: [rows, out] float32
+        # as many threads as torch has now: the engine halves its threads while a prompt is in prefill on the same
+        # cores (docs/decode.md); ggml starts and joins them per call, which measured cheaper than one thread
+        self._plan.n_threads = min(torch.get_num_threads(), os.cpu_count() or 1)
         _P.from_address(self._x + _TENSOR_DATA_OFFSET).value = x.data_ptr()
         _P.from_address(self._y + _TENSOR_DATA_OFFSET).value = y.data_ptr()
         status = self._lib.graph_compute(self._graph, ctypes.byref(self._plan))
@@ -149,7 +154,7 @@ def matmul_graph(blocks: torch.Tensor, weight_dtype: str, in_features: int, out_
 
 class GGMLLinear(_QuantizedLinear):
     """y = x @ W.T + b with W held in ggml's Q8_0 blocks (32 weights, one float16 scale) and multiplied by ggml's CPU
-    kernels on the calling thread; activations cross as float32."""
+    kernels with torch's current thread count; activations cross as float32."""
     held_as = "q8_0"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -161,6 +166,9 @@ class GGMLLinear(_QuantizedLinear):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.keep_float(weight, float_above)
         self._graphs: dict[tuple[int, int], _MatMulGraph] = {}  # (rows, weight address) -> its graph
+
+    def __getstate__(self) -> dict:  # a copy (deepcopy, pickle) builds graphs of its own over its own bytes
+        return {**super().__getstate__(), "_graphs": {}}
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         rows = x2.shape[0]

@@ -48,6 +48,9 @@ def test_rows_do_not_depend_on_the_batch_and_graphs_are_reused():
     assert torch.equal(layer(x), alone)  # row by row as in a batch of 9: batch-invariant greedy text
     assert torch.equal(layer(x), layer(x.clone()))
     assert sorted(rows for rows, _ in layer._graphs) == [1, 9]
+    twin = copy.deepcopy(layer)  # its own bytes, its own graphs
+    assert twin.qweight.data_ptr() != layer.qweight.data_ptr() and not twin._graphs
+    assert torch.equal(twin(x), layer(x))
 
 
 def test_bfloat16_activations_come_back_in_bfloat16():

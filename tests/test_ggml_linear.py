@@ -102,3 +102,19 @@ def test_the_cpu_measurement_weighs_q8_0_against_torch_kernels_and_float():
         candidate = copy.deepcopy(model)
         quantize_model(candidate, plan.weight_dtype, CPU, torch.float32, plan.float_above, plan.prebuilt)
         assert held_weight_dtype(candidate).startswith(plan.weight_dtype)
+
+
+def test_auto_on_the_cpu_measures_q8_0_only_where_ggml_loads(monkeypatch):
+    from decode_gpu import weight_quant
+    seen = []
+
+    def measured(model, max_batch, kinds, head_int8):
+        seen.append(kinds)
+        return weight_quant.WeightPlan("float", "measured")
+
+    monkeypatch.setattr(weight_quant, "_measured_cpu_plan", measured)
+    types = weight_quant.GGUFWeightTypes(frozenset({"Q4_1"}), "Q8_0")
+    weight_quant.auto_weight_plan(CPU, types, model=nn.Linear(32, 32))
+    monkeypatch.setattr(ggml_linear, "available", lambda: False)
+    weight_quant.auto_weight_plan(CPU, types, model=nn.Linear(32, 32))
+    assert seen == [("int4", "q8_0"), ("int4",)]

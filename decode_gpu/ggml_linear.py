@@ -3,15 +3,15 @@ own mul_mat, called through ctypes from the ggml libraries llama-cpp-python ship
 
 Why: torch's packed int8/int4 CPU kernels are fast only where the CPU has AVX-512 (VNNI/BF16/AMX). On an AVX2 CPU
 (the AMD EPYC Zen 3 development machine of 2026-12-02) they ran 2.6-20x slower than float32 over the embedded
-model's layers, so `auto` kept float32 weights and a decode step read 540 MB. ggml's quantized dot products are
-written for every x86 and ARM ISA (llama.cpp's decode runs on them): Q8_0 was about 4x faster than float32 at one
-row there (docs/decode.md, "ggml weights on the CPU").
+model's layers, so `auto` kept float32 weights and a decode step read 538 MB. ggml's quantized dot products are
+written for every x86 and ARM ISA (llama.cpp's decode runs on them): over the layers at one row Q8_0 took 29 ms
+against float32's 97 there (docs/decode.md, "ggml weights on the CPU").
 
 How: one small ggml graph (y = W x) per layer and row count, built once; a call points the graph's input and
 output tensors at the torch tensors' memory and computes it on the calling thread, with as many threads as torch
-has at that moment. ggml quantizes the activations
-to its dot-product type itself. Everything here is CPU-only and needs llama-cpp-python's shared libraries, whose
-struct layouts are pinned with its version (0.3.36); `available()` checks the one field offset written directly.
+has at that moment. ggml quantizes the activations to its dot-product type itself. Everything here is CPU-only
+and needs llama-cpp-python's shared libraries, whose struct layouts are pinned with its version (0.3.36);
+`available()` checks the one field offset written directly.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from decode_gpu.weight_quant import _QuantizedLinear
 log = logging.getLogger(__name__)
 GGML_TYPES = {"q8_0": 8}  # weight_dtype -> ggml_type
 GGML_F32 = 0
+MAX_THREADS = 4  # threads of one call at most; measured at 1 and 2 only (no persistent ggml threadpool yet)
 _TENSOR_DATA_OFFSET = 248  # offsetof(struct ggml_tensor, data) in ggml 0.25 (llama-cpp-python 0.3.36), checked
 _P = ctypes.c_void_p
 
@@ -119,9 +120,10 @@ class _MatMulGraph:
         self._lib = lib
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:  # x: [rows, in] float32, y: [rows, out] float32
-        # as many threads as torch has now: the engine halves its threads while a prompt is in prefill on the same
-        # cores (docs/decode.md); ggml starts and joins them per call, which measured cheaper than one thread
-        self._plan.n_threads = min(torch.get_num_threads(), os.cpu_count() or 1)
+        # as many threads as torch has now (the engine halves its threads while a prompt is in prefill on the same
+        # cores, docs/decode.md), up to MAX_THREADS: ggml starts and joins them per call, which paid at 2 threads
+        # (29 against 42 ms over the embedded model's layers) but costs more with every thread
+        self._plan.n_threads = min(torch.get_num_threads(), MAX_THREADS, os.cpu_count() or 1)
         _P.from_address(self._x + _TENSOR_DATA_OFFSET).value = x.data_ptr()
         _P.from_address(self._y + _TENSOR_DATA_OFFSET).value = y.data_ptr()
         status = self._lib.graph_compute(self._graph, ctypes.byref(self._plan))
@@ -140,6 +142,8 @@ def quantize(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
         raise RuntimeError("ggml weights need llama-cpp-python's ggml libraries (0.3.36)")
     ggml_type = GGML_TYPES[weight_dtype]
     out_features, in_features = weight.shape
+    if in_features % 32:  # ggml would abort the process on a partial block
+        raise ValueError(f"{weight_dtype} weights need an input size divisible by 32, this layer has {in_features}")
     w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
     blocks = torch.empty(lib.row_size(ggml_type, in_features) * out_features, dtype=torch.uint8)
     lib.quantize_chunk(ggml_type, w.data_ptr(), blocks.data_ptr(), 0, out_features, in_features, None)

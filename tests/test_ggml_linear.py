@@ -81,6 +81,11 @@ def test_a_quantized_model_holds_q8_0_and_keeps_its_logits():
     assert sum(weight_bytes(bare).values()) < 0.4 * before  # 34 bytes per 32 weights, and the int8 embedding
 
 
+def test_a_partial_block_is_refused_before_ggml_sees_it():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        ggml_linear.GGMLLinear(torch.randn(8, 48), None, torch.float32)
+
+
 def test_q8_0_weights_are_refused_off_the_cpu():
     from transformers import LlamaConfig, LlamaForCausalLM
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()

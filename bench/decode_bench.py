@@ -232,7 +232,7 @@ def main() -> None:
     if "weights" not in args.skip:  # on the CPU, each weight dtype in a process of its own
         from bench.weights_bench import print_weight_rows, weight_rows
         batches = [int(b) for b in args.batches.split(",")]
-        print_weight_rows(weight_rows("float32,bfloat16,int8,int4,auto".split(","), batches, args.model), batches)
+        print_weight_rows(weight_rows("float32,bfloat16,int8,int4,q8_0,auto".split(","), batches, args.model), batches)
 
 
 def print_step_times(rows) -> None:

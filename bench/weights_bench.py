@@ -1,6 +1,6 @@
 """The decode step by weight_dtype: step ms at each batch size and the engine process's memory.
 
-    .venv/bin/python -m bench.weights_bench [--weights float32,bfloat16,int8,int4,auto] [--batches 1,8,32]
+    .venv/bin/python -m bench.weights_bench [--weights float32,bfloat16,int8,int4,q8_0,auto] [--batches 1,8,32]
 
 Also a part of `make bench-decode`. Each weight dtype runs in a process of its own (its RSS is then its own):
 the model loaded and quantized as `edge serve --weight-dtype X` would, an engine with `batch` copies of one
@@ -79,7 +79,7 @@ def print_weight_rows(rows: list[tuple[str, dict]], batches: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="float32,bfloat16,int8,int4,auto")
+    parser.add_argument("--weights", default="float32,bfloat16,int8,int4,q8_0,auto")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -30,7 +30,8 @@ def test_a_q8_0_layer_is_the_product_of_its_dequantized_blocks():
     layer = ggml_linear.GGMLLinear(linear.weight, linear.bias, torch.float32)
     weight = dequantized_q8_0(layer.qweight, 96, 256)
     step = linear.weight.detach().abs().reshape(96, 8, 32).amax(-1, keepdim=True) / 127  # [out, blocks, 1]
-    assert ((weight - linear.weight.detach()).reshape(96, 8, 32).abs() <= step * 0.6).all()  # half a step, and the float16 scale's rounding
+    # half a step, and the float16 scale's rounding
+    assert ((weight - linear.weight.detach()).reshape(96, 8, 32).abs() <= step * 0.6).all()
     x = torch.randn(5, 3, 256)
     expected = x @ weight.T + linear.bias.detach()
     got = layer(x)

@@ -230,9 +230,9 @@ def main() -> None:
         print_grammar_costs(grammar_costs(prefiller, load_decode_model(ident, device, dtype), device, [16, 32]))
     prefiller.close()
     if "weights" not in args.skip:  # on the CPU, each weight dtype in a process of its own
-        from bench.weights_bench import print_weight_rows, weight_rows
+        from bench.weights_bench import WEIGHTS, print_weight_rows, weight_rows
         batches = [int(b) for b in args.batches.split(",")]
-        print_weight_rows(weight_rows("float32,bfloat16,int8,int4,q8_0,auto".split(","), batches, args.model), batches)
+        print_weight_rows(weight_rows(WEIGHTS.split(","), batches, args.model), batches)
 
 
 def print_step_times(rows) -> None:

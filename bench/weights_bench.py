@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 CONTEXT = 256
+WEIGHTS = "float32,bfloat16,int8,int4,q8_0,auto"  # the rows of a run, make bench-decode's too
 
 
 def child(weight_dtype: str, batches: list[int], model_path: str | None) -> dict:
@@ -79,7 +80,7 @@ def print_weight_rows(rows: list[tuple[str, dict]], batches: list[int]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="float32,bfloat16,int8,int4,q8_0,auto")
+    parser.add_argument("--weights", default=WEIGHTS)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -32,6 +32,7 @@ GGML_F32 = 0
 MAX_THREADS = 4  # threads of one call at most; measured at 1 and 2 only (no persistent ggml threadpool yet)
 _TENSOR_DATA_OFFSET = 248  # offsetof(struct ggml_tensor, data) in ggml 0.25 (llama-cpp-python 0.3.36), checked
 _P = ctypes.c_void_p
+_CPUS = os.cpu_count() or 1
 
 
 class _InitParams(ctypes.Structure):
@@ -114,7 +115,7 @@ class _MatMulGraph:
         lib.build_forward_expand(self._graph, self._y)
         _P.from_address(weight + _TENSOR_DATA_OFFSET).value = weight_ptr
         # work: the activations quantized, sized for the most threads a call may use
-        self._plan = lib.graph_plan(self._graph, os.cpu_count() or 1, None)
+        self._plan = lib.graph_plan(self._graph, _CPUS, None)
         self._work = torch.empty(max(self._plan.work_size, 1), dtype=torch.uint8)
         self._plan.work_data = self._work.data_ptr()
         self._lib = lib
@@ -123,7 +124,7 @@ class _MatMulGraph:
         # as many threads as torch has now (the engine halves its threads while a prompt is in prefill on the same
         # cores, docs/decode.md), up to MAX_THREADS: ggml starts and joins them per call, which paid at 2 threads
         # (29 against 42 ms over the embedded model's layers) but costs more with every thread
-        self._plan.n_threads = min(torch.get_num_threads(), MAX_THREADS, os.cpu_count() or 1)
+        self._plan.n_threads = min(torch.get_num_threads(), MAX_THREADS, _CPUS)
         _P.from_address(self._x + _TENSOR_DATA_OFFSET).value = x.data_ptr()
         _P.from_address(self._y + _TENSOR_DATA_OFFSET).value = y.data_ptr()
         status = self._lib.graph_compute(self._graph, ctypes.byref(self._plan))
@@ -153,7 +154,6 @@ def quantize(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
 def matmul_graph(blocks: torch.Tensor, weight_dtype: str, in_features: int, out_features: int,
                  rows: int) -> _MatMulGraph:
     return _MatMulGraph(_ggml(), GGML_TYPES[weight_dtype], blocks.data_ptr(), in_features, out_features, rows)
-
 
 
 class GGMLLinear(_QuantizedLinear):

@@ -101,10 +101,9 @@ def test_the_cpu_measurement_weighs_q8_0_against_torch_kernels_and_float():
     plan = _measured_cpu_plan(model, 4, ("int8", "q8_0"))
     assert "float/int8 by batch 1:" in plan.why and "float/q8_0 by batch 1:" in plan.why
     assert plan.weight_dtype in ("float", "int8", "q8_0")
+    if plan.weight_dtype == "q8_0":
+        assert all(isinstance(m, ggml_linear.GGMLLinear) for m in plan.prebuilt.values())
     if plan.weight_dtype != "float":
-        layer_class = ggml_linear.GGMLLinear if plan.weight_dtype == "q8_0" else None
-        if layer_class is not None:
-            assert all(isinstance(m, layer_class) for m in plan.prebuilt.values())
         candidate = copy.deepcopy(model)
         quantize_model(candidate, plan.weight_dtype, CPU, torch.float32, plan.float_above, plan.prebuilt)
         assert held_weight_dtype(candidate).startswith(plan.weight_dtype)

@@ -46,10 +46,10 @@ class PagedBatch:
     max_query_len: int
     num_splits: int  # KV splits per sequence in the Triton kernel, a power of two
     # the torch path's dense view (None on the triton path, which needs none of it)
-    gather_slots: torch.Tensor | None = None  # [n_seqs, max_context] slots of each sequence's context, padded
+    gather_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] the pool blocks of each sequence's context, padded
     query_index: torch.Tensor | None = None  # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
     query_valid: torch.Tensor | None = None  # [n_seqs, max_query] False on padding rows
-    query_mask: torch.Tensor | None = None  # [n_seqs, max_query, max_context] True where a query may attend to a key
+    query_mask: torch.Tensor | None = None  # [n_seqs, max_query, n_blocks * block_size] True where a query may attend to a key
     # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
     decode_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's first n_blocks pool blocks
     decode_mask: torch.Tensor | None = None  # [n_seqs, 1, 1, n_blocks * block_size] True inside the context
@@ -130,23 +130,26 @@ def _cuda_sms(index: int) -> int:
 
 def _dense_index(bs: int, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
                  device: torch.device) -> dict[str, torch.Tensor]:
-    """The torch path's gather slots, query index and causal mask, padded to the longest context and query."""
-    n_seqs, max_ctx, max_q = len(block_tables), max(context_lens), max(query_lens)
-    gather = torch.zeros(n_seqs, max_ctx, dtype=torch.long)  # [n_seqs, max_ctx]
+    """The torch path's gather blocks, query index and causal mask, padded to the longest context (in whole
+    blocks: one copy per block, as the decode path reads them) and the longest query."""
+    n_seqs, max_q = len(block_tables), max(query_lens)
+    n_blocks = -(-max(context_lens) // bs)
+    gather = torch.zeros(n_seqs, n_blocks, dtype=torch.long)  # [n_seqs, n_blocks] padded with block 0, masked
     query_index = torch.zeros(n_seqs, max_q, dtype=torch.long)  # [n_seqs, max_q]
     valid = torch.zeros(n_seqs, max_q, dtype=torch.bool)  # [n_seqs, max_q]
-    mask = torch.zeros(n_seqs, max_q, max_ctx, dtype=torch.bool)  # [n_seqs, max_q, max_ctx]
+    mask = torch.zeros(n_seqs, max_q, n_blocks * bs, dtype=torch.bool)  # [n_seqs, max_q, span]
     start = 0
     for i, (table, n_ctx, n_q) in enumerate(zip(block_tables, context_lens, query_lens)):
         positions = torch.arange(n_ctx)  # [n_ctx]
-        gather[i, :n_ctx] = torch.tensor(table, dtype=torch.long)[positions // bs] * bs + positions % bs
+        used = -(-n_ctx // bs)
+        gather[i, :used] = torch.tensor(table[:used], dtype=torch.long)
         query_index[i, :n_q] = torch.arange(start, start + n_q)
         valid[i, :n_q] = True
         query_pos = torch.arange(n_ctx - n_q, n_ctx)  # [n_q]
         mask[i, :n_q, :n_ctx] = positions[None, :] <= query_pos[:, None]  # causal within the context
         mask[i, n_q:, 0] = True  # padded query rows attend somewhere (dropped later) so softmax stays finite
         start += n_q
-    return {"gather_slots": gather.to(device), "query_index": query_index.to(device),
+    return {"gather_blocks": gather.flatten().to(device), "query_index": query_index.to(device),
             "query_valid": valid.to(device), "query_mask": mask.to(device)}
 
 
@@ -204,9 +207,12 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
     if paged.decode_blocks is not None:
         return _torch_decode_attention(paged, layer, q, scale, extras)
-    k_ctx, v_ctx = paged.pool.gather(layer, paged.gather_slots, q.dtype)  # [n_seqs, max_ctx, num_kv_heads, head_dim]
+    n_seqs = paged.query_index.shape[0]
+    k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.gather_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
+    k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:])  # [n_seqs, span, num_kv_heads, head_dim]
+    v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:])
     q_seq = q[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
-    mask = _mask(paged, extras.window)  # [n_seqs, max_query, max_ctx]
+    mask = _mask(paged, extras.window)  # [n_seqs, max_query, span]
     out = _attend(q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),  # [n_seqs, heads, len, head_dim]
                   mask[:, None], scale, extras.softcap)  # [n_seqs, n_heads, max_query, head_dim]
     out = out.transpose(1, 2)  # [n_seqs, max_query, n_heads, head_dim]
@@ -229,7 +235,7 @@ def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scal
 
 
 def _mask(paged: PagedBatch, window: int | None) -> torch.Tensor:
-    """The torch path's mask (decode: [n_seqs, 1, 1, span]; else [n_seqs, max_query, max_ctx]), cut to the last
+    """The torch path's mask (decode: [n_seqs, 1, 1, span]; else [n_seqs, max_query, span]), cut to the last
     `window` positions of each query: once per forward, shared by every sliding layer."""
     decode = paged.decode_blocks is not None
     mask = paged.decode_mask if decode else paged.query_mask
@@ -240,10 +246,10 @@ def _mask(paged: PagedBatch, window: int | None) -> torch.Tensor:
             span = torch.arange(mask.shape[-1], device=mask.device)  # [span]
             cut = mask & (span[None, :] >= paged.context_lens[:, None] - window)[:, None, None]
         else:
-            max_q, max_ctx = mask.shape[1:]
+            max_q, span = mask.shape[1:]
             query_pos = (paged.context_lens - paged.query_lens)[:, None] + torch.arange(max_q, device=mask.device)  # [n_seqs, max_q]
-            key_pos = torch.arange(max_ctx, device=mask.device)  # [max_ctx]
-            in_window = key_pos[None, None, :] > query_pos[:, :, None] - window  # [n_seqs, max_q, max_ctx]
+            key_pos = torch.arange(span, device=mask.device)  # [span]
+            in_window = key_pos[None, None, :] > query_pos[:, :, None] - window  # [n_seqs, max_q, span]
             cut = mask & (in_window | ~paged.query_valid[:, :, None])  # padded rows keep their one key
         paged.window_masks[window] = cut
     return paged.window_masks[window]

@@ -45,18 +45,79 @@ class _QuantizedLinear(nn.Module):
     out_features: int
 
     def keep_float(self, weight: torch.Tensor, float_above: int | None) -> None:
-        """Hold the float weight too, for inputs of more rows than float_above (None: quantized only)."""
+        """Hold the float weight too, for inputs of more rows than float_above (None: quantized only); on a CPU
+        with oneDNN bfloat16, in oneDNN's layout (PackedLinear)."""
         self.float_above = float_above
-        self.weight = (None if float_above is None
-                       else nn.Parameter(weight.detach().to(self.activation_dtype), requires_grad=False))
+        for held in (self._parameters, self._buffers, self.__dict__):
+            held.pop("weight", None)
+        if float_above is None:
+            self.weight = None
+        elif packs(weight.device, self.activation_dtype):
+            self.register_buffer("weight", pack_weight(weight.detach().to(self.activation_dtype)), persistent=False)
+        else:
+            self.weight = nn.Parameter(weight.detach().to(self.activation_dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in]
         x2 = x.reshape(-1, self.in_features)
         if self.float_above is not None and x2.shape[0] > self.float_above:
-            return F.linear(x, self.weight, self.bias)
+            return float_linear(x, self.weight, self.bias)
         y = self.product(x2)  # [rows, out]
         y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 linear layer on the CPU with its weight reordered once into oneDNN's blocked layout, multiplied by
+    oneDNN's prepacked kernel (AMX where the CPU has it): the same numbers as F.linear, whose bfloat16 path on the
+    CPU prepares the weight at every call. Over the embedded model's linear layers, 2 threads of an AMX Xeon: 15.7
+    against 22.4 ms at one row, 18.1 against 24.9 at 32 (docs/decode.md, "Weights")."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", pack_weight(weight.detach()), persistent=False)  # oneDNN layout, [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float_linear(x, self.weight, self.bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout for its linear kernel (a tensor of layout torch._mkldnn)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, for a weight in either layout (pack_weight's or a plain one)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether float weights of `dtype` on `device` are held in oneDNN's layout: bfloat16 on a CPU whose oneDNN
+    has bfloat16 kernels (AVX-512 and up), unless EDGE_PACKED_WEIGHTS=0. Checked once on a small layer."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("EDGE_PACKED_WEIGHTS", "1") == "0":
+        return False
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        weight, x = torch.randn(16, 32, dtype=dtype), torch.randn(3, 32, dtype=dtype)
+        return bool(torch.equal(float_linear(x, pack_weight(weight), None), F.linear(x, weight)))
+    except (RuntimeError, AttributeError) as e:
+        log.warning("oneDNN's prepacked bfloat16 linear is not usable here (%s): float weights stay as they are", e)
+        return False
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace the model's bfloat16 nn.Linear layers on the CPU by PackedLinear ones (a tied lm_head gets its own
+    packed copy; the embedding keeps the plain table). The number replaced."""
+    linears = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and packs(m.weight.device, m.weight.dtype)]
+    for name, module in linears:
+        _replace(model, name, PackedLinear(module.weight, module.bias))
+    return len(linears)
 
 
 class Int8Linear(_QuantizedLinear):
@@ -166,10 +227,11 @@ class WeightReport:
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of every parameter and buffer, by dtype; a tensor shared by two modules counts once (told apart by
-    storage, or by identity on the meta device, where every tensor's data_ptr is 0)."""
+    storage, or by identity on the meta device, where every tensor's data_ptr is 0, and for oneDNN's layout, which
+    has no storage to point at)."""
     seen, totals = set(), {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        key = id(tensor) if tensor.is_meta else tensor.data_ptr()
+        key = id(tensor) if tensor.is_meta or tensor.is_mkldnn else tensor.data_ptr()
         if key in seen:
             continue
         seen.add(key)
@@ -281,14 +343,15 @@ def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Mod
 
 def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] = ("int8",),
                        head_int8: bool = False) -> WeightPlan:
-    """Of `kinds`, the one fastest at one row, for the batch sizes where it is at least 10% faster than the float
-    weights. Measured on a pass over every linear layer of the model, as a decode step makes it: weights that do not
+    """Of `kinds`, the one fastest at one row if it is at least 10% faster there than the float weights, for the
+    batch sizes up to the last where it is still faster. Measured on a pass over every linear layer of the model, as a decode step makes it: weights that do not
     stay in the caches (one layer alone fits, and then the float kernel looks better than it is). On this CPU, in
     this process: the kernels' speed depends on the ISA (torch's packed int kernels need AVX-512 to win, ggml's do
     not) and the thread count."""
     named = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = model.get_output_embeddings()
-    floats = list(named.values())
+    # the float pass as the engine would run it: bfloat16 weights in oneDNN's layout where they are held so
+    floats = [PackedLinear(m.weight, m.bias) if packs(m.weight.device, m.weight.dtype) else m for m in named.values()]
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
     inputs = {b: {m.in_features: torch.randn(b, m.in_features, dtype=m.weight.dtype) for m in floats} for b in batches}
     float_s: dict[int, float] = {}  # batch -> seconds of the float pass
@@ -303,7 +366,7 @@ def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] 
             quantized_s = _time(lambda: [m(inputs[batch][m.in_features]) for m in built.values()], reps=3)
             timings.append(f"{batch}: {float_s[batch] * 1e3:.1f}/{quantized_s * 1e3:.1f}")
             seconds.append(quantized_s)
-            if quantized_s >= 0.9 * float_s[batch]:
+            if quantized_s >= (0.9 if batch == batches[0] else 1.0) * float_s[batch]:
                 break
             wins = batch
         notes.append(f"float/{kind} by batch {', '.join(timings)}")
@@ -373,6 +436,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         plan = auto_weight_plan(device, types, model, max_batch)
     if plan.weight_dtype == "float":
         model.to(device)
+        pack_linears(model)
     else:
         quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above, plan.prebuilt,
                        plan.weight_dtype == "int4" and plan.head_int8 and _int8_head_fits(device, dtype))

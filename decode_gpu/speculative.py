@@ -127,17 +127,13 @@ class NgramIndex:
         """k tokens that followed the most recent earlier occurrence of the longest suffix n-gram found. The copy
         may run into its own output (as an LZ77 match does): a text repeating with a period shorter than k
         keeps repeating, where a copy stopping at the end of the tokens would propose only one period."""
-        return self.lookup(tokens, k)[0]
-
-    def lookup(self, tokens: Seq[int], k: int) -> tuple[list[int], int]:
-        """propose's tokens, and the length n of the suffix n-gram they were found by (0: none found)."""
         self.extend(tokens)
         for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
             start = self.follower.get(tuple(tokens[len(tokens) - n:]))
             if start is not None:
                 period = len(tokens) - start  # the draft repeats tokens[start:], the copy of its own output included
-                return [tokens[start + j % period] for j in range(k)], n
-        return [], 0
+                return [tokens[start + j % period] for j in range(k)]
+        return []
 
 
 def propose_ngram(tokens: Seq[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -157,38 +153,25 @@ def accepted_length(draft: Seq[int], sampled: Seq[int]) -> int:
 
 @dataclass
 class DraftState:
-    """One sequence's proposer and its acceptance estimates, one for each length of the n-gram a proposal was
-    found by: a copy found by a 4-token match is far likelier to go on than one found by 2 (on the embedded model's
-    answers, 0.82-0.92 of the draft tokens accepted against 0.19-0.28, docs/decode.md), and one estimate for
-    both would draft the likely copies too little and the unlikely ones too much."""
+    """One sequence's proposer and its acceptance estimate."""
     index: NgramIndex
-    # by match length: [accepted, tried], draft tokens accepted and tried (up to and including the first rejected
-    # one) in recent drafts, older ones decayed; one optimistic pseudo-trial to start from
-    estimates: dict[int, list[float]] = field(default_factory=dict)
-    matched: int = 0  # the match length of the latest proposal (propose), which record() is about
-
-    def propose(self, tokens: Seq[int], k: int) -> list[int]:
-        proposal, self.matched = self.index.lookup(tokens, k)
-        return proposal
+    accepted: float = 1.0  # draft tokens accepted, and tried (up to and including the first rejected one), in
+    tried: float = 1.0  # recent drafts, older ones decayed; one optimistic pseudo-trial to start from
 
     @property
     def acceptance(self) -> float:
-        """The estimated chance that a token of the latest proposal is accepted, given that the ones before it
-        were."""
-        accepted, tried = self.estimates.get(self.matched, (1.0, 1.0))
-        return accepted / tried
+        """The estimated chance that a draft token is accepted, given that the ones before it were."""
+        return self.accepted / self.tried
 
     def record(self, num_drafted: int, num_accepted: int, config: SpecConfig) -> None:
-        accepted, tried = self.estimates.get(self.matched, (1.0, 1.0))
-        self.estimates[self.matched] = [config.decay * accepted + num_accepted,
-                                        config.decay * tried + num_accepted + (num_accepted < num_drafted)]
+        self.accepted = config.decay * self.accepted + num_accepted
+        self.tried = config.decay * self.tried + num_accepted + (num_accepted < num_drafted)
 
     def rest(self, config: SpecConfig) -> None:
-        """A step without a draft: every estimate moves back towards the optimistic start (one pseudo-trial,
+        """A step without a draft: the estimate moves back towards the optimistic start (one pseudo-trial,
         accepted)."""
-        for estimate in self.estimates.values():
-            estimate[0] = config.recovery * estimate[0] + (1 - config.recovery)
-            estimate[1] = config.recovery * estimate[1] + (1 - config.recovery)
+        self.accepted = config.recovery * self.accepted + (1 - config.recovery)
+        self.tried = config.recovery * self.tried + (1 - config.recovery)
 
 
 def plan_drafts(proposals: list[list[int]], acceptance: list[float], costs: StepCosts | None,
@@ -280,7 +263,7 @@ class Speculator:
         # max_model_len
         limit = min(seq.sampling.max_tokens - len(seq.output_tokens) - 1, max_model_len - len(seq.tokens),
                     self.config.num_speculative_tokens)
-        return self._state(seq).propose(seq.tokens, limit) if limit > 0 else []
+        return self._state(seq).index.propose(seq.tokens, limit) if limit > 0 else []
 
     @staticmethod
     def _reserve(seq: Sequence, num_draft: int, blocks: BlockManager, spare: int, copies: list[BlockCopy]) -> bool:

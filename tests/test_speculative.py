@@ -146,26 +146,6 @@ def test_acceptance_falls_with_rejections_and_recovers_while_a_sequence_rests():
     assert rested == sorted(rested) and rested[-1] > 0.9  # back towards the optimistic start: tried again
 
 
-def test_acceptance_is_estimated_apart_for_each_length_of_the_match_a_proposal_came_from():
-    """Copies found by a long match go on far more often than those found by two tokens: failures of the short
-    ones must not make the long ones look unlikely, nor the long ones' success the short ones likely."""
-    config = SpecConfig(method="ngram", decay=0.5)
-    state = DraftState(NgramIndex(2, 4))
-    tokens = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4]  # its last 4 tokens occurred before, followed by 5, 6
-    assert state.propose(tokens, 2) == [5, 6] and state.matched == 4
-    state.record(2, 2, config)
-    tokens += [7, 8, 5, 0, 8, 5]  # only its last 2 did, followed by 0
-    assert state.propose(tokens, 2) == [0, 8] and state.matched == 2
-    assert state.acceptance == 1.0  # nothing known of short matches yet: the optimistic start
-    for _ in range(3):
-        state.record(2, 0, config)
-    assert state.acceptance < 0.1
-    tokens += [1, 2, 3, 4]
-    assert state.propose(tokens, 2) == [7, 8] and state.matched == 4
-    assert state.acceptance == 1.0  # (0.5 + 2) / (0.5 + 2): untouched by the short matches' failures
-    assert DraftState(NgramIndex(2, 4)).propose([1, 2, 3], 2) == []
-
-
 def test_a_plan_drafts_only_where_the_cost_model_says_it_pays(tiny):
     """Through the engine: with every row as dear as a plain step's, nothing is drafted; with verification free,
     every step of a repetitive prompt drafts. The tokens are the same either way."""

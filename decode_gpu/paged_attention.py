@@ -46,10 +46,11 @@ class PagedBatch:
     max_query_len: int
     num_splits: int  # KV splits per sequence in the Triton kernel, a power of two
     # the torch path's dense view (None on the triton path, which needs none of it)
-    gather_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] the pool blocks of each sequence's context, padded
+    gather_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's context's pool blocks, padded
     query_index: torch.Tensor | None = None  # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
     query_valid: torch.Tensor | None = None  # [n_seqs, max_query] False on padding rows
-    query_mask: torch.Tensor | None = None  # [n_seqs, max_query, n_blocks * block_size] True where a query may attend to a key
+    # [n_seqs, max_query, n_blocks * block_size] True where a query may attend to a key
+    query_mask: torch.Tensor | None = None
     # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
     decode_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's first n_blocks pool blocks
     decode_mask: torch.Tensor | None = None  # [n_seqs, 1, 1, n_blocks * block_size] True inside the context
@@ -208,7 +209,8 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
     if paged.decode_blocks is not None:
         return _torch_decode_attention(paged, layer, q, scale, extras)
     n_seqs = paged.query_index.shape[0]
-    k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.gather_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
+    # [n_seqs * n_blocks, block_size, num_kv_heads, head_dim]
+    k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.gather_blocks, q.dtype)
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:])  # [n_seqs, span, num_kv_heads, head_dim]
     v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:])
     q_seq = q[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]

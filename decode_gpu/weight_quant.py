@@ -70,7 +70,7 @@ class PackedLinear(nn.Module):
     """A bfloat16 linear layer on the CPU with its weight reordered once into oneDNN's blocked layout, multiplied by
     oneDNN's prepacked kernel (AMX where the CPU has it): the same numbers as F.linear, whose bfloat16 path on the
     CPU prepares the weight at every call. Over the embedded model's linear layers, 2 threads of an AMX Xeon: 15.7
-    against 22.4 ms at one row, 18.1 against 24.9 at 32 (docs/decode.md, "Weights")."""
+    against 23.2 ms at one row, 18.1 against 24.9 at 32 (docs/decode.md, "Weights")."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -344,10 +344,10 @@ def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Mod
 def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] = ("int8",),
                        head_int8: bool = False) -> WeightPlan:
     """Of `kinds`, the one fastest at one row if it is at least 10% faster there than the float weights, for the
-    batch sizes up to the last where it is still faster. Measured on a pass over every linear layer of the model, as a decode step makes it: weights that do not
-    stay in the caches (one layer alone fits, and then the float kernel looks better than it is). On this CPU, in
-    this process: the kernels' speed depends on the ISA (torch's packed int kernels need AVX-512 to win, ggml's do
-    not) and the thread count."""
+    batch sizes up to the last where it is still faster. Measured on a pass over every linear layer of the model,
+    as a decode step makes it: weights that do not stay in the caches (one layer alone fits, and then the float
+    kernel looks better than it is). On this CPU, in this process: the kernels' speed depends on the ISA (torch's
+    packed int kernels need AVX-512 to win, ggml's do not) and the thread count."""
     named = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = model.get_output_embeddings()
     # the float pass as the engine would run it: bfloat16 weights in oneDNN's layout where they are held so

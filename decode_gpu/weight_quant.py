@@ -52,6 +52,8 @@ class _QuantizedLinear(nn.Module):
             held.pop("weight", None)
         if float_above is None:
             self.weight = None
+        elif weight.is_mkldnn:  # packed already (a PackedLinear's, from the CPU measurement)
+            self.register_buffer("weight", weight, persistent=False)
         elif packs(weight.device, self.activation_dtype):
             self.register_buffer("weight", pack_weight(weight.detach().to(self.activation_dtype)), persistent=False)
         else:
@@ -110,13 +112,15 @@ def packs(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, packed: dict[str, PackedLinear] | None = None) -> int:
     """Replace the model's bfloat16 nn.Linear layers on the CPU by PackedLinear ones (a tied lm_head gets its own
-    packed copy; the embedding keeps the plain table). The number replaced."""
+    packed copy; the embedding keeps the plain table). packed: layers by module name, already packed from these
+    weights (the CPU measurement's), used instead of packing them again. The number replaced."""
     linears = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and packs(m.weight.device, m.weight.dtype)]
     for name, module in linears:
-        _replace(model, name, PackedLinear(module.weight, module.bias))
+        layer = (packed or {}).get(name)
+        _replace(model, name, layer if layer is not None else PackedLinear(module.weight, module.bias))
     return len(linears)
 
 
@@ -242,13 +246,14 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 
 def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dtype: torch.dtype,
                    float_above: int | None = None, prebuilt: dict[str, _QuantizedLinear] | None = None,
-                   head_int8: bool = False) -> None:
+                   head_int8: bool = False, packed: dict[str, PackedLinear] | None = None) -> None:
     """Replace the model's linear layers by `weight_dtype` ("int8", "int4" or "q8_0") ones, layer by layer on `device`,
     then move the rest there. The input embedding is int8 either way, shared with a tied int8 lm_head (the int4
     layout cannot be read row by row). head_int8 (int4): the lm_head int8, for a GGUF whose output matrix has more
     than 4 bits (load_weights). float_above: keep the float weights too, for batches of more rows. prebuilt:
     layers by module name, already made from these weights on `device` (the CPU measurement's), used instead of
-    quantizing them again."""
+    quantizing them again; packed: their float weights, packed by that measurement, kept instead of packing them
+    again."""
     if weight_dtype not in QUANTIZED_WEIGHTS:
         raise ValueError(f"quantize_model takes one of {QUANTIZED_WEIGHTS}, not {weight_dtype!r}")
     _check_device(weight_dtype, device)
@@ -259,7 +264,8 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
     for name, module in linears:
         quantized = (prebuilt or {}).get(name)
         if quantized is not None:
-            quantized.keep_float(module.weight, float_above)
+            float_layer = (packed or {}).get(name)
+            quantized.keep_float(module.weight if float_layer is None else float_layer.weight, float_above)
         else:
             weight, bias = module.weight.to(device), module.bias.to(device) if module.bias is not None else None
             quantized = _layer_class(weight_dtype, module is head and head_int8)(weight, bias, dtype, float_above)
@@ -305,6 +311,7 @@ class WeightPlan:
     why: str
     float_above: int | None = None  # float weights too, for batches of more rows (_QuantizedLinear)
     prebuilt: dict = field(default_factory=dict, repr=False)  # layers the measurement made, by module name
+    packed: dict = field(default_factory=dict, repr=False)  # float layers the measurement packed, by module name
     head_int8: bool = False  # int4: the lm_head int8 (the GGUF's output matrix has more than 4 bits)
 
 
@@ -351,9 +358,12 @@ def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] 
     named = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = model.get_output_embeddings()
     # the float pass as the engine would run it: bfloat16 weights in oneDNN's layout where they are held so
-    floats = [PackedLinear(m.weight, m.bias) if packs(m.weight.device, m.weight.dtype) else m for m in named.values()]
+    floats = {name: PackedLinear(m.weight, m.bias) if packs(m.weight.device, m.weight.dtype) else m
+              for name, m in named.items()}
+    packed = {name: m for name, m in floats.items() if isinstance(m, PackedLinear)}  # the plan keeps them
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
-    inputs = {b: {m.in_features: torch.randn(b, m.in_features, dtype=m.weight.dtype) for m in floats} for b in batches}
+    inputs = {b: {m.in_features: torch.randn(b, m.in_features, dtype=m.weight.dtype) for m in floats.values()}
+              for b in batches}
     float_s: dict[int, float] = {}  # batch -> seconds of the float pass
     best, notes = None, []
     for kind in kinds:
@@ -362,7 +372,7 @@ def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] 
         wins, seconds, timings = 0, [], []
         for batch in batches:
             if batch not in float_s:
-                float_s[batch] = _time(lambda: [m(inputs[batch][m.in_features]) for m in floats], reps=3)
+                float_s[batch] = _time(lambda: [m(inputs[batch][m.in_features]) for m in floats.values()], reps=3)
             quantized_s = _time(lambda: [m(inputs[batch][m.in_features]) for m in built.values()], reps=3)
             timings.append(f"{batch}: {float_s[batch] * 1e3:.1f}/{quantized_s * 1e3:.1f}")
             seconds.append(quantized_s)
@@ -374,9 +384,10 @@ def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] 
             best = (kind, wins, seconds[0], built)
     why = f"measured over the model's linear layers, ms {'; '.join(notes)}"
     if best is None:
-        return WeightPlan("float", why)
+        return WeightPlan("float", why, packed=packed)
     kind, wins, _, built = best
-    return WeightPlan(kind, why, None if wins >= max_batch else wins, built, kind == "int4" and head_int8)
+    return WeightPlan(kind, why, None if wins >= max_batch else wins, built, packed,
+                      head_int8=kind == "int4" and head_int8)
 
 
 @torch.inference_mode()
@@ -436,10 +447,10 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         plan = auto_weight_plan(device, types, model, max_batch)
     if plan.weight_dtype == "float":
         model.to(device)
-        pack_linears(model)
+        pack_linears(model, plan.packed)
     else:
         quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above, plan.prebuilt,
-                       plan.weight_dtype == "int4" and plan.head_int8 and _int8_head_fits(device, dtype))
+                       plan.weight_dtype == "int4" and plan.head_int8 and _int8_head_fits(device, dtype), plan.packed)
     report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
     log.info("decode %s", report.describe())
     return model, report

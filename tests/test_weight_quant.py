@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from decode_gpu import ggml_linear
-from decode_gpu.weight_quant import (Int4Linear, Int8Embedding, Int8Linear, PackedLinear, held_weight_dtype,
-                                     pack_linears, packs, quantize_model, weight_bytes)
+from decode_gpu.weight_quant import (Int4Linear, Int8Embedding, Int8Linear, PackedLinear, _measured_cpu_plan,
+                                     held_weight_dtype, pack_linears, packs, quantize_model, weight_bytes)
 from embedded_continuations import POSITIONS, greedy_continuations
 from tiny_llama import TINY_LLAMA, greedy_tokens, handoff
 
@@ -229,3 +229,25 @@ def test_the_float_weights_a_quantized_layer_keeps_are_packed_and_serve_the_rows
     assert not torch.equal(layer(x[:4]), linear(x[:4]))  # up to it: int4
     layer.keep_float(linear.weight, None)
     assert layer.weight is None and "weight" not in layer._buffers
+
+
+@needs_packed
+def test_the_float_layers_the_cpu_measurement_packs_are_the_ones_the_model_keeps():
+    """Not packed twice: the plan carries the measurement's packed layers, and both ways of holding float weights
+    (all float, or float above a quantized cut-off) take them as they are, with the same numbers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval().to(torch.bfloat16)
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    plan = _measured_cpu_plan(model, 2, ("int8",))
+    assert sorted(plan.packed) == sorted(names) and all(isinstance(m, PackedLinear) for m in plan.packed.values())
+    as_float, quantized = copy.deepcopy(model), copy.deepcopy(model)
+    pack_linears(as_float, plan.packed)
+    assert as_float.lm_head is plan.packed["lm_head"]
+    prebuilt = {name: Int8Linear(m.weight, m.bias, torch.bfloat16)
+                for name, m in quantized.named_modules() if isinstance(m, nn.Linear)}
+    quantize_model(quantized, "int8", CPU, torch.bfloat16, float_above=1, prebuilt=prebuilt, packed=plan.packed)
+    assert quantized.lm_head.weight is plan.packed["lm_head"].weight
+    with torch.inference_mode():
+        ids = torch.randint(0, 300, (3, 6))  # 18 rows: the float weights
+        assert torch.equal(quantized.lm_head(model.model(ids).last_hidden_state), model(ids).logits)

@@ -63,6 +63,16 @@ class System:
                 self.process.wait()
 
 
+def f16_copy(gguf: str) -> str:
+    """The f16 copy of `gguf` our prefill workers load under prefill_weights = "auto" (made once, cached)."""
+    from contracts.identity import read_gguf_identity
+    from prefill_cpu.prefill_weights import cache_dir, converted_copy
+    identity = read_gguf_identity(gguf)
+    folder = cache_dir(identity)
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(converted_copy(identity, "f16", folder))
+
+
 def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_slot: int,
                  pace_ms: float = 100) -> list[System]:
     model_id = Path(gguf).name.removesuffix(".gguf")
@@ -82,11 +92,18 @@ def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_
         "ours-paced": lambda: edge_serve(f"ours ({threads} workers x 1 thread, paced {pace_ms:g} ms)",
                                          f"prefill_workers = {threads}\nthreads_per_worker = 1\n"
                                          f"cpu_decode_pace_ms = {pace_ms:g}\n"),
+        # ours with llama.cpp prefilling the GGUF as given (before `prefill_weights = "auto"` made an f16 copy)
+        "ours-given": lambda: edge_serve("ours (prefill weights as given)",
+                                         f'threads_per_worker = {threads}\nprefill_weights = "given"\n'),
         # ours with the float32 decode weights `auto` kept on an AVX2 CPU before q8_0 (docs/decode.md)
         "ours-float32": lambda: edge_serve("ours (float32 weights)",
                                            f'threads_per_worker = {threads}\nweight_dtype = "float32"\n'),
         "llama-server": lambda: System(f"llama-server (-np {slots})", model_id, lambda p: [
             str(build_llama_server(os.cpu_count() or 2)), "-m", gguf, "--port", str(p), "-t", str(threads),
+            "-np", str(slots), "-c", str(slots * ctx_per_slot), "--log-disable"], ready_path="/health"),
+        # llama-server on the f16 copy `prefill_weights = "auto"` gives our workers: faster prefill, slower decode
+        "llama-server-f16": lambda: System(f"llama-server (-np {slots}, f16 copy)", model_id, lambda p: [
+            str(build_llama_server(os.cpu_count() or 2)), "-m", f16_copy(gguf), "--port", str(p), "-t", str(threads),
             "-np", str(slots), "-c", str(slots * ctx_per_slot), "--log-disable"], ready_path="/health"),
         "llama-cpp-python": lambda: System("llama_cpp.server", model_id, lambda p: [
             sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(p), "--n_threads", str(threads),

@@ -29,6 +29,9 @@ def main(argv=None) -> None:
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"])
     serve.add_argument("--kv-type", choices=["auto", "f16", "q8_0", "q4_0"],
                        help="handoff KV type (auto: f16 for workers next to the engine, q8_0 across hosts)")
+    serve.add_argument("--prefill-weights", choices=["auto", "given", "f16", "bf16", "q8_0"],
+                       help="what the prefill workers' llama.cpp loads: the GGUF as given or a copy converted once "
+                            "(auto: f16 when a measurement says it prefills faster; docs/config.md)")
     serve.add_argument("--kv-cache-tokens", type=int)
     serve.add_argument("--weight-dtype", choices=["auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0"],
                        help="decode weights: int8/int4 weight-only quantization, q8_0 on ggml's CPU kernels, or float "

@@ -51,6 +51,7 @@ class ServeConfig:
     dtype: str = "auto"  # decode weights and activations: auto (bfloat16 on CUDA and bf16-capable CPUs), float32, ...
     weight_dtype: str = "auto"  # decode linear weights: auto | bfloat16 | float16 | float32 (= dtype) | int8 | int4
     kv_type: str = "auto"  # llama.cpp KV cache and wire format; auto: f16 next to the engine, q8_0 across hosts
+    prefill_weights: str = "auto"  # what llama.cpp prefills with: auto | given | f16 | bf16 | q8_0 (docs/config.md)
     n_ctx: int = 4096
     n_batch: int = 128  # prompt tokens per llama.cpp call
     prefix_cache_tokens: int = 2048  # per worker: KV of recent prompts kept for reuse (shared prefixes); 0: off
@@ -86,7 +87,7 @@ class ServeConfig:
     log_level: str = "INFO"
 
 
-CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda"),
+CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "prefill_weights": ("auto", "given", "f16", "bf16", "q8_0"), "device": ("auto", "cpu", "cuda"),
            "dtype": ("auto", "float32", "bfloat16", "float16"),
            "weight_dtype": ("auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0"),
            "decode_yields_to_prefill": ("auto", "on", "off"),

@@ -65,7 +65,7 @@ def worker_args(config, model_path: str, name: str, kv_type: str, threads: int) 
     """A prefill worker's flags from the serve config, less where it listens and its engine."""
     return ["--model", model_path, "--name", name, "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch),
             "--threads", str(threads), "--kv-type", kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
-            "--log-level", config.log_level]
+            "--prefill-weights", config.prefill_weights, "--log-level", config.log_level]
 
 
 @dataclass(frozen=True)

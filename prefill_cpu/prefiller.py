@@ -34,6 +34,7 @@ from contracts.handoff import GREEDY_BELOW, FirstToken, KVHandoff, KVLayout, Sam
 from contracts.kv_dtypes import kv_dtype
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
+from prefill_cpu.prefill_weights import prefill_weights_path
 from prefill_cpu.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class PrefillConfig:
     flash_attn: bool | None = None  # None: on (quantized V requires it; f16 prefill is faster with it)
     prefix_cache_tokens: int = 0  # KV cells kept for earlier prompts, on top of n_ctx; 0: no prompt cache
     prefix_cache_entries: int = 8  # earlier prompts kept at most (one llama.cpp sequence each)
+    weights: str = "given"  # what llama.cpp loads: given | f16 | bf16 | q8_0 | auto (prefill_cpu.prefill_weights)
 
 
 @dataclass(frozen=True)
@@ -104,10 +106,13 @@ class Prefiller:
             log.info("prompt cache off: %s has sliding-window layers", os.path.basename(config.model_path))
             cache_entries = 0
         self._owns_model = model is None
+        # the file llama.cpp loads; the identity (what handoffs are checked against) stays model_path's
+        self.weights_path = model.model_path if model is not None else prefill_weights_path(
+            self.identity, config.weights, threads, config.n_batch)
         # the Llama object gives us the model, tokenizer and metadata; its own context stays minimal because
         # the prompt cache needs several sequences in one unified KV buffer, which Llama() cannot ask for
         self.llm = model if model is not None else llama_cpp.Llama(
-            model_path=config.model_path, n_ctx=MIN_LLAMA_CTX, n_batch=min(config.n_batch, MIN_LLAMA_CTX),
+            model_path=self.weights_path, n_ctx=MIN_LLAMA_CTX, n_batch=min(config.n_batch, MIN_LLAMA_CTX),
             n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
             flash_attn=flash_attn, verbose=False)
         self.threads = self._threads_in_use = threads
@@ -129,8 +134,9 @@ class Prefiller:
         # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
         self._abort_callback = llama_cpp.ggml_abort_callback(lambda _data: bool(self._should_cancel()))
         llama_cpp.llama_set_abort_callback(self.ctx, self._abort_callback, None)
-        log.info("prefill worker: %s, ctx %d, batch %d, %d threads, KV %s, flash attention %s, rotation K %d V %d, "
-                 "prompt cache %d tokens in %d entries", os.path.basename(config.model_path), config.n_ctx,
+        log.info("prefill worker: %s (weights %s), ctx %d, batch %d, %d threads, KV %s, flash attention %s, "
+                 "rotation K %d V %d, prompt cache %d tokens in %d entries", os.path.basename(config.model_path),
+                 self.weights_path, config.n_ctx,
                  config.n_batch, threads, kv.name, flash_attn, self.k_rotation, self.v_rotation,
                  config.prefix_cache_tokens if cache_entries else 0, cache_entries)
 

@@ -35,6 +35,7 @@ from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableEr
 from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
                                    PromptTooLongError)
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
+from prefill_cpu.prefill_weights import CHOICES
 
 log = logging.getLogger("prefill_cpu.worker")
 KV_TYPES = ["f16", "q8_0", "q4_0"]
@@ -249,7 +250,7 @@ def prepare_extra_contexts(prefiller: Prefiller, kv_types: list[str]) -> tuple[P
 async def serve(args: argparse.Namespace) -> None:
     prefiller = Prefiller(PrefillConfig(args.model, n_ctx=args.n_ctx, n_batch=args.n_batch,
                                         n_threads=args.threads, kv_type=args.kv_type,
-                                        prefix_cache_tokens=args.prefix_cache_tokens))
+                                        prefix_cache_tokens=args.prefix_cache_tokens, weights=args.prefill_weights))
     extra = prepare_extra_contexts(prefiller, extra_kv_types(args))
     if args.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
         share = CpuShare(args.cpu_share_file)
@@ -309,6 +310,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--kv-type", default="q8_0", choices=KV_TYPES)
+    parser.add_argument("--prefill-weights", default="auto", choices=CHOICES,
+                        help="what llama.cpp loads: the GGUF as given, or a copy converted for prefill speed (auto: "
+                             "measured once; prefill_cpu.prefill_weights)")
     parser.add_argument("--extra-kv-types", nargs="*", choices=KV_TYPES,
                         help="KV types that degraded requests may ask for, each a context built at startup on the "
                              "same weights (default: q4_0 unless --kv-type is q4_0; none: the flag alone)")

@@ -1,0 +1,165 @@
+"""The weights llama.cpp prefills with: the given GGUF, or a copy converted once for prefill speed.
+
+Prefill is compute-bound, decode reads weights: the worker only prefills, so it can use the type llama.cpp's CPU
+matmuls run fastest, whatever the engine decodes with. llama.cpp has no fast CPU path for some types: on the
+development machine (2-core Xeon, AVX-512) a Q4_1 GGUF prefills 283-299 tok/s, the same weights dequantized to f16
+551-560 (docs/handoff.md, "Prefill weights"). f16 holds every value of a 4/5/6-bit GGUF exactly (up to f16 rounding
+of scale x quant + min), so the converted copy computes the same model.
+
+Choices (`prefill_weights` in the serve config, `--prefill-weights` of a worker):
+- "given": the GGUF as it is.
+- "f16", "bf16", "q8_0": a converted copy, made once with llama.cpp's own quantizer and cached beside the decode
+  engine's converted weights (EDGE_LLM_CACHE, default ~/.cache/edge-llm, "converted/<fingerprint>/").
+- "auto": measures a 256-token prefill with the given file and with a converted copy (f16, or q8_0 when f16 would
+  take more than a quarter of the memory) once per file, CPU and thread count, keeps the copy only when it is at
+  least MIN_GAIN faster, and records the decision (prefill-weights.json) so later starts do not measure again.
+  No copy is made when even q8_0 would take more than a quarter of the memory or the disk lacks room.
+
+The worker's identity (fingerprint, KV shape) stays the given file's: the engine checks handoffs against it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import psutil
+
+from contracts.identity import GGUFIdentity
+
+log = logging.getLogger(__name__)
+CHOICES = ("auto", "given", "f16", "bf16", "q8_0")
+FTYPES = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
+          "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+BYTES_PER_WEIGHT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
+UNCONVERTED = {llama_cpp.LLAMA_FTYPE_ALL_F32, llama_cpp.LLAMA_FTYPE_MOSTLY_F16, llama_cpp.LLAMA_FTYPE_MOSTLY_BF16}
+MIN_GAIN = 1.15  # auto keeps a converted copy only if it prefills at least this much faster than the given file
+MEMORY_SHARE = 0.25  # auto converts only if the copy takes at most this share of the machine's memory
+PROBE_TOKENS = 256  # the prompt auto measures with
+DECISION_FILE = "prefill-weights.json"
+
+
+def cache_dir(identity: GGUFIdentity) -> Path:
+    """The folder the decode engine converts this GGUF into (decode_gpu.model_loader.converted_dir), without torch."""
+    root = os.environ.get("EDGE_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "edge-llm")
+    return Path(root) / "converted" / identity.fingerprint.replace(":", "-")
+
+
+def prefill_weights_path(identity: GGUFIdentity, choice: str, threads: int, n_batch: int) -> str:
+    """The file llama.cpp should load for prefill under `choice`; the given file when nothing better is known."""
+    if choice not in CHOICES:
+        raise ValueError(f"prefill weights {choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "given":
+        return identity.path
+    folder = cache_dir(identity)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "prefill-weights.lock", "w") as lock:  # workers starting together convert and measure once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if choice != "auto":
+            return str(converted_copy(identity, choice, folder))
+        return _auto(identity, folder, threads, n_batch)
+
+
+def converted_copy(identity: GGUFIdentity, kind: str, folder: Path) -> Path:
+    """The GGUF converted to `kind` by llama.cpp's quantizer, made once (atomically) and cached."""
+    target = folder / f"prefill-{kind}.gguf"
+    if target.exists():
+        return target
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[kind]
+    params.allow_requantize = True  # the given file is usually quantized already
+    params.nthread = os.cpu_count() or 1
+    started = time.perf_counter()
+    log.info("converting %s to %s for prefill once; cached in %s", os.path.basename(identity.path), kind, target)
+    try:
+        if llama_cpp.llama_model_quantize(identity.path.encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not convert {identity.path} to {kind}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("converted %s to %s in %.1f s (%.0f MB)", os.path.basename(identity.path), kind,
+             time.perf_counter() - started, target.stat().st_size / 1e6)
+    return target
+
+
+def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> str:
+    key = {"cpu": llama_cpp.llama_print_system_info().decode(errors="replace").strip(), "threads": threads,
+           "n_batch": n_batch}
+    decision_file = folder / DECISION_FILE
+    try:
+        decision = json.loads(decision_file.read_text())
+    except (OSError, ValueError):
+        decision = None
+    if decision and decision.get("key") == key:
+        return _chosen(identity, folder, decision)
+    kind = candidate(identity.path, folder)
+    if kind is None:
+        decision = {"key": key, "choice": "given", "why": "a copy would not fit, or not prefill faster"}
+    else:
+        copy = converted_copy(identity, kind, folder)
+        given_tok_s, copy_tok_s = measure_prefill([identity.path, str(copy)], threads, n_batch)
+        gain = copy_tok_s / given_tok_s
+        decision = {"key": key, "choice": kind if gain >= MIN_GAIN else "given", "candidate": kind,
+                    "given_tok_s": round(given_tok_s, 1), "converted_tok_s": round(copy_tok_s, 1)}
+        log.info("prefill weights: %s prefills %.0f tok/s, its %s copy %.0f tok/s (%.2fx); using %s",
+                 os.path.basename(identity.path), given_tok_s, kind, copy_tok_s, gain,
+                 f"the {kind} copy" if decision["choice"] == kind else "the given file")
+        if decision["choice"] == "given":
+            copy.unlink(missing_ok=True)
+    decision_file.write_text(json.dumps(decision, indent=1))
+    return _chosen(identity, folder, decision)
+
+
+def _chosen(identity: GGUFIdentity, folder: Path, decision: dict) -> str:
+    if decision.get("choice") in FTYPES:
+        return str(converted_copy(identity, decision["choice"], folder))  # made again if someone deleted it
+    return identity.path
+
+
+def candidate(path: str, folder: Path) -> str | None:
+    """f16 if its copy takes at most MEMORY_SHARE of the memory, else q8_0 if that does, else None (also when the disk
+    lacks room for the copy twice over, or the file has 16 or 32 bits a weight already)."""
+    reader = gguf.GGUFReader(path)
+    file_type = reader.get_field("general.file_type")
+    if file_type is not None and int(file_type.contents()) in UNCONVERTED:
+        return None  # already 16 or 32 bits a weight: a copy would prefill no faster
+    weights = sum(int(tensor.n_elements) for tensor in reader.tensors)
+    memory = psutil.virtual_memory().total
+    free = shutil.disk_usage(folder).free
+    for kind in ("f16", "q8_0"):
+        size = weights * BYTES_PER_WEIGHT[kind]
+        if size <= MEMORY_SHARE * memory and 2 * size <= free:
+            return kind
+    log.info("prefill weights: no converted copy of %s (%.1f G weights; %.0f GB memory, %.0f GB free disk)",
+             os.path.basename(path), weights / 1e9, memory / 1e9, free / 1e9)
+    return None
+
+
+def measure_prefill(paths: list[str], threads: int, n_batch: int, rounds: int = 3) -> list[float]:
+    """Prefill tok/s of PROBE_TOKENS tokens with each file: best of `rounds`, the files taking turns, so a neighbour
+    busy for a while (the engine loading beside the workers) slows all of them alike."""
+    models = [llama_cpp.Llama(path, n_ctx=PROBE_TOKENS + 16, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                              n_threads_batch=threads, flash_attn=True, verbose=False) for path in paths]
+    best = [float("inf")] * len(paths)
+    try:
+        n_vocab = llama_cpp.llama_vocab_n_tokens(models[0]._model.vocab)
+        tokens = [(i * 7919) % n_vocab for i in range(PROBE_TOKENS)]  # spread over the vocabulary
+        for _ in range(rounds):
+            for i, model in enumerate(models):
+                model.reset()
+                started = time.perf_counter()
+                model.eval(tokens)
+                best[i] = min(best[i], time.perf_counter() - started)
+    finally:
+        for model in models:
+            model.close()
+    return [PROBE_TOKENS / seconds for seconds in best]

@@ -59,13 +59,19 @@ def prefill_weights_path(identity: GGUFIdentity, choice: str, threads: int, n_ba
         raise ValueError(f"prefill weights {choice!r}: choose one of {', '.join(CHOICES)}")
     if choice == "given":
         return identity.path
-    folder = cache_dir(identity)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "prefill-weights.lock", "w") as lock:  # workers starting together convert and measure once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if choice != "auto":
-            return str(converted_copy(identity, choice, folder))
-        return _auto(identity, folder, threads, n_batch)
+    try:
+        folder = cache_dir(identity)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "prefill-weights.lock", "w") as lock:  # workers starting together convert and measure once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if choice != "auto":
+                return str(converted_copy(identity, choice, folder))
+            return _auto(identity, folder, threads, n_batch)
+    except (OSError, RuntimeError) as err:
+        if choice != "auto":  # asked for by name: fail clearly rather than prefill from another file
+            raise RuntimeError(f"prefill weights {choice}: {err}") from err
+        log.warning("prefill weights: prefilling from the given file, no converted copy (%s)", err)
+        return identity.path
 
 
 def converted_copy(identity: GGUFIdentity, kind: str, folder: Path) -> Path:

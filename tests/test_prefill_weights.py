@@ -108,3 +108,15 @@ def test_auto_measures_real_prefill(tiny_gguf):
 def test_a_bad_choice_is_refused(embedded_model_path):
     with pytest.raises(ValueError, match="prefill weights 'q4_0': choose one of auto, given, f16, bf16, q8_0"):
         prefill_weights.prefill_weights_path(read_gguf_identity(embedded_model_path), "q4_0", 2, 128)
+
+
+def test_auto_falls_back_to_the_given_file_when_the_cache_is_not_writable(embedded_model_path, tmp_path, monkeypatch,
+                                                                          caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("EDGE_LLM_CACHE", str(blocker))  # the cache folder cannot be made under a file
+    identity = read_gguf_identity(embedded_model_path)
+    assert prefill_weights.prefill_weights_path(identity, "auto", 2, 128) == identity.path
+    assert "prefilling from the given file, no converted copy" in caplog.text
+    with pytest.raises(RuntimeError, match="prefill weights f16: "):  # named explicitly: a clear failure
+        prefill_weights.prefill_weights_path(identity, "f16", 2, 128)

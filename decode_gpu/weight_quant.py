@@ -430,6 +430,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
                  max_batch: int) -> tuple[nn.Module, WeightReport]:
     """The decode model on `device` with its weights as `weight_dtype` says (WEIGHT_DTYPES). A model to be quantized
     is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there."""
+    from decode_gpu.fused_projections import fuse_projections
     from decode_gpu.model_loader import load_decode_model
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, not {weight_dtype!r}")
@@ -443,6 +444,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     measure = weight_dtype == "auto" and device.type == "cpu"
     on_cpu = plan.weight_dtype != "float" or measure
     model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype)
+    fuse_projections(model)  # before packing and quantizing, which then see the stacked layers
     if measure:
         plan = auto_weight_plan(device, types, model, max_batch)
     if plan.weight_dtype == "float":

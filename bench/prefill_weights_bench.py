@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.prefill_weights_bench [--model PATH.gguf] [--lengths 64,256,1024] [--threads 2]
 
 Each file prefills prompts of each length (best of 3, the files taking turns, KV f16 with flash attention and the
-serve default n_batch 128, as a worker does). Fidelity: the last prompt position's logits on a few real prompts
+n_batch 128 unless --n-batch says otherwise). Fidelity: the last prompt position's logits on a few real prompts
 against a float32 copy (llama.cpp computing with unquantized activations and weights): KL(f32 || file) and whether
 the argmax agrees. Copies are made with llama.cpp's quantizer into a temporary folder.
 """
@@ -40,13 +40,13 @@ def convert(source: str, kind: str, folder: Path) -> str:
     return str(target)
 
 
-def load(path: str, threads: int, n_ctx: int) -> llama_cpp.Llama:
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=128, n_ubatch=128, n_threads=threads, n_threads_batch=threads,
+def load(path: str, threads: int, n_ctx: int, n_batch: int = 128) -> llama_cpp.Llama:
+    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads, n_threads_batch=threads,
                            flash_attn=True, logits_all=False, verbose=False)
 
 
-def speeds(paths: dict[str, str], lengths: list[int], threads: int) -> dict[str, list[float]]:
-    models = {name: load(path, threads, max(lengths) + 16) for name, path in paths.items()}
+def speeds(paths: dict[str, str], lengths: list[int], threads: int, n_batch: int) -> dict[str, list[float]]:
+    models = {name: load(path, threads, max(lengths) + 16, n_batch) for name, path in paths.items()}
     n_vocab = llama_cpp.llama_vocab_n_tokens(next(iter(models.values()))._model.vocab)
     best = {name: [float("inf")] * len(lengths) for name in paths}
     for _ in range(3):
@@ -87,14 +87,15 @@ def main() -> None:
     parser.add_argument("--lengths", default="64,256,1024")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kinds", default="f16,bf16,q8_0")
+    parser.add_argument("--n-batch", type=int, default=128, help="prompt tokens per llama.cpp call (speed only)")
     args = parser.parse_args()
     source = args.model or embedded_model_path()
     lengths = [int(n) for n in args.lengths.split(",")]
     with tempfile.TemporaryDirectory() as folder:
         paths = {"given": source} | {kind: convert(source, kind, Path(folder)) for kind in args.kinds.split(",")}
-        tok_s = speeds(paths, lengths, args.threads)
+        tok_s = speeds(paths, lengths, args.threads, args.n_batch)
         reference = last_logits(convert(source, "f32", Path(folder)), args.threads)
-        print(f"\n{Path(source).name}, {args.threads} threads, n_batch 128, KV f16, flash attention\n")
+        print(f"\n{Path(source).name}, {args.threads} threads, n_batch {args.n_batch}, KV f16, flash attention\n")
         print("| weights | " + " | ".join(f"prefill tok/s at {n}" for n in lengths)
               + " | KL vs f32, mean / max | argmax = f32's |")
         print("|---|" + "---|" * (len(lengths) + 2))

@@ -53,7 +53,7 @@ class ServeConfig:
     kv_type: str = "auto"  # llama.cpp KV cache and wire format; auto: f16 next to the engine, q8_0 across hosts
     prefill_weights: str = "auto"  # what llama.cpp prefills with: auto | given | f16 | bf16 | q8_0 (docs/config.md)
     n_ctx: int = 4096
-    n_batch: int = 128  # prompt tokens per llama.cpp call
+    n_batch: int = 256  # prompt tokens per llama.cpp call (docs/config.md)
     prefix_cache_tokens: int = 2048  # per worker: KV of recent prompts kept for reuse (shared prefixes); 0: off
     kv_storage: str = "auto"
     kv_cache_tokens: int | None = None

@@ -92,6 +92,8 @@ def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_
         "ours-paced": lambda: edge_serve(f"ours ({threads} workers x 1 thread, paced {pace_ms:g} ms)",
                                          f"prefill_workers = {threads}\nthreads_per_worker = 1\n"
                                          f"cpu_decode_pace_ms = {pace_ms:g}\n"),
+        # ours with 128-token prefill chunks (the default before 2026-12-02's evening)
+        "ours-nb128": lambda: edge_serve("ours (n_batch 128)", f"threads_per_worker = {threads}\nn_batch = 128\n"),
         # ours with llama.cpp prefilling the GGUF as given (before `prefill_weights = "auto"` made an f16 copy)
         "ours-given": lambda: edge_serve("ours (prefill weights as given)",
                                          f'threads_per_worker = {threads}\nprefill_weights = "given"\n'),

@@ -41,8 +41,8 @@ def convert(source: str, kind: str, folder: Path) -> str:
 
 
 def load(path: str, threads: int, n_ctx: int, n_batch: int = 128) -> llama_cpp.Llama:
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads, n_threads_batch=threads,
-                           flash_attn=True, logits_all=False, verbose=False)
+    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                           n_threads_batch=threads, flash_attn=True, logits_all=False, verbose=False)
 
 
 def speeds(paths: dict[str, str], lengths: list[int], threads: int, n_batch: int) -> dict[str, list[float]]:

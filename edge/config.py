@@ -87,7 +87,9 @@ class ServeConfig:
     log_level: str = "INFO"
 
 
-CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "prefill_weights": ("auto", "given", "f16", "bf16", "q8_0"), "device": ("auto", "cpu", "cuda"),
+CHOICES = {"kv_type": ("auto", "f16", "q8_0", "q4_0"), "device": ("auto", "cpu", "cuda"),
+           # prefill_cpu.prefill_weights.CHOICES (not imported: the gateway does not load llama.cpp)
+           "prefill_weights": ("auto", "given", "f16", "bf16", "q8_0"),
            "dtype": ("auto", "float32", "bfloat16", "float16"),
            "weight_dtype": ("auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0"),
            "decode_yields_to_prefill": ("auto", "on", "off"),

@@ -32,10 +32,10 @@ from contracts.messages import (HEARTBEAT_INTERVAL_S, CancelPrefill, Handoff, He
                                 PrefillJob, WorkerStatus)
 from contracts.tasks import spawn
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
+from prefill_cpu.prefill_weights import CHOICES as PREFILL_WEIGHTS
 from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
                                    PromptTooLongError)
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
-from prefill_cpu.prefill_weights import CHOICES
 
 log = logging.getLogger("prefill_cpu.worker")
 KV_TYPES = ["f16", "q8_0", "q4_0"]
@@ -310,7 +310,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--kv-type", default="q8_0", choices=KV_TYPES)
-    parser.add_argument("--prefill-weights", default="auto", choices=CHOICES,
+    parser.add_argument("--prefill-weights", default="auto", choices=PREFILL_WEIGHTS,
                         help="what llama.cpp loads: the GGUF as given, or a copy converted for prefill speed (auto: "
                              "measured once; prefill_cpu.prefill_weights)")
     parser.add_argument("--extra-kv-types", nargs="*", choices=KV_TYPES,

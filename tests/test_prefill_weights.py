@@ -1,4 +1,5 @@
-"""The prefill worker's weights: the GGUF as given, or a copy converted once for prefill speed (prefill_cpu.prefill_weights)."""
+"""The prefill worker's weights: the GGUF as given, or a copy converted once for prefill speed
+(prefill_cpu.prefill_weights)."""
 
 import ctypes
 import json

@@ -183,7 +183,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving.json").write_text(json.dumps(all_results, indent=1, default=str))
     print_tables(all_results, args)
-    plot(all_results, out / "serving_latency.png")
+    try:
+        plot(all_results, out / "serving_latency.png")
+    except ImportError:  # a venv from `make install` alone; `make bench-serving` installs the bench extra
+        print(f"\nwrote {out / 'serving.json'}; no plot: matplotlib is not installed (pip install -e '.[bench]')")
+        return
     print(f"\nwrote {out / 'serving.json'} and {out / 'serving_latency.png'}")
 
 

@@ -106,6 +106,8 @@ def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> s
     except (OSError, ValueError):
         decision = None
     if decision and decision.get("key") == key:
+        log.info("prefill weights: %s, as measured at an earlier start (%s; delete it to measure again)",
+                 decision.get("choice"), decision_file)
         return _chosen(identity, folder, decision)
     kind = candidate(identity.path, folder)
     if kind is None:

@@ -16,8 +16,10 @@ import sys
 import tarfile
 from pathlib import Path
 
+from contracts.cache import cache_root
+
 VERSION = "0.3.36"
-CACHE = Path(os.environ.get("EDGE_LLM_CACHE") or Path.home() / ".cache" / "edge-llm") / f"llama-server-{VERSION}"
+CACHE = cache_root() / f"llama-server-{VERSION}"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
 

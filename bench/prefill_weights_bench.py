@@ -2,27 +2,25 @@
 
     .venv/bin/python -m bench.prefill_weights_bench [--model PATH.gguf] [--lengths 64,256,1024] [--threads 2]
 
-Each file prefills prompts of each length (best of 3, the files taking turns, KV f16 with flash attention and the
-n_batch 128 unless --n-batch says otherwise). Fidelity: the last prompt position's logits on a few real prompts
-against a float32 copy (llama.cpp computing with unquantized activations and weights): KL(f32 || file) and whether
-the argmax agrees. Copies are made with llama.cpp's quantizer into a temporary folder.
+Each file prefills prompts of each length (prefill_weights.measure_prefill, as `auto` measures: best of 3, the
+files taking turns, f16 KV with flash attention, n_batch 128 unless --n-batch says otherwise). Fidelity: the last
+prompt position's logits on a few real prompts against a float32 copy (llama.cpp computing with unquantized
+activations and weights): KL(f32 || file) and whether the argmax agrees. Copies are made with llama.cpp's quantizer
+into a temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import tempfile
-import time
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
 from prefill_cpu.embedded_model import embedded_model_path
+from prefill_cpu.prefill_weights import measure_prefill, quantize_gguf
 
-KINDS = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
-         "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
 PROMPTS = ["The history of the printing press begins in",
            "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
            "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -33,33 +31,19 @@ PROMPTS = ["The history of the printing press begins in",
 
 def convert(source: str, kind: str, folder: Path) -> str:
     target = folder / f"{kind}.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize = KINDS[kind], True
-    if llama_cpp.llama_model_quantize(source.encode(), str(target).encode(), ctypes.byref(params)) != 0:
-        raise SystemExit(f"llama.cpp could not convert {source} to {kind}")
+    quantize_gguf(source, target, kind)
     return str(target)
 
 
-def load(path: str, threads: int, n_ctx: int, n_batch: int = 128) -> llama_cpp.Llama:
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                           n_threads_batch=threads, flash_attn=True, logits_all=False, verbose=False)
+def load(path: str, threads: int, n_ctx: int) -> llama_cpp.Llama:
+    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=128, n_ubatch=128, n_threads=threads, n_threads_batch=threads,
+                           flash_attn=True, verbose=False)
 
 
 def speeds(paths: dict[str, str], lengths: list[int], threads: int, n_batch: int) -> dict[str, list[float]]:
-    models = {name: load(path, threads, max(lengths) + 16, n_batch) for name, path in paths.items()}
-    n_vocab = llama_cpp.llama_vocab_n_tokens(next(iter(models.values()))._model.vocab)
-    best = {name: [float("inf")] * len(lengths) for name in paths}
-    for _ in range(3):
-        for i, n in enumerate(lengths):
-            tokens = [(j * 7919) % n_vocab for j in range(n)]
-            for name, model in models.items():
-                model.reset()
-                started = time.perf_counter()
-                model.eval(tokens)
-                best[name][i] = min(best[name][i], time.perf_counter() - started)
-    for model in models.values():
-        model.close()
-    return {name: [n / s for n, s in zip(lengths, seconds)] for name, seconds in best.items()}
+    """tok/s of each file at each length (prefill_weights.measure_prefill: best of 3, the files taking turns)."""
+    by_length = [measure_prefill(list(paths.values()), threads, n_batch, n_tokens=n) for n in lengths]
+    return {name: [row[i] for row in by_length] for i, name in enumerate(paths)}
 
 
 def last_logits(path: str, threads: int) -> list[np.ndarray]:

@@ -66,9 +66,10 @@ class System:
 def f16_copy(gguf: str) -> str:
     """The f16 copy of `gguf` our prefill workers load under prefill_weights = "auto" (made once, cached)."""
     from contracts.identity import read_gguf_identity
-    from prefill_cpu.prefill_weights import cache_dir, converted_copy
+    from contracts.cache import converted_dir
+    from prefill_cpu.prefill_weights import converted_copy
     identity = read_gguf_identity(gguf)
-    folder = cache_dir(identity)
+    folder = converted_dir(identity)
     folder.mkdir(parents=True, exist_ok=True)
     return str(converted_copy(identity, "f16", folder))
 

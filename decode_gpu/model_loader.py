@@ -15,20 +15,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from contracts.cache import converted_dir
 from contracts.identity import GGUFIdentity
 from decode_gpu.family_config import apply_rope_freqs
 from decode_gpu.gguf_convert import convert_gguf
 
 log = logging.getLogger(__name__)
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("EDGE_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "edge-llm")
-    return Path(root) / "converted"
-
-
-def converted_dir(identity: GGUFIdentity, cache_dir: Path | None = None) -> Path:
-    return (cache_dir or default_cache_dir()) / identity.fingerprint.replace(":", "-")
 
 
 def converted_weights_dir(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path | None = None) -> Path:

@@ -33,24 +33,20 @@ import gguf
 import llama_cpp
 import psutil
 
+from contracts.cache import converted_dir
 from contracts.identity import GGUFIdentity
 
 log = logging.getLogger(__name__)
 CHOICES = ("auto", "given", "f16", "bf16", "q8_0")
 FTYPES = {"f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "bf16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16,
-          "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+          "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}  # the copies a worker may load
+FILE_TYPES = {**FTYPES, "f32": llama_cpp.LLAMA_FTYPE_ALL_F32}  # what quantize_gguf writes; f32: a fidelity reference
 BYTES_PER_WEIGHT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 UNCONVERTED = {llama_cpp.LLAMA_FTYPE_ALL_F32, llama_cpp.LLAMA_FTYPE_MOSTLY_F16, llama_cpp.LLAMA_FTYPE_MOSTLY_BF16}
 MIN_GAIN = 1.15  # auto keeps a converted copy only if it prefills at least this much faster than the given file
 MEMORY_SHARE = 0.25  # auto converts only if the copy takes at most this share of the machine's memory
 PROBE_TOKENS = 256  # the prompt auto measures with
 DECISION_FILE = "prefill-weights.json"
-
-
-def cache_dir(identity: GGUFIdentity) -> Path:
-    """The folder the decode engine converts this GGUF into (decode_gpu.model_loader.converted_dir), without torch."""
-    root = os.environ.get("EDGE_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "edge-llm")
-    return Path(root) / "converted" / identity.fingerprint.replace(":", "-")
 
 
 def prefill_weights_path(identity: GGUFIdentity, choice: str, threads: int, n_batch: int) -> str:
@@ -60,7 +56,7 @@ def prefill_weights_path(identity: GGUFIdentity, choice: str, threads: int, n_ba
     if choice == "given":
         return identity.path
     try:
-        folder = cache_dir(identity)
+        folder = converted_dir(identity)  # beside the decode engine's converted weights
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "prefill-weights.lock", "w") as lock:  # workers starting together convert and measure once
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -80,21 +76,26 @@ def converted_copy(identity: GGUFIdentity, kind: str, folder: Path) -> Path:
     if target.exists():
         return target
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[kind]
-    params.allow_requantize = True  # the given file is usually quantized already
-    params.nthread = os.cpu_count() or 1
     started = time.perf_counter()
     log.info("converting %s to %s for prefill once; cached in %s", os.path.basename(identity.path), kind, target)
     try:
-        if llama_cpp.llama_model_quantize(identity.path.encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not convert {identity.path} to {kind}")
+        quantize_gguf(identity.path, partial, kind)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
     log.info("converted %s to %s in %.1f s (%.0f MB)", os.path.basename(identity.path), kind,
              time.perf_counter() - started, target.stat().st_size / 1e6)
     return target
+
+
+def quantize_gguf(source: str, target: Path, kind: str) -> None:
+    """Write `source` to `target` in `kind` (FILE_TYPES) with llama.cpp's quantizer, requantizing."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[kind]
+    params.allow_requantize = True  # the given file is usually quantized already
+    params.nthread = os.cpu_count() or 1
+    if llama_cpp.llama_model_quantize(source.encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not convert {source} to {kind}")
 
 
 def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> str:
@@ -152,15 +153,16 @@ def candidate(path: str, folder: Path) -> str | None:
     return None
 
 
-def measure_prefill(paths: list[str], threads: int, n_batch: int, rounds: int = 3) -> list[float]:
-    """Prefill tok/s of PROBE_TOKENS tokens with each file: best of `rounds`, the files taking turns, so a neighbour
+def measure_prefill(paths: list[str], threads: int, n_batch: int, rounds: int = 3,
+                    n_tokens: int = PROBE_TOKENS) -> list[float]:
+    """Prefill tok/s of n_tokens tokens with each file: best of `rounds`, the files taking turns, so a neighbour
     busy for a while (the engine loading beside the workers) slows all of them alike."""
-    models = [llama_cpp.Llama(path, n_ctx=PROBE_TOKENS + 16, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+    models = [llama_cpp.Llama(path, n_ctx=n_tokens + 16, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                               n_threads_batch=threads, flash_attn=True, verbose=False) for path in paths]
     best = [float("inf")] * len(paths)
     try:
         n_vocab = llama_cpp.llama_vocab_n_tokens(models[0]._model.vocab)
-        tokens = [(i * 7919) % n_vocab for i in range(PROBE_TOKENS)]  # spread over the vocabulary
+        tokens = [(i * 7919) % n_vocab for i in range(n_tokens)]  # spread over the vocabulary
         for _ in range(rounds):
             for i, model in enumerate(models):
                 model.reset()
@@ -170,4 +172,4 @@ def measure_prefill(paths: list[str], threads: int, n_batch: int, rounds: int = 
     finally:
         for model in models:
             model.close()
-    return [PROBE_TOKENS / seconds for seconds in best]
+    return [n_tokens / seconds for seconds in best]

@@ -1,13 +1,12 @@
 """The prefill worker's weights: the GGUF as given, or a copy converted once for prefill speed
 (prefill_cpu.prefill_weights)."""
 
-import ctypes
 import json
 
-import llama_cpp
 import numpy as np
 import pytest
 
+from contracts.cache import converted_dir
 from contracts.identity import read_gguf_identity
 from prefill_cpu import prefill_weights
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
@@ -45,10 +44,7 @@ def test_the_f16_copy_computes_the_model_the_given_file_holds(embedded_model_pat
     """The Q4_1 file's own CPU path rounds activations to 8 bits; its f16 copy computes what float32 weights do, and
     the handoff still names the given file."""
     reference_path = tmp_path / "f32.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_ALL_F32, True
-    assert llama_cpp.llama_model_quantize(embedded_model_path.encode(), str(reference_path).encode(),
-                                          ctypes.byref(params)) == 0
+    prefill_weights.quantize_gguf(embedded_model_path, reference_path, "f32")
     logits = {}
     for weights in ("given", "f16"):
         prefiller = _prefiller(embedded_model_path, weights)
@@ -82,7 +78,7 @@ def test_auto_measures_once_and_keeps_the_faster_file(embedded_model_path, cache
     again = prefill_weights.prefill_weights_path(identity, "auto", 2, 128)
     assert first == again and first.endswith("prefill-f16.gguf")
     assert len(calls) == 1  # the decision is recorded: the second start does not measure
-    decision = json.loads((prefill_weights.cache_dir(identity) / prefill_weights.DECISION_FILE).read_text())
+    decision = json.loads((converted_dir(identity) / prefill_weights.DECISION_FILE).read_text())
     assert decision["choice"] == "f16" and decision["given_tok_s"] == 300.0
     prefill_weights.prefill_weights_path(identity, "auto", 1, 128)  # another thread count: measured again
     assert len(calls) == 2
@@ -92,7 +88,7 @@ def test_auto_keeps_the_given_file_when_the_copy_is_not_faster_enough(embedded_m
     monkeypatch.setattr(prefill_weights, "measure_prefill", lambda paths, threads, n_batch, rounds=3: [300.0, 330.0])
     identity = read_gguf_identity(embedded_model_path)
     assert prefill_weights.prefill_weights_path(identity, "auto", 2, 128) == identity.path
-    assert not (prefill_weights.cache_dir(identity) / "prefill-f16.gguf").exists()  # the unused copy is not kept
+    assert not (converted_dir(identity) / "prefill-f16.gguf").exists()  # the unused copy is not kept
 
 
 def test_auto_makes_no_copy_of_a_float_file(tiny_gguf, cache, monkeypatch):

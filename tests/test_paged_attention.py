@@ -53,3 +53,25 @@ def test_paged_equals_dense(storage, query_lens):
     got = out[0]
     assert got.shape == want.shape
     assert float((got - want).norm() / want.norm()) < CASES[storage]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_heads,n_kv", [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_grouped_attention_equals_gqa(dtype, n_heads, n_kv, window):
+    """The query heads of a KV head stacked as rows under an additive mask (the CPU path's layout) give what
+    SDPA's own GQA gives under the boolean mask, sliding windows and padded query rows included."""
+    from decode_gpu.paged_attention import _attend, _attend_grouped, _mask
+    torch.manual_seed(0)
+    context_lens, query_lens = [16, 17, 33, 5], [3, 1, 5, 2]
+    pool = KVPool(PoolShape(1, num_blocks=16, block_size=BS, num_kv_heads=n_kv, head_dim=D, storage="float32"),
+                  torch.device("cpu"))
+    tables = [[4 * i + b for b in range(-(-n // BS))] for i, n in enumerate(context_lens)]
+    batch = build_paged_batch(pool, tables, context_lens, query_lens, torch.device("cpu"), backend="torch")
+    span = batch.query_mask.shape[-1]
+    q = torch.randn(len(tables), n_heads, max(query_lens), D, dtype=dtype)
+    k, v = (torch.randn(len(tables), n_kv, span, D, dtype=dtype) for _ in range(2))
+    want = _attend(q, k, v, _mask(batch, window)[:, None], D ** -0.5, None)
+    got = _attend_grouped(batch, q, k, v, window, D ** -0.5)
+    valid = batch.query_valid[:, None, :, None].expand_as(want)  # padded query rows are dropped by the caller
+    assert torch.allclose(got[valid].float(), want[valid].float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

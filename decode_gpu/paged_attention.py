@@ -49,6 +49,7 @@ class PagedBatch:
     gather_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's context's pool blocks, padded
     query_index: torch.Tensor | None = None  # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
     query_valid: torch.Tensor | None = None  # [n_seqs, max_query] False on padding rows
+    output_rows: torch.Tensor | None = None  # [n_new] index of each new token's row in the [n_seqs * max_query] output
     # [n_seqs, max_query, n_blocks * block_size] True where a query may attend to a key
     query_mask: torch.Tensor | None = None
     # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
@@ -140,6 +141,7 @@ def _dense_index(bs: int, block_tables: list[list[int]], context_lens: list[int]
     gather = torch.zeros(n_seqs, n_blocks, dtype=torch.long)  # [n_seqs, n_blocks] padded with block 0, masked
     query_index = torch.zeros(n_seqs, max_q, dtype=torch.long)  # [n_seqs, max_q]
     valid = torch.zeros(n_seqs, max_q, dtype=torch.bool)  # [n_seqs, max_q]
+    output_rows = torch.cat([torch.arange(i * max_q, i * max_q + n_q) for i, n_q in enumerate(query_lens)])  # [n_new]
     mask = torch.zeros(n_seqs, max_q, n_blocks * bs, dtype=torch.bool)  # [n_seqs, max_q, span]
     start = 0
     for i, (table, n_ctx, n_q) in enumerate(zip(block_tables, context_lens, query_lens)):
@@ -153,7 +155,7 @@ def _dense_index(bs: int, block_tables: list[list[int]], context_lens: list[int]
         mask[i, n_q:, 0] = True  # padded query rows attend somewhere (dropped later) so softmax stays finite
         start += n_q
     return {"gather_blocks": gather.flatten().to(device), "query_index": query_index.to(device),
-            "query_valid": valid.to(device), "query_mask": mask.to(device)}
+            "query_valid": valid.to(device), "output_rows": output_rows.to(device), "query_mask": mask.to(device)}
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -210,21 +212,19 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
     if paged.decode_blocks is not None:
         return _torch_decode_attention(paged, layer, q, scale, extras)
-    n_seqs = paged.query_index.shape[0]
+    n_seqs, max_q = paged.query_index.shape
     # [n_seqs * n_blocks, block_size, num_kv_heads, head_dim]
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.gather_blocks, q.dtype)
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:])  # [n_seqs, span, num_kv_heads, head_dim]
     v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:])
-    q_seq = q[paged.query_index]  # [n_seqs, max_query, n_heads, head_dim]
+    q_seq = q.index_select(0, paged.query_index.view(-1)).view(n_seqs, max_q, *q.shape[1:])  # [n_seqs, max_query, n_heads, head_dim]
     q_seq, k_ctx, v_ctx = q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)  # [n_seqs, heads, len, head_dim]
     if extras.softcap is None:
         out = _attend_grouped(paged, q_seq, k_ctx, v_ctx, extras.window, scale)  # [n_seqs, n_heads, max_query, head_dim]
     else:
         out = _attend(q_seq, k_ctx, v_ctx, _mask(paged, extras.window)[:, None], scale, extras.softcap)
-    out = out.transpose(1, 2)  # [n_seqs, max_query, n_heads, head_dim]
-    flat = torch.empty(q.shape[0], *out.shape[2:], dtype=out.dtype, device=out.device)  # [n_new, n_heads, head_dim]
-    flat[paged.query_index[paged.query_valid]] = out[paged.query_valid]
-    return flat
+    out = out.transpose(1, 2).reshape(n_seqs * max_q, *q.shape[1:])  # [n_seqs * max_query, n_heads, head_dim]
+    return out.index_select(0, paged.output_rows)  # [n_new, n_heads, head_dim]: the new tokens are in sequence order
 
 
 def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale: float,

@@ -55,6 +55,9 @@ class PagedBatch:
     # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
     decode_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's first n_blocks pool blocks
     decode_mask: torch.Tensor | None = None  # [n_seqs, 1, 1, n_blocks * block_size] True inside the context
+    # rows of similar context length attended apart, each group padded to its own longest context (CPU only):
+    # (rows [g] long, that group's PagedBatch); empty: all rows together
+    decode_groups: tuple[tuple[torch.Tensor, PagedBatch], ...] = ()
     # the torch path's masks cut to a sliding window, by window: built by the first sliding layer of the forward
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, compare=False, repr=False)
     # the same as additive float masks for _attend_grouped, by (window, group, dtype): built by the first layer
@@ -231,6 +234,11 @@ def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scal
                             extras: _Extras) -> torch.Tensor:
     """One new token per sequence: gather whole blocks (one copy per block, not per token) and mask each
     row past its context. # q: [n_seqs, n_heads, head_dim] -> [n_seqs, n_heads, head_dim]"""
+    if paged.decode_groups:
+        out = torch.empty_like(q)
+        for rows, group in paged.decode_groups:
+            out.index_copy_(0, rows, _torch_decode_attention(group, layer, q.index_select(0, rows), scale, extras))
+        return out
     n_seqs = q.shape[0]
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:]).transpose(1, 2)  # [n_seqs, kv_heads, span, head_dim]

@@ -71,6 +71,46 @@ def test_block_gather_decode_equals_the_dense_path_and_pad_rows_touch_only_the_s
         assert not torch.equal(a[SCRATCH], b[SCRATCH])
 
 
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("window", [None, 24])
+def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage, window):
+    """Short contexts beside a long one: the CPU path attends them in groups of similar length, each padded to
+    its own longest context, and gets what one group padded to the longest gets (sliding windows too)."""
+    from decode_gpu.step_inputs import length_groups
+    dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
+    contexts = [20, 290, 17, 33, 1, 20, 31]
+    num_blocks = 48
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1)).tolist()
+    seqs, tables = [], []
+    for i, n_ctx in enumerate(contexts):
+        tokens = [(7 * i + p) % 50 + 1 for p in range(n_ctx)]
+        seqs.append(Sequence(f"s{i}", 0, i, n_ctx - 1, tokens, SamplingParams(), num_cached=n_ctx - 1))
+        tables.append([order.pop() for _ in range(-(-n_ctx // BS))])
+    pool = KVPool(PoolShape(1, num_blocks, BS, N_KV, HEAD_DIM, storage), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(2)
+    pool.write(0, torch.arange(num_blocks * BS), *(torch.randn(num_blocks * BS, N_KV, HEAD_DIM, generator=generator)
+                                                   for _ in range(2)))
+    inputs = StepInputs(pool, num_blocks - 1, capacity=8, max_blocks=19, device=torch.device("cpu"), backend="torch")
+    longest = inputs.fill(seqs, tables, len(seqs))
+    grouped = inputs.batch(len(seqs), longest)
+    assert len(grouped.decode_groups) == len(length_groups(contexts, BS)) > 1
+    assert sorted(r for rows, _ in grouped.decode_groups for r in rows.tolist()) == list(range(len(seqs)))
+    q, new_k, new_v = (torch.randn(1, heads, len(seqs), HEAD_DIM, generator=generator).to(dtype)
+                       for heads in (N_HEADS, N_KV, N_KV))
+    got, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=grouped, sliding_window=window)
+    together = dataclasses.replace(grouped, decode_groups=())
+    want, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=together, sliding_window=window)
+    torch.testing.assert_close(got, want)
+
+
+def test_length_groups_split_only_where_padding_costs_more_than_a_group():
+    from decode_gpu.step_inputs import GROUP_COST_TOKENS, MAX_GROUPS, length_groups
+    assert length_groups([256] * 16, 16) == [list(range(16))]  # equal lengths: one group
+    assert length_groups([300] * 15 + [1100], 16) == [list(range(15)), [15]]
+    assert length_groups([5, 40], 16) == [[0, 1]]  # padding 32 tokens costs less than a group
+    assert len(length_groups([16 * GROUP_COST_TOKENS * (i + 1) for i in range(8)], 16)) == MAX_GROUPS
+
+
 def test_step_inputs_grow_for_a_batch_past_their_capacity():
     seqs, tables = _sequences(CONTEXTS)
     inputs = StepInputs(_pool("float32"), SCRATCH, capacity=2, max_blocks=1, device=torch.device("cpu"),

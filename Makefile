@@ -62,10 +62,11 @@ gpu-check:
 bench-handoff: $(STAMP)
 	$(PY) -m bench.handoff_bench $(ARGS)
 
-# the engine against static and continuous batching, then prefix sharing, speculation, the int4 pool and preemption
+# the engine against static and continuous batching, the CPU attention by length groups, then prefix sharing, speculation, the int4 pool and preemption
 # by swap or recompute (docs/decode.md)
 bench-decode: $(STAMP)
 	$(PY) -m bench.decode_bench $(ARGS)
+	$(PY) -m bench.length_groups_bench
 	$(PY) -m bench.prefix_bench
 	$(PY) -m bench.spec_bench
 	$(PY) -m bench.kv_int4_bench

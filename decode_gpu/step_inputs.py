@@ -134,6 +134,8 @@ def length_groups(context_lens: list[int], block_size: int) -> list[list[int]]:
     order = sorted(range(len(context_lens)), key=context_lens.__getitem__)
     blocks = [-(-context_lens[i] // block_size) * block_size for i in order]  # padded lengths, ascending
     n = len(order)
+    if n * blocks[-1] - sum(blocks) <= GROUP_COST_TOKENS:  # padding to the longest costs less than a group more
+        return [order]
     # best[g][i]: (cost, start of the last group) of the first i rows in g groups
     best = [[(0, 0)] + [(float("inf"), 0)] * n]
     for _ in range(MAX_GROUPS):
@@ -147,4 +149,4 @@ def length_groups(context_lens: list[int], block_size: int) -> list[list[int]]:
         start = best[g][end][1]
         groups.append([order[i] for i in range(start, end)])
         end = start
-    return groups[::-1]
+    return [group for group in groups[::-1] if group]  # an empty group is never cheaper, but never return one

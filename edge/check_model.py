@@ -1,7 +1,8 @@
 """`edge check-model PATH.gguf`: what an operator runs before trusting a new model.
 
 Reads the GGUF without starting the service: its shape, whether the handoff can carry its KV, its weight and KV
-bytes, and how many KV tokens a device of `--memory` holds for each decode weight_dtype. Then a short fidelity
+bytes, which weights the prefill workers load (`prefill_weights = "auto"`: a decision recorded by an earlier start,
+or what the first start will do), and how many KV tokens a device of `--memory` holds for each decode weight_dtype. Then a short fidelity
 check: llama.cpp prefills a few prompts, their KV crosses the handoff into the torch model, and decoding from it
 is compared with decoding from transformers' own prefill of the same prompt (tests/test_handoff_embedded_model.py
 holds the same comparison to the same thresholds). Exit 0 when every check passes, 1 when one fails, with the
@@ -132,6 +133,7 @@ class ModelReport:
     handoff_kv_bytes: dict[str, int | None]  # per token, by handoff KV type (None: rows are not whole blocks)
     pool_kv_bytes: dict[str, int]  # per token, by decode pool storage
     pool_tokens: dict[str, dict[str, int]]  # weight_dtype -> pool storage -> KV tokens that fit --memory
+    prefill_weights: str  # what prefill_weights = "auto" did or will do for this file (prefill_weights.auto_outlook)
 
 
 def read_model(path: str, memory: int, utilization: float) -> ModelReport:
@@ -156,7 +158,16 @@ def read_model(path: str, memory: int, utilization: float) -> ModelReport:
         handoff_kv_bytes=handoff_kv_bytes(identity), pool_kv_bytes=pool,
         pool_tokens={dtype: {storage: pool_tokens(memory, utilization, held, per_token)
                              for storage, per_token in pool.items()}
-                     for dtype, held in weights.items() if held is not None})
+                     for dtype, held in weights.items() if held is not None},
+        prefill_weights=prefill_outlook(identity))
+
+
+def prefill_outlook(identity: GGUFIdentity) -> str:
+    from prefill_cpu.prefill_weights import auto_outlook
+    try:
+        return auto_outlook(identity)
+    except (OSError, ValueError) as err:  # an unreadable cache record or file: say so, the check goes on
+        return f"unknown ({type(err).__name__}: {err})"
 
 
 def decode_weight_bytes(path: str) -> dict[str, int | None]:
@@ -349,6 +360,7 @@ def print_model(m: dict, memory: int, utilization: float) -> None:
                          + ", ".join(f"{k} {_size(v)}" for k, v in sorted(m["gguf_bytes"].items()))),
         ("KV per token", "handoff " + ", ".join(f"{k} {_size(v)}" for k, v in m["handoff_kv_bytes"].items())),
         ("", "decode pool " + ", ".join(f"{k} {_size(v)}" for k, v in m["pool_kv_bytes"].items())),
+        ("prefill auto", m["prefill_weights"]),
     ]
     for name, value in rows:
         print(f"{name:<14}{value}")

@@ -153,6 +153,33 @@ def candidate(path: str, folder: Path) -> str | None:
     return None
 
 
+def auto_outlook(identity: GGUFIdentity) -> str:
+    """What `auto` did or will do for this file, read without converting or measuring anything (edge check-model):
+    the decision an earlier start recorded, else what the first start will do."""
+    folder = converted_dir(identity)
+    record = folder / DECISION_FILE
+    try:
+        decision = json.loads(record.read_text())
+    except (OSError, ValueError):
+        decision = None
+    if decision and decision.get("choice") in ("given", *FTYPES):
+        chosen = "the given file" if decision["choice"] == "given" else f"its {decision['choice']} copy"
+        key = decision.get("key") or {}
+        speeds = (f": {decision['given_tok_s']:.0f} tok/s given, {decision['converted_tok_s']:.0f} its "
+                  f"{decision['candidate']} copy" if "converted_tok_s" in decision else "")
+        return (f"{chosen}, as measured at an earlier start ({key.get('threads')} threads, n_batch "
+                f"{key.get('n_batch')}{speeds}; {record})")
+    file_type = gguf.GGUFReader(identity.path).get_field("general.file_type")
+    if file_type is not None and int(file_type.contents()) in UNCONVERTED:
+        return "the given file: it has 16 or 32 bits a weight already"
+    existing = next(p for p in (folder, *folder.parents) if p.exists())  # candidate() asks its disk for room
+    kind = candidate(identity.path, existing)
+    if kind is None:
+        return "the given file: a converted copy would not fit (memory or disk)"
+    return (f"not measured yet: the first start converts it to {kind} once and keeps the copy if it prefills at "
+            f"least {MIN_GAIN}x as fast (about 10 s; recorded in {record})")
+
+
 def measure_prefill(paths: list[str], threads: int, n_batch: int, rounds: int = 3,
                     n_tokens: int = PROBE_TOKENS) -> list[float]:
     """Prefill tok/s of n_tokens tokens with each file: best of `rounds`, the files taking turns, so a neighbour

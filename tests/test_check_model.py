@@ -124,6 +124,25 @@ def test_the_numbers_match_arithmetic(capsys, embedded_model_path):
             assert model["pool_tokens"][weight_dtype][storage] == (budget - held) // per_token
 
 
+def test_it_says_which_weights_the_prefill_workers_load(capsys, embedded_model_path, tmp_path, monkeypatch):
+    """prefill_weights = auto: what the first start will do, then the decision an earlier start recorded; reading
+    it converts and measures nothing."""
+    from contracts.cache import converted_dir
+    monkeypatch.setenv("EDGE_LLM_CACHE", str(tmp_path / "cache"))
+    status, out, _ = check_model(capsys, embedded_model_path, "--no-fidelity")
+    assert status == 0
+    row = next(line for line in out.splitlines() if line.startswith("prefill auto"))
+    assert "not measured yet: the first start converts it to f16" in row  # the embedded GGUF is Q4_1
+    assert not (tmp_path / "cache").exists()
+    record = converted_dir(read_gguf_identity(embedded_model_path)) / "prefill-weights.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"key": {"cpu": "x", "threads": 2, "n_batch": 256}, "choice": "f16",
+                                  "candidate": "f16", "given_tok_s": 280.4, "converted_tok_s": 501.2}))
+    status, out, _ = check_model(capsys, embedded_model_path, "--no-fidelity", "--json")
+    assert json.loads(out)["model"]["prefill_weights"].startswith(
+        "its f16 copy, as measured at an earlier start (2 threads, n_batch 256: 280 tok/s given, 501 its f16 copy")
+
+
 def test_memory_sizes_parse_and_bad_arguments_are_refused(capsys, tiny_gguf):
     assert parse_size("24GiB") == 24 * GIB and parse_size("24GB") == 24 * 10**9
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5gib") == int(1.5 * GIB)

@@ -1,4 +1,4 @@
-"""CPU decode step ms with the rows attended in groups of similar context length (decode_gpu.step_inputs.
+"""CPU decode step ms with the rows attended in groups of similar context length (decode_gpu.paged_attention.
 length_groups) and all together, padded to the longest, side by side in one process (in turns, so that a busy
 neighbour slows both alike).
 
@@ -7,7 +7,8 @@ neighbour slows both alike).
 The embedded model, its weights as `edge serve --weight-dtype X` loads them. The rows are dummy sequences whose
 context lengths follow a batch of the serving benchmark's mixed workload (a shared system prompt, then user
 prompts of about 64/256/1024 tokens in a 6:3:1 mix, then up to 48 generated tokens), and two controls. The table
-gives the median step of each.
+gives the median step of each. Two more rows time a speculative verify step (4 sequences feeding 5 tokens each),
+whose multi-token attention is grouped alike.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ def batches() -> dict[str, list[int]]:
             "8 rows x 256 (one group)": [256] * 8}
 
 
+VERIFY = {"verify, 4 sequences x 5 queries: 120/150/200/1100": [120, 150, 200, 1100],
+          "verify, 4 sequences x 5 queries: 4 x 256 (one group)": [256] * 4}
+DRAFT = 4  # draft tokens a sequence in the verify rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", default="bfloat16,auto")
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     import torch
-    from decode_gpu import step_inputs
+    from decode_gpu import paged_attention
     from decode_gpu.device import resolve_dtype
     from decode_gpu.model_runner import ModelRunner, RunnerConfig, _Probe
     from decode_gpu.weight_quant import load_weights
@@ -46,29 +52,32 @@ def main() -> None:
     print(f"\nCPU decode step ms ({torch.get_num_threads()} threads), median of {args.reps}")
     print("| weights | rows (context lengths) | groups | one group ms | in groups ms | in groups / one |")
     print("|---|---|---|---|---|---|")
-    grouped_max = step_inputs.MAX_GROUPS
+    grouped_max = paged_attention.MAX_GROUPS
     for weight_dtype in args.weights.split(","):
         model, report = load_weights(identity, cpu, resolve_dtype("auto", cpu), weight_dtype, 32)
         runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=16384, max_num_seqs=32), cpu)
         bs = runner.pool.shape.block_size
-        for name, contexts in batches().items():
+        for name, contexts in (batches() | VERIFY).items():
+            draft = DRAFT if name in VERIFY else 0
             seqs, tables, next_block = [], {}, 0
-            for i, context in enumerate(contexts):  # each about to decode after `context` tokens
-                seqs.append(_Probe(str(i), [0] * (context + 1), context))
-                n_blocks = -(-(context + 1) // bs)
+            for i, context in enumerate(contexts):  # each about to decode (and verify a draft) after `context` tokens
+                seqs.append(_Probe(str(i), [0] * (context + 1 + draft), context))
+                n_blocks = -(-(context + 1 + draft) // bs)
                 tables[str(i)] = list(range(next_block, next_block + n_blocks))
                 next_block += n_blocks
+            step = (lambda: runner.verify(seqs, tables, [[0] * draft] * len(seqs))) if draft else \
+                (lambda: runner.forward(seqs, tables))
             times: dict[int, list[float]] = {1: [], grouped_max: []}
             for rep in range(args.reps + 1):
                 for groups in times:
-                    step_inputs.MAX_GROUPS = groups
+                    paged_attention.MAX_GROUPS = groups
                     started = time.perf_counter()
-                    runner.forward(seqs, tables)
+                    step()
                     if rep:  # the first round warms up
                         times[groups].append((time.perf_counter() - started) * 1e3)
-            step_inputs.MAX_GROUPS = grouped_max
+            paged_attention.MAX_GROUPS = grouped_max
             one, grouped = (sorted(t)[len(t) // 2] for t in times.values())
-            print(f"| {report.weight_dtype} | {name} | {len(step_inputs.length_groups(contexts, bs))} | {one:.1f} "
+            print(f"| {report.weight_dtype} | {name} | {len(paged_attention.length_groups(contexts, bs))} | {one:.1f} "
                   f"| {grouped:.1f} | {grouped / one:.2f}x |", flush=True)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from decode_gpu.kv_pool import KVPool
-from decode_gpu.paged_attention import PagedBatch, choose_num_splits
+from decode_gpu.paged_attention import PagedBatch, choose_num_splits, length_groups
 from decode_gpu.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -119,34 +119,3 @@ class StepInputs:
         group = PagedBatch(self.pool, self.backend, self.slots[:0], tables, context_lens, self.query_start[:len(rows)],
                            self.query_lens[:len(rows)], 1, num_splits, **self._decode_view(tables, context_lens, longest))
         return index, group
-
-
-# What attending to one group of rows more costs, in tokens of context gathered and attended (a gather of K and V,
-# an SDPA, a copy in and out: about 40 us a layer, as much as about 450 tokens, bfloat16 on 2 cores of a Xeon)
-GROUP_COST_TOKENS = 512
-MAX_GROUPS = 4
-
-
-def length_groups(context_lens: list[int], block_size: int) -> list[list[int]]:
-    """Rows split into groups of similar context length (at most MAX_GROUPS), each to be padded only to its own
-    longest context: the split that gathers the fewest tokens, counting GROUP_COST_TOKENS a group. Without it a
-    batch of short contexts and one long one gathers and attends the long one's length for every row."""
-    order = sorted(range(len(context_lens)), key=context_lens.__getitem__)
-    blocks = [-(-context_lens[i] // block_size) * block_size for i in order]  # padded lengths, ascending
-    n = len(order)
-    if n * blocks[-1] - sum(blocks) <= GROUP_COST_TOKENS:  # padding to the longest costs less than a group more
-        return [order]
-    # best[g][i]: (cost, start of the last group) of the first i rows in g groups
-    best = [[(0, 0)] + [(float("inf"), 0)] * n]
-    for _ in range(MAX_GROUPS):
-        prev, row = best[-1], [(0, 0)] + [(float("inf"), 0)] * n
-        for i in range(1, n + 1):
-            row[i] = min((prev[j][0] + (i - j) * blocks[i - 1] + GROUP_COST_TOKENS, j) for j in range(i))
-        best.append(row)
-    groups_used = min(range(1, MAX_GROUPS + 1), key=lambda g: best[g][n][0])
-    groups, end = [], n
-    for g in range(groups_used, 0, -1):
-        start = best[g][end][1]
-        groups.append([order[i] for i in range(start, end)])
-        end = start
-    return [group for group in groups[::-1] if group]  # an empty group is never cheaper, but never return one

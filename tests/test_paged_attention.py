@@ -75,3 +75,31 @@ def test_grouped_attention_equals_gqa(dtype, n_heads, n_kv, window):
     got = _attend_grouped(batch, q, k, v, window, D ** -0.5)
     valid = batch.query_valid[:, None, :, None].expand_as(want)  # padded query rows are dropped by the caller
     assert torch.allclose(got[valid].float(), want[valid].float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("window", [None, 9])
+def test_multi_token_queries_of_different_lengths_attend_in_groups_with_the_same_result(storage, window):
+    """A ragged multi-token batch (speculative verification) whose contexts differ a lot is attended in groups of
+    similar length on the CPU, each padded to its own longest context: the same result as one group."""
+    import dataclasses
+    from decode_gpu.paged_attention import length_groups
+    dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
+    torch.manual_seed(0)
+    context_lens, query_lens = [20, 300, 17, 5, 290, 33], [3, 5, 1, 2, 4, 1]
+    num_blocks = 48
+    pool = KVPool(PoolShape(1, num_blocks=num_blocks, block_size=BS, num_kv_heads=N_KV, head_dim=D, storage=storage),
+                  torch.device("cpu"))
+    pool.write(0, torch.arange(num_blocks * BS), torch.randn(num_blocks * BS, N_KV, D), torch.randn(num_blocks * BS, N_KV, D))
+    free = list(reversed(range(num_blocks)))
+    tables = [[free.pop() for _ in range(-(-n // BS))] for n in context_lens]
+    batch = build_paged_batch(pool, tables, context_lens, query_lens, torch.device("cpu"), backend="torch")
+    assert len(batch.query_groups) == len(length_groups(context_lens, BS)) > 1
+    n_new = sum(query_lens)
+    q = torch.randn(1, N_HEADS, n_new, D).to(dtype)
+    new_k, new_v = (torch.randn(1, N_KV, n_new, D).to(dtype) for _ in range(2))
+    got, _ = paged_attention(_Layer(), q, new_k, new_v, None, scaling=D ** -0.5, paged=batch, sliding_window=window)
+    together = dataclasses.replace(batch, query_groups=())
+    want, _ = paged_attention(_Layer(), q, new_k, new_v, None, scaling=D ** -0.5, paged=together,
+                              sliding_window=window)
+    torch.testing.assert_close(got, want)

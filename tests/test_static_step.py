@@ -76,7 +76,7 @@ def test_block_gather_decode_equals_the_dense_path_and_pad_rows_touch_only_the_s
 def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage, window):
     """Short contexts beside a long one: the CPU path attends them in groups of similar length, each padded to
     its own longest context, and gets what one group padded to the longest gets (sliding windows too)."""
-    from decode_gpu.step_inputs import length_groups
+    from decode_gpu.paged_attention import length_groups
     dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
     contexts = [20, 290, 17, 33, 1, 20, 31]
     num_blocks = 48
@@ -104,7 +104,7 @@ def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage
 
 
 def test_length_groups_split_only_where_padding_costs_more_than_a_group():
-    from decode_gpu.step_inputs import GROUP_COST_TOKENS, MAX_GROUPS, length_groups
+    from decode_gpu.paged_attention import GROUP_COST_TOKENS, MAX_GROUPS, length_groups
     assert length_groups([256] * 16, 16) == [list(range(16))]  # equal lengths: one group
     assert length_groups([300] * 15 + [1100], 16) == [list(range(15)), [15]]
     assert length_groups([5, 40], 16) == [[0, 1]]  # padding 32 tokens costs less than a group

@@ -55,11 +55,10 @@ class PagedBatch:
     # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
     decode_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's first n_blocks pool blocks
     decode_mask: torch.Tensor | None = None  # [n_seqs, 1, 1, n_blocks * block_size] True inside the context
-    # rows of similar context length attended apart, each group padded to its own longest context (CPU only):
-    # (rows [g] long, that group's PagedBatch); empty: all rows together
-    decode_groups: tuple[tuple[torch.Tensor, PagedBatch], ...] = ()
-    # the same for a multi-token batch: (its sequences' new tokens [g] long, that group's PagedBatch)
-    query_groups: tuple[tuple[torch.Tensor, PagedBatch], ...] = ()
+    # the torch path on the CPU: sequences of similar context length attended apart, each group padded to its own
+    # longest context: (the group's new tokens [g] long, in batch order, and its own PagedBatch, which holds the
+    # dense view; this batch's is then left out); empty: all together
+    groups: tuple[tuple[torch.Tensor, PagedBatch], ...] = ()
     # the torch path's masks cut to a sliding window, by window: built by the first sliding layer of the forward
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, compare=False, repr=False)
     # the same as additive float masks for _attend_grouped, by (window, group, dtype): built by the first layer
@@ -113,13 +112,15 @@ def build_paged_batch(pool: KVPool, block_tables: list[list[int]], context_lens:
     n_seqs = len(block_tables)
     slot_mapping, ctx, start, q_lens, flat_tables = packed.split([len(slots), n_seqs, n_seqs, n_seqs, n_seqs * width])
     num_splits = num_splits or choose_num_splits(n_seqs, pool.shape.num_kv_heads, max(context_lens), device)
-    dense = _dense_index(bs, block_tables, context_lens, query_lens, device) if backend == "torch" else {}
-    if backend == "torch" and device.type == "cpu" and n_seqs > 1:
-        groups = length_groups(context_lens, bs)
+    dense = {}
+    if backend == "torch":
+        groups = length_groups(context_lens, bs) if device.type == "cpu" and n_seqs > 1 else []
         if len(groups) > 1:
-            dense["query_groups"] = tuple(_query_group(pool, [block_tables[i] for i in rows],
-                                                       [context_lens[i] for i in rows], [query_lens[i] for i in rows],
-                                                       [starts[i] for i in rows], device) for rows in groups)
+            dense["groups"] = tuple(_query_group(pool, [block_tables[i] for i in rows], [context_lens[i] for i in rows],
+                                                 [query_lens[i] for i in rows], [starts[i] for i in rows], device)
+                                    for rows in groups)
+        else:
+            dense = _dense_index(bs, block_tables, context_lens, query_lens, device)
     return PagedBatch(pool, backend, slot_mapping, flat_tables.view(n_seqs, width), ctx, start, q_lens,
                       max(query_lens), num_splits, **dense)
 
@@ -269,6 +270,18 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
                      scale: float, extras: _Extras = _Extras(None, None)) -> torch.Tensor:
     """Gather every context into dense tensors, then one masked SDPA. # [n_new, n_heads, head_dim]"""
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
+    return _torch_context_attention(paged, layer, q, scale, extras)
+
+
+def _torch_context_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale: float,
+                             extras: _Extras) -> torch.Tensor:
+    """After the store: each group of sequences on its own (PagedBatch.groups), else the whole batch, one new
+    token each or any number. # q: [n_new, n_heads, head_dim] -> the same shape"""
+    if paged.groups:
+        out = torch.empty_like(q)
+        for rows, group in paged.groups:
+            out.index_copy_(0, rows, _torch_context_attention(group, layer, q.index_select(0, rows), scale, extras))
+        return out
     if paged.decode_blocks is not None:
         return _torch_decode_attention(paged, layer, q, scale, extras)
     return _torch_query_attention(paged, layer, q, scale, extras)
@@ -276,12 +289,7 @@ def _torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torc
 
 def _torch_query_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale: float,
                            extras: _Extras) -> torch.Tensor:
-    """Queries of any length per sequence, after the store. # q: [n_new, n_heads, head_dim] -> the same shape"""
-    if paged.query_groups:
-        out = torch.empty_like(q)
-        for rows, group in paged.query_groups:
-            out.index_copy_(0, rows, _torch_query_attention(group, layer, q.index_select(0, rows), scale, extras))
-        return out
+    """Queries of any length per sequence. # q: [n_new, n_heads, head_dim] -> the same shape"""
     n_seqs, max_q = paged.query_index.shape
     # [n_seqs * n_blocks, block_size, num_kv_heads, head_dim]
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.gather_blocks, q.dtype)
@@ -301,11 +309,6 @@ def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scal
                             extras: _Extras) -> torch.Tensor:
     """One new token per sequence: gather whole blocks (one copy per block, not per token) and mask each
     row past its context. # q: [n_seqs, n_heads, head_dim] -> [n_seqs, n_heads, head_dim]"""
-    if paged.decode_groups:
-        out = torch.empty_like(q)
-        for rows, group in paged.decode_groups:
-            out.index_copy_(0, rows, _torch_decode_attention(group, layer, q.index_select(0, rows), scale, extras))
-        return out
     n_seqs = q.shape[0]
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:]).transpose(1, 2)  # [n_seqs, kv_heads, span, head_dim]

@@ -92,15 +92,18 @@ class StepInputs:
 
     def batch(self, rows: int, max_context: int, num_splits: int | None = None) -> PagedBatch:
         """The PagedBatch of the first `rows` rows. On the torch path it also carries the block view its decode
-        attention gathers (blocks up to max_context) and the mask of each row's context."""
+        attention gathers (blocks up to max_context) and the mask of each row's context; on the CPU, rows of very
+        different lengths get them in groups (PagedBatch.groups), each up to its own longest context."""
         num_splits = num_splits or choose_num_splits(rows, self.pool.shape.num_kv_heads, max_context, self.device)
         dense = {}
         if self.backend == "torch":
-            dense = self._decode_view(self.block_tables[:rows], self.context_lens[:rows], max_context)
-            if self.device.type == "cpu" and rows > 1:  # the host buffer is the device's: no sync to read lengths
-                groups = length_groups(self._columns[CONTEXT, :rows].tolist(), self.block_size)
-                if len(groups) > 1:
-                    dense["decode_groups"] = tuple(self._group(rows_, num_splits) for rows_ in groups)
+            # on the CPU the host buffer is the device's: the lengths read without a sync
+            groups = length_groups(self._columns[CONTEXT, :rows].tolist(), self.block_size) \
+                if self.device.type == "cpu" and rows > 1 else []
+            if len(groups) > 1:
+                dense["groups"] = tuple(self._group(rows_, num_splits) for rows_ in groups)
+            else:
+                dense = self._decode_view(self.block_tables[:rows], self.context_lens[:rows], max_context)
         return PagedBatch(self.pool, self.backend, self.slots[:rows], self.block_tables[:rows],
                           self.context_lens[:rows], self.query_start[:rows], self.query_lens[:rows], 1, num_splits,
                           **dense)

@@ -2,10 +2,10 @@
 
 Reads the GGUF without starting the service: its shape, whether the handoff can carry its KV, its weight and KV
 bytes, which weights the prefill workers load (`prefill_weights = "auto"`: a decision recorded by an earlier start,
-or what the first start will do), and how many KV tokens a device of `--memory` holds for each decode weight_dtype. Then a short fidelity
-check: llama.cpp prefills a few prompts, their KV crosses the handoff into the torch model, and decoding from it
-is compared with decoding from transformers' own prefill of the same prompt (tests/test_handoff_embedded_model.py
-holds the same comparison to the same thresholds). Exit 0 when every check passes, 1 when one fails, with the
+or what the first start will do), and how many KV tokens a device of `--memory` holds for each decode weight_dtype.
+Then a short fidelity check: llama.cpp prefills a few prompts, their KV crosses the handoff into the torch model,
+and decoding from it is compared with decoding from transformers' own prefill of the same prompt
+(tests/test_handoff_embedded_model.py holds the same comparison to the same thresholds). Exit 0 when every check passes, 1 when one fails, with the
 reason on one line, never a traceback; 2 on bad arguments.
 """
 

@@ -73,9 +73,10 @@ def test_block_gather_decode_equals_the_dense_path_and_pad_rows_touch_only_the_s
 
 @pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("window", [None, 24])
-def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage, window):
+def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage, window, monkeypatch):
     """Short contexts beside a long one: the CPU path attends them in groups of similar length, each padded to
     its own longest context, and gets what one group padded to the longest gets (sliding windows too)."""
+    from decode_gpu import paged_attention as paged_attention_module
     from decode_gpu.paged_attention import length_groups
     dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
     contexts = [20, 290, 17, 33, 1, 20, 31]
@@ -93,12 +94,14 @@ def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage
     inputs = StepInputs(pool, num_blocks - 1, capacity=8, max_blocks=19, device=torch.device("cpu"), backend="torch")
     longest = inputs.fill(seqs, tables, len(seqs))
     grouped = inputs.batch(len(seqs), longest)
-    assert len(grouped.decode_groups) == len(length_groups(contexts, BS)) > 1
-    assert sorted(r for rows, _ in grouped.decode_groups for r in rows.tolist()) == list(range(len(seqs)))
+    assert len(grouped.groups) == len(length_groups(contexts, BS)) > 1
+    assert sorted(r for rows, _ in grouped.groups for r in rows.tolist()) == list(range(len(seqs)))
     q, new_k, new_v = (torch.randn(1, heads, len(seqs), HEAD_DIM, generator=generator).to(dtype)
                        for heads in (N_HEADS, N_KV, N_KV))
     got, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=grouped, sliding_window=window)
-    together = dataclasses.replace(grouped, decode_groups=())
+    monkeypatch.setattr(paged_attention_module, "MAX_GROUPS", 1)  # the same rows as one group
+    together = inputs.batch(len(seqs), longest)
+    assert not together.groups
     want, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=together, sliding_window=window)
     torch.testing.assert_close(got, want)
 

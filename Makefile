@@ -53,11 +53,11 @@ test: $(STAMP)
 
 # chaos soak against the real service (default 5 minutes; ARGS="--duration 60"); its table: docs/reliability.md
 soak: $(STAMP)
-	$(PY) -m bench.soak $(ARGS)
+	$(PY) -m checks.soak $(ARGS)
 
 # the GPU check (issue 11): gpu tests + decode benchmark vs transformers, table in docs/gpu.md; no venv, no llama.cpp
 gpu-check:
-	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu_check $(ARGS)
+	$(if $(wildcard $(PY)),$(PY),python3) -m checks.gpu_check $(ARGS)
 
 bench-handoff: $(STAMP)
 	$(PY) -m bench.handoff_bench $(ARGS)

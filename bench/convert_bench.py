@@ -56,7 +56,7 @@ def convert(way: str, gguf_path: Path, out: Path, dtype: str, shard_mb: int) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from decode_gpu.gguf_convert import convert_gguf
+    from decode_gpu.model.gguf_convert import convert_gguf
 
     imports_mb = _rss_mb("VmRSS")
     started = time.perf_counter()

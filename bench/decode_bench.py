@@ -25,12 +25,12 @@ import types
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from decode_gpu.device import resolve_device, resolve_dtype
+from decode_gpu.runner.device import resolve_device, resolve_dtype
 from decode_gpu.engine import DecodeEngine, EngineConfig
-from decode_gpu.kv_pool import bytes_per_token
-from decode_gpu.model_loader import load_decode_model
-from decode_gpu.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.paged_attention import build_paged_batch
+from decode_gpu.kv.pool import bytes_per_token
+from decode_gpu.model.loader import load_decode_model
+from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
+from decode_gpu.attention.paged_attention import build_paged_batch
 from prefill_cpu.embedded_model import embedded_model_path
 from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
@@ -155,7 +155,7 @@ SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "tags":
 def grammar_costs(prefiller, model, device, batches, steps=9) -> list[tuple[int, float, float]]:
     """The decode step with every row under a JSON schema against the same rows unconstrained: what the
     structured outputs' token masks cost (host: the matchers fill a bitmask; device: the mask is applied)."""
-    from decode_gpu.model_loader import load_tokenizer
+    from decode_gpu.model.loader import load_tokenizer
     tokenizer = load_tokenizer(prefiller.identity)
     tokens = tuple(prefiller.tokenize("Describe a city as a JSON object with a name, tags and a score.")[:64])
     rows = []

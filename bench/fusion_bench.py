@@ -1,4 +1,4 @@
-"""Decode step ms with and without stacked q/k/v and gate/up projections (decode_gpu.fused_projections), in one
+"""Decode step ms with and without stacked q/k/v and gate/up projections (decode_gpu.model.fused_projections), in one
 process, the two engines stepping in turns so that a busy neighbour slows both alike.
 
     .venv/bin/python -m bench.fusion_bench [--weights int4,bfloat16] [--batches 1,4,16] [--steps 15]
@@ -27,8 +27,8 @@ def main() -> None:
     from bench.decode_bench import TEXT, _renamed
     from contracts.handoff import SamplingParams
     from decode_gpu.engine import DecodeEngine, EngineConfig
-    from decode_gpu.model_runner import ModelRunner, RunnerConfig
-    from decode_gpu.weight_quant import load_weights
+    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
+    from decode_gpu.model.weight_quant import load_weights
     from prefill_cpu.embedded_model import embedded_model_path
     from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
     cpu = torch.device("cpu")

@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from decode_gpu.device import resolve_device
-from decode_gpu.kv_cache import DenseKVCache
-from decode_gpu.kv_import import import_handoff
-from decode_gpu.model_loader import load_decode_model
+from decode_gpu.runner.device import resolve_device
+from decode_gpu.reference.dense_cache import DenseKVCache
+from decode_gpu.kv.importer import import_handoff
+from decode_gpu.model.loader import load_decode_model
 from prefill_cpu.embedded_model import embedded_model_path
 from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest

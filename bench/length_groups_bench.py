@@ -1,4 +1,4 @@
-"""CPU decode step ms with the rows attended in groups of similar context length (decode_gpu.paged_attention.
+"""CPU decode step ms with the rows attended in groups of similar context length (decode_gpu.attention.paged_attention.
 length_groups) and all together, padded to the longest, side by side in one process (in turns, so that a busy
 neighbour slows both alike).
 
@@ -39,10 +39,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     import torch
-    from decode_gpu import paged_attention
-    from decode_gpu.device import resolve_dtype
-    from decode_gpu.model_runner import ModelRunner, RunnerConfig, _Probe
-    from decode_gpu.weight_quant import load_weights
+    from decode_gpu.attention import paged_attention
+    from decode_gpu.runner.device import resolve_dtype
+    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig, _Probe
+    from decode_gpu.model.weight_quant import load_weights
     from prefill_cpu.embedded_model import embedded_model_path
     from prefill_cpu.prefiller import PrefillConfig, Prefiller
     cpu = torch.device("cpu")

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from contracts.handoff import SamplingParams
-from decode_gpu.device import resolve_dtype
+from decode_gpu.runner.device import resolve_dtype
 from decode_gpu.engine import DecodeEngine, EngineConfig
-from decode_gpu.model_loader import eos_token_ids, load_tokenizer
-from decode_gpu.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.scheduler import SchedulerConfig
-from decode_gpu.speculative import SpecConfig, StepCosts
-from decode_gpu.weight_quant import FLOAT_WEIGHTS, load_weights
+from decode_gpu.model.loader import eos_token_ids, load_tokenizer
+from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
+from decode_gpu.core.scheduler import SchedulerConfig
+from decode_gpu.core.speculative import SpecConfig, StepCosts
+from decode_gpu.model.weight_quant import FLOAT_WEIGHTS, load_weights
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 

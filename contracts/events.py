@@ -65,7 +65,7 @@ class EngineStats:
     last_step_ms: float
     tokens_per_s: float  # generated tokens per second, smoothed over recent steps
     generated_tokens: int
-    decode_yielded_s: float = 0.0  # time decode waited for more important prefills (decode_gpu.priority_gate)
+    decode_yielded_s: float = 0.0  # time decode waited for more important prefills (decode_gpu.core.priority_gate)
     backlog_bytes: int = 0  # handoff bytes accepted but not yet imported into the pool (admission control)
     backlog_limit_bytes: int = 0  # beyond this the engine refuses handoffs
     weight_dtype: str = ""  # what the decode model's linear layers hold: int8, int4, bfloat16, ...

@@ -106,7 +106,7 @@ class KVHandoff:
     first_top_logprobs: tuple[tuple[int, float], ...] = ()  # (token, logprob) alternatives, best first
     other_choices: tuple[FirstToken, ...] = ()  # choices 1 .. n-1: first tokens drawn from the same logits
     # >= 0: not a new request but the recomputed KV of choice `resume_index` of one that is decoding, preempted by
-    # recompute: its prompt and output but the newest token (decode_gpu.scheduler, preemption_mode "recompute")
+    # recompute: its prompt and output but the newest token (decode_gpu.core.scheduler, preemption_mode "recompute")
     resume_index: int = -1
 
     @property

@@ -10,18 +10,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode_gpu.backlog import DEFAULT_LIMIT_BYTES, Backlog
-from decode_gpu.block_manager import BlockManager
-from decode_gpu.detokenizer import IncrementalText
-from decode_gpu.kv_import import check_handoff_matches
-from decode_gpu.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.sampler import SampledRow, sample_rows
-from decode_gpu.sampling_params import SamplingBatch, SamplingRow, resolve_seed
-from decode_gpu.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
-from decode_gpu.sequence import SeqState, Sequence
-from decode_gpu.speculative import SpecConfig, Speculator, StepCosts, accepted_length
-from decode_gpu.structured import Grammars
-from decode_gpu.weight_quant import held_weight_dtype, weight_bytes
+from decode_gpu.core.backlog import DEFAULT_LIMIT_BYTES, Backlog
+from decode_gpu.core.block_manager import BlockManager
+from decode_gpu.core.detokenizer import IncrementalText
+from decode_gpu.kv.importer import check_handoff_matches
+from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
+from decode_gpu.sample.sampler import SampledRow, sample_rows
+from decode_gpu.sample.sampling_params import SamplingBatch, SamplingRow, resolve_seed
+from decode_gpu.core.scheduler import OUT_OF_KV, ScheduledStep, Scheduler, SchedulerConfig
+from decode_gpu.core.sequence import SeqState, Sequence
+from decode_gpu.core.speculative import SpecConfig, Speculator, StepCosts, accepted_length
+from decode_gpu.sample.structured import Grammars
+from decode_gpu.model.weight_quant import held_weight_dtype, weight_bytes
 from contracts.grammar import GrammarError
 from contracts.events import EngineStats, FinishReason, Logprob, TokenEvent, TopLogprob
 from contracts.handoff import KVHandoff

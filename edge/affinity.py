@@ -1,5 +1,5 @@
 """Prefix affinity: which decode engine served a prompt's beginning last, so that the next prompt sharing it goes
-there too and finds its KV blocks in that engine's prefix cache (decode_gpu.block_manager names full prompt blocks
+there too and finds its KV blocks in that engine's prefix cache (decode_gpu.core.block_manager names full prompt blocks
 by a hash chain of their tokens).
 
 The gateway sees a request before it is tokenized, so the key is the prompt's leading text: the first

@@ -173,7 +173,7 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         config, supervisor = app[CONFIG], app[SUPERVISOR]
         # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
         share = ["--cpu-share-file", os.path.join(run_dir, "cpu-share")]
-        supervisor.add("decode_engine", "decode_gpu.server",
+        supervisor.add("decode_engine", "decode_gpu.service.server",
                        engine_args(config, model_path) + ["--listen", engine_address, *share])
         if config.cpu_decode_pace_ms and default_threads(config) > 1:
             log.warning("cpu_decode_pace_ms = %g with %d threads a prefill worker: a worker that shares the cores "

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 def _quiet_logs() -> None:
     """Progress lines on stderr for what is slow (conversion, loading); the table alone on stdout."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="edge check-model: %(message)s")
-    for name in (__name__, "decode_gpu.model_loader", "decode_gpu.gguf_convert"):
+    for name in (__name__, "decode_gpu.model.loader", "decode_gpu.model.gguf_convert"):
         logging.getLogger(name).setLevel(logging.INFO)
     # llama.cpp's warnings (prefill_cpu.llama_log) are noise here; a load error is in the failure's own line
     logging.getLogger("prefill_cpu.llama_log").setLevel(logging.ERROR)
@@ -174,7 +174,7 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
     """Bytes the decode model holds for each weight_dtype, from the model built on the meta device (no memory,
     no conversion) and quantized by the engine's own quantize_model: its numbers are what the engine holds."""
     import torch
-    from decode_gpu.weight_quant import FLOAT_WEIGHTS, gguf_weight_types, quantize_model, weight_bytes
+    from decode_gpu.model.weight_quant import FLOAT_WEIGHTS, gguf_weight_types, quantize_model, weight_bytes
     skeleton = _meta_model(path)
     head_int8 = gguf_weight_types(path).head_int8  # int4: the lm_head follows the GGUF's (load_weights)
     held: dict[str, int | None] = {}
@@ -194,7 +194,7 @@ def decode_weight_bytes(path: str) -> dict[str, int | None]:
 def _meta_model(path: str):
     """The float32 decode model on the meta device, built as the converter builds it (gguf_convert)."""
     import torch
-    from decode_gpu.gguf_convert import model_skeleton
+    from decode_gpu.model.gguf_convert import model_skeleton
     log.info("reading %s's config as transformers does, to size the decode weights", os.path.basename(path))
     try:
         return model_skeleton(path, torch.float32)
@@ -215,7 +215,7 @@ def handoff_kv_bytes(identity: GGUFIdentity) -> dict[str, int | None]:
 
 
 def pool_kv_bytes(identity: GGUFIdentity) -> dict[str, int]:
-    from decode_gpu.kv_pool import STORAGE_DTYPES, bytes_per_token, storage_fits
+    from decode_gpu.kv.pool import STORAGE_DTYPES, bytes_per_token, storage_fits
     return {storage: bytes_per_token(identity.n_layer, identity.num_kv_heads, identity.head_dim_k, storage)
             for storage in STORAGE_DTYPES if storage_fits(storage, identity.head_dim_k)}
 
@@ -223,7 +223,7 @@ def pool_kv_bytes(identity: GGUFIdentity) -> dict[str, int]:
 def pool_tokens(memory: int, utilization: float, weights: int, per_token: int) -> int:
     """The engine's own sizing (kv_sizing.kv_budget_bytes) with nothing but the weights measured: activations and
     the CUDA context come off at start, so this is an upper bound."""
-    from decode_gpu.kv_sizing import MemoryProfile, kv_budget_bytes
+    from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
     profile = MemoryProfile(total=memory, free=memory - weights, torch_allocated=weights, torch_reserved=weights,
                             peak_activation=0)
     try:
@@ -275,7 +275,7 @@ def _open_prefiller(path: str, kv_type: str):
 
 def _load_decode_model(path: str):
     import torch
-    from decode_gpu.model_loader import load_decode_model
+    from decode_gpu.model.loader import load_decode_model
     log.info("loading the decode model as float32 on the CPU (converted once and cached)")
     try:
         return load_decode_model(read_gguf_identity(path), torch.device("cpu"), torch.float32)
@@ -293,7 +293,7 @@ class _Reference:
 
 
 def _reference(prefiller, model, prompt: str, continuation: str) -> _Reference:
-    from decode_gpu.dense_decoder import prompt_cache, teacher_forced_logits
+    from decode_gpu.reference.dense_decoder import prompt_cache, teacher_forced_logits
     tokens, forced = prefiller.tokenize(prompt), prefiller.tokenize(continuation, add_special=False)[:POSITIONS]
     cache, last_logits = prompt_cache(model, tokens)  # last_logits: [vocab]
     logits = teacher_forced_logits(model, cache, forced)  # [len(forced), vocab]
@@ -329,9 +329,9 @@ def _through_handoff(prefiller, model, request_id: str, ref: _Reference):
     [len(forced), vocab]."""
     import torch
     from contracts.handoff import SamplingParams
-    from decode_gpu.dense_decoder import teacher_forced_logits
-    from decode_gpu.kv_cache import DenseKVCache
-    from decode_gpu.kv_import import import_handoff
+    from decode_gpu.reference.dense_decoder import teacher_forced_logits
+    from decode_gpu.reference.dense_cache import DenseKVCache
+    from decode_gpu.kv.importer import import_handoff
     from prefill_cpu.prefiller import PrefillRequest
     handoff = prefiller.prefill(PrefillRequest(request_id, ref.tokens, SamplingParams(temperature=0))).handoff
     imported = DenseKVCache(model.config, torch.float32)

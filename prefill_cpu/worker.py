@@ -55,7 +55,7 @@ class PrefillWorker:
         self.cancelled: set[str] = set()  # read by the prefill thread: llama.cpp's abort callback asks it
         self.lock = asyncio.Lock()  # one prompt at a time, and a context's thread finishes before the next starts
         # every prompt on the same thread: each thread that runs llama.cpp keeps an OpenMP team of its own, and with
-        # more of them than cores libgomp stops spinning between parallel regions (decode_gpu.server.EngineThread)
+        # more of them than cores libgomp stops spinning between parallel regions (decode_gpu.service.server.EngineThread)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self._warned_kv_types: set[str] = set()
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from decode_gpu.scheduler import ScheduledStep
-from decode_gpu.sequence import Sequence
+from decode_gpu.core.scheduler import ScheduledStep
+from decode_gpu.core.sequence import Sequence
 from contracts.identity import GGUFIdentity
 from contracts.handoff import KVHandoff, KVLayout, SamplingParams
 
@@ -117,7 +117,7 @@ class FakeRunner:
 def make_engine(num_blocks=64, block_size=4, max_num_seqs=32, **config):
     """A decode engine over the fake runner; `config` goes to EngineConfig."""
     from decode_gpu.engine import DecodeEngine, EngineConfig
-    from decode_gpu.scheduler import SchedulerConfig
+    from decode_gpu.core.scheduler import SchedulerConfig
     runner = FakeRunner(num_blocks, block_size)
     engine = DecodeEngine(runner, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
                                                max_model_len=10_000, **config))

@@ -19,7 +19,7 @@ def tiny_engine_setup(device: str):
 
 
 def handoff(model, identity, request_id: str, prompt: list[int]):
-    from decode_gpu.dense_decoder import prompt_cache
+    from decode_gpu.reference.dense_decoder import prompt_cache
     from contracts.handoff import KVHandoff, KVLayout, SamplingParams
     cache, logits = prompt_cache(model, prompt)
     rows = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]  # [n, num_kv_heads, 64]
@@ -37,7 +37,7 @@ def greedy_tokens(model, identity, handoffs, device: str, storage: str, kv_cache
                   **runner_config) -> dict[str, list[int]]:
     """Every request's tokens, the first (the handoff's) included, from an engine run to the end."""
     from decode_gpu.engine import DecodeEngine
-    from decode_gpu.model_runner import ModelRunner, RunnerConfig
+    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     config = RunnerConfig(kv_cache_tokens=kv_cache_tokens, kv_storage=storage, **runner_config)
     runner = ModelRunner(model, identity, config, torch.device(device))
     engine = DecodeEngine(runner)

@@ -1,6 +1,6 @@
 """The Ray actor that runs one edge process on its node: a prefill worker or a decode engine.
 
-The process is the same `python -m prefill_cpu.worker` / `decode_gpu.server` that single-box mode starts, on a TCP
+The process is the same `python -m prefill_cpu.worker` / `decode_gpu.service.server` that single-box mode starts, on a TCP
 port of this node, and it speaks the same authenticated protocol (contracts.framing): the secret arrives in the
 actor's arguments, so it travels through Ray, never through a port. The actor only hosts it:
 - `address()` says where it listens (at once), `ready()` the same once it accepts connections;

@@ -50,7 +50,7 @@ class RayPlacement:
         model = self.config.model or EMBEDDED_MODEL
         decode = self._decode_resources()
         for name in self.engines:
-            self.hosts[name] = self._actor(name, decode).remote(name, "decode_gpu.server",
+            self.hosts[name] = self._actor(name, decode).remote(name, "decode_gpu.service.server",
                                                                 engine_args(self.config, model), self.secret)
         kv_type = self.config.kv_type if self.config.kv_type != "auto" else "q8_0"  # the handoff crosses hosts
         cpus = self.config.ray_prefill_cpus or self.config.threads_per_worker or 1

@@ -1,0 +1,256 @@
+"""Decode scheduler (pure Python, no torch): priority waiting queue, running set, preemption by swap,
+prefix caching at admission (a prompt's full blocks already in the pool are taken by reference, see
+block_manager.py).
+
+Host swap space is bounded (in blocks): a preemption that would overflow it does not happen (a waiter
+waits) or, when a running sequence must grow, fails the victim (see _preempt_or_fail).
+
+The model runner receives one `ScheduledStep` per step and carries it out in field order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from decode_gpu.core.block_manager import BlockCopy, BlockManager, prefix_hashes
+from decode_gpu.core.sequence import SeqState, Sequence
+
+
+PREEMPTION_MODES = ("swap", "recompute")
+OUT_OF_KV = "out of KV memory"  # how a sequence failed for want of blocks begins (load, not a fault)
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running sequences decoded together each step
+    max_import_tokens: int = 8192  # prompt tokens imported from handoffs per step (bounds a step's latency)
+    prefix_caching: bool = True  # share full prompt blocks between requests with the same prefix
+    # how a preempted sequence gives up its blocks: "swap" copies its KV to host memory; "recompute" frees it and asks
+    # for a prefill of its tokens (prompt and output but the newest) at its priority: the engine's owner must send
+    # that handoff back (KVHandoff.resume_index)
+    preemption_mode: str = "swap"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption_mode!r}")
+
+
+@dataclass
+class ScheduledStep:
+    """The one contract between scheduler and model runner; the scheduler fills every field."""
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (seq, blocks) to copy to host, then reuse
+    imports: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # handoff KV to write into blocks
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # per import: leading prompt tokens already in the pool
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # host copy to restore into new blocks
+    copies: list[BlockCopy] = field(default_factory=list)  # copy-on-write before a shared block is written
+    decode: list[Sequence] = field(default_factory=list)  # feed each its newest token, sample the next
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # sequences that can never fit, and why
+    recompute: list[Sequence] = field(default_factory=list)  # preempted by recompute: their tokens need a prefill
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_swap_blocks: int | None = None) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
+        self.running: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self.max_swap_blocks = max_swap_blocks  # host swap space, in pool blocks; None: unbounded
+        self.num_swapped_blocks = 0
+        self._swapped_this_step: set[str] = set()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        heapq.heappush(self.waiting, (seq.rank, seq))
+
+    def schedule(self) -> ScheduledStep:
+        # The one idea: the running set is the best-ranked (priority, arrival) sequences that fit in the
+        # KV pool; each step every running sequence decodes one token. When blocks run out, the worst-ranked
+        # running sequence is swapped out; a strictly higher-priority waiter may swap out lower ones.
+        step = ScheduledStep()
+        self._swapped_this_step: set[str] = set()
+        self._grow_running(step)
+        self._admit_waiting(step)
+        step.decode = sorted(self.running.values(), key=lambda s: s.rank)
+        return step
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        # an error may be a failed import: the blocks it named may hold garbage, so no later prompt may take them
+        self._remove(seq, keep_names=reason != "error")
+        seq.state, seq.finish_reason = SeqState.FINISHED, reason
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Remove a sequence at any stage and free its blocks at once; returns it, or None if unknown."""
+        seq = self.running.get(seq_id) or next((s for _, s in self.waiting if s.seq_id == seq_id), None)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def resume(self, seq: Sequence) -> None:
+        """A sequence preempted by recompute has its handoff back (seq.handoff): it waits for admission again."""
+        if seq.state is not SeqState.RECOMPUTING:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.state.value}, not waiting for a recompute")
+        seq.state = SeqState.WAITING
+        heapq.heappush(self.waiting, (seq.rank, seq))
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Does host swap space have room for this running sequence's blocks? (Always, when preempting by
+        recompute: nothing is copied.)"""
+        if self.max_swap_blocks is None or self.config.preemption_mode == "recompute":
+            return True
+        return self.num_swapped_blocks + self._holding_kv(seq) <= self.max_swap_blocks
+
+    def _holding_kv(self, seq: Sequence) -> int:
+        """How many of a running sequence's blocks hold its KV: the rest are reserved for positions it has not
+        written (a draft's, or the next token's), and are not worth copying to host memory."""
+        return self.blocks.blocks_for(seq.num_cached)
+
+    def _remove(self, seq: Sequence, keep_names: bool = True) -> None:
+        if self.running.pop(seq.seq_id, None) is None:
+            self.waiting = [(rank, s) for rank, s in self.waiting if s is not seq]
+            heapq.heapify(self.waiting)
+        self.blocks.free(seq.seq_id, keep_names)
+        self._release_swap(seq)
+
+    def _release_swap(self, seq: Sequence) -> None:
+        self.num_swapped_blocks -= seq.num_swapped_blocks
+        seq.num_swapped_blocks = 0
+
+    def _grow_running(self, step: ScheduledStep) -> None:
+        for seq in sorted(self.running.values(), key=lambda s: s.rank):
+            if seq.seq_id not in self.running:
+                continue  # swapped out earlier in this loop
+            while not self.blocks.can_append(seq.seq_id, seq.num_cached + 1):
+                victim = max(self.running.values(), key=lambda s: s.rank)
+                self._preempt_or_fail(victim, step)
+                if victim is seq:
+                    break
+            else:
+                if copy := self.blocks.append(seq.seq_id, seq.num_cached + 1):
+                    step.copies.append(copy)
+
+    def _admit_waiting(self, step: ScheduledStep) -> None:
+        import_budget = self.config.max_import_tokens
+        while self.waiting:
+            seq = self.waiting[0][1]
+            if seq.seq_id in self._swapped_this_step:
+                return  # it just lost its blocks; resuming it in the same step would only thrash
+            # a waiting sequence imports its handoff: its prompt, or after a recompute its prompt and output
+            n_import = seq.handoff.n_tokens if seq.handoff is not None else seq.prompt_len
+            need = seq.num_cached + 1 if seq.state is SeqState.SWAPPED else n_import + 1
+            need_blocks = self.blocks.blocks_for(need) + len(seq.forks)  # a fork copies the last block at once
+            hashes = self._prefix_hashes(seq)
+            if need_blocks > self.blocks.num_blocks:
+                heapq.heappop(self.waiting)
+                self.finish(seq, "error")
+                step.failed.append((seq, f"needs {need} KV positions for each of {1 + len(seq.forks)} choices, the "
+                                         f"whole pool holds {self.blocks.num_blocks * self.blocks.block_size}"))
+                continue
+            fits = (self.blocks.can_allocate(need, hashes, extra_blocks=len(seq.forks))
+                    and len(self.running) + 1 + len(seq.forks) <= self.config.max_num_seqs)
+            if not fits:
+                if not self._make_room_for(seq, step):
+                    return
+                continue
+            if seq.state is SeqState.WAITING:
+                if step.imports and n_import > import_budget:
+                    return
+                import_budget -= n_import
+            heapq.heappop(self.waiting)
+            blocks, cached = self.blocks.allocate_prefix(seq.seq_id, need, hashes)
+            if seq.state is SeqState.SWAPPED:
+                step.swap_in.append((seq.seq_id, list(blocks)))
+                self._release_swap(seq)
+            else:
+                step.imports.append((seq, list(blocks)))
+                step.cached_tokens[seq.seq_id] = cached
+                seq.num_cached = n_import
+            seq.state = SeqState.RUNNING
+            self.running[seq.seq_id] = seq
+            self._fork(seq, step)
+
+    def _preempt_by_recompute(self, victim: Sequence, step: ScheduledStep) -> None:
+        """Free the victim's blocks (its prompt's named blocks stay cached, so a recompute may find them) and ask
+        for its tokens to be prefilled again; it waits outside the queue until that handoff comes back."""
+        self.blocks.free(victim.seq_id)
+        del self.running[victim.seq_id]
+        victim.state, victim.num_cached = SeqState.RECOMPUTING, 0
+        step.recompute.append(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _prefix_hashes(self, seq: Sequence) -> list[bytes]:
+        """The names of a waiting prompt's full blocks; none for a swapped sequence (its blocks come back from
+        host memory), without prefix caching, or for a model with sliding-window layers, whose imported blocks
+        hold zeros outside the request's own window. Hashed once per handoff: a waiter is looked at every step."""
+        handoff = seq.handoff
+        if seq.state is not SeqState.WAITING or not self.config.prefix_caching or handoff is None \
+                or handoff.layout.swa_layers:
+            return []
+        salt = f"{handoff.layout.k_dtype}/{handoff.layout.v_dtype}"  # the KV values depend on the handoff's types
+        # keyed by what names the tokens (a recompute's handoff holds more of the sequence's tokens than its prompt),
+        # not by the handoff itself, which must not outlive its import
+        key = (handoff.n_tokens, salt)
+        hashed_for, hashes = seq.meta.get("prefix_hashes", (None, []))
+        if hashed_for != key:
+            hashes = prefix_hashes(handoff.prompt_tokens, self.blocks.block_size, salt)
+            seq.meta["prefix_hashes"] = (key, hashes)
+        return hashes
+
+    def _fork(self, seq: Sequence, step: ScheduledStep) -> None:
+        """n > 1: the other choices share the prompt's blocks (copy-on-write); each copies the block its first
+        token goes into, after the import has written it (ScheduledStep's field order)."""
+        for child in seq.forks:
+            self.blocks.fork(seq.seq_id, child.seq_id)
+            if copy := self.blocks.append(child.seq_id, seq.prompt_len + 1):
+                step.copies.append(copy)
+            child.num_cached, child.state = seq.prompt_len, SeqState.RUNNING
+            self.running[child.seq_id] = child
+        seq.forks = []
+
+    def _make_room_for(self, seq: Sequence, step: ScheduledStep) -> bool:
+        """Swap out the worst running sequence if it has strictly lower priority than the waiter. With swap
+        space full the waiter waits instead: it loses time, nobody loses a request."""
+        if not self.running:
+            return False
+        victim = max(self.running.values(), key=lambda s: s.rank)
+        if victim.priority <= seq.priority or not self.can_swap_out(victim):
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _preempt_or_fail(self, victim: Sequence, step: ScheduledStep) -> None:
+        """A running sequence needs a block and none is free. Without room in swap space the victim fails:
+        there is no recompute to fall back on, and letting the grower sit out instead would not guarantee
+        progress (every running sequence may be waiting for a block) while lower-ranked ones kept taking freed
+        blocks. Failing the worst-ranked sequence frees its blocks at once and tells its client why."""
+        if self.can_swap_out(victim):
+            self._preempt(victim, step)
+            return
+        swap = "no swap space" if not self.max_swap_blocks else "swap space is full"
+        self.finish(victim, "error")
+        step.failed.append((victim, f"{OUT_OF_KV}: the pool is full and {swap} for a preempted request "
+                                    f"(--swap-space-gib)"))
+
+    def _preempt(self, victim: Sequence, step: ScheduledStep) -> None:
+        if self.config.preemption_mode == "recompute":
+            self._preempt_by_recompute(victim, step)
+            return
+        blocks = self.blocks.block_tables[victim.seq_id][:self._holding_kv(victim)]
+        step.swap_out.append((victim.seq_id, list(blocks)))
+        victim.num_swapped_blocks = len(blocks)
+        self.num_swapped_blocks += len(blocks)
+        self.blocks.free(victim.seq_id)
+        del self.running[victim.seq_id]
+        victim.state = SeqState.SWAPPED
+        self._swapped_this_step.add(victim.seq_id)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        heapq.heappush(self.waiting, (victim.rank, victim))

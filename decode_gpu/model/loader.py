@@ -1,0 +1,97 @@
+"""Load a GGUF's weights into a transformers model, converting once and caching the result.
+
+Dequantizing a GGUF takes tens of seconds to minutes; the converted weights are saved as safetensors
+under a cache folder named by the GGUF's fingerprint and the storage dtype, so later starts take seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from contracts.cache import converted_dir
+from contracts.identity import GGUFIdentity
+from decode_gpu.model.family_config import apply_rope_freqs
+from decode_gpu.model.gguf_convert import convert_gguf
+
+log = logging.getLogger(__name__)
+
+
+def converted_weights_dir(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path | None = None) -> Path:
+    """A subfolder per storage dtype: a bfloat16 load reads half the bytes a float32 one does."""
+    return converted_dir(identity, cache_dir) / str(dtype).removeprefix("torch.")
+
+
+def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch.dtype,
+                      cache_dir: Path | None = None) -> PreTrainedModel:
+    weights = converted_weights_dir(identity, dtype, cache_dir)
+    if not (weights / "config.json").exists():
+        _convert(identity, weights, dtype)
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device).eval()
+    apply_rope_freqs(model)
+    log.info("decode model %s loaded on %s as %s in %.1f s", os.path.basename(identity.path), device,
+             dtype, time.perf_counter() - started)
+    return model
+
+
+def load_tokenizer(identity: GGUFIdentity, cache_dir: Path | None = None):
+    """The GGUF's tokenizer as a transformers tokenizer (for detokenizing output), converted once and cached."""
+    target = converted_dir(identity, cache_dir) / "tokenizer"
+    if not (target / "tokenizer_config.json").exists():
+        gguf_path = Path(identity.path)
+        log.info("converting the tokenizer of %s once", gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        partial = target.with_name(target.name + f".partial-{os.getpid()}")
+        tokenizer.save_pretrained(partial)
+        _publish(partial, target, "tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(target)
+
+
+def eos_token_ids(tokenizer, model: PreTrainedModel) -> tuple[int, ...]:
+    """The tokens that end an answer: the tokenizer's end-of-sequence and the model's generation config's (an
+    engine built without them decodes past the end of every answer until max_tokens)."""
+    config_ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(config_ids if isinstance(config_ids, list) else [config_ids])}
+    return tuple(sorted(t for t in ids if isinstance(t, int)))
+
+
+def _convert(identity: GGUFIdentity, target: Path, dtype: torch.dtype) -> None:
+    log.info("converting %s to %s torch weights once (minutes for a large model); cached in %s",
+             identity.path, dtype, target)
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a crashed run whose pid this one reuses
+    try:
+        convert_gguf(identity.path, partial, dtype)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed conversion's shards can be gigabytes
+        raise
+    _publish(partial, target, "config.json")
+    _drop_old_layout(target.parent)
+
+
+def _drop_old_layout(folder: Path) -> None:
+    """Before 2026-12-01 the float32 weights lay in the fingerprint's folder itself (a whole model's worth of
+    float32: 32 GB for an 8B model); nothing reads them now."""
+    old = [folder / "config.json", folder / "generation_config.json", *folder.glob("model*.safetensors*")]
+    old = [path for path in old if path.is_file()]
+    if old:
+        log.info("removing the old converted weights in %s (%.0f MB)", folder,
+                 sum(path.stat().st_size for path in old) / 1e6)
+        for path in old:
+            path.unlink(missing_ok=True)
+
+
+def _publish(partial: Path, target: Path, marker: str) -> None:
+    try:
+        os.replace(partial, target)  # atomic: a crash mid-save leaves no half-written cache
+    except OSError:
+        if not (target / marker).exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # another process converted it first

@@ -1,0 +1,242 @@
+"""The supervisor with tiny real child processes: backoff and crash loops, stable runs, shutdown, pdeathsig."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from server_process import pid_alive, wait_for
+
+from edge.child_main import PARENT_PID_ENV
+from edge.launcher import Backoff, Supervisor
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Run through edge.child_main like the real children. Each start appends "pid monotonic-time" to the log
+# (after any signal setup, so a line means the child is ready), then behaves as its mode says.
+CHILD_MODULE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from pathlib import Path
+
+    mode, log = sys.argv[1], Path(sys.argv[2])
+    starts_before = len(log.read_text().splitlines()) if log.exists() else 0
+    if mode == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        Path(str(log) + ".grandchild").write_text(str(grandchild.pid))
+    with log.open("a") as f:
+        f.write(f"{os.getpid()} {time.monotonic()}\\n")
+    if mode == "exit" or (mode.startswith("fail_first_") and starts_before < int(mode.rsplit("_", 1)[1])):
+        sys.exit(3)
+    while True:
+        time.sleep(60)
+""")
+
+
+@pytest.fixture
+def child_log(tmp_path, monkeypatch):
+    """Factory: child_log(name) -> the log path of a child; makes the child module importable by children."""
+    (tmp_path / "launcher_child.py").write_text(CHILD_MODULE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO)]))
+    return lambda name: tmp_path / f"{name}.log"
+
+
+def starts(log: Path) -> list[tuple[int, float]]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [(int(pid), float(t)) for pid, t in (line.split() for line in lines)]
+
+
+async def until(predicate, timeout_s: float = 10.0) -> bool:
+    """Like wait_for, but lets the supervisor's watch loop run meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
+
+
+@contextlib.asynccontextmanager
+async def supervising(backoff: Backoff):
+    supervisor = Supervisor(backoff=backoff, poll_interval_s=0.01)
+    watcher = asyncio.create_task(supervisor.watch())
+    try:
+        yield supervisor
+    finally:
+        await supervisor.shutdown(timeout_s=2.0)
+        watcher.cancel()
+
+
+def test_a_crashing_child_is_restarted_with_doubling_delays_and_shows_a_crash_loop(child_log):
+    backoff = Backoff(initial_s=0.2, max_s=0.8, stable_after_s=30.0, crash_loop_after=3)
+
+    async def scenario() -> dict[int, dict]:
+        waits: dict[int, dict] = {}  # consecutive failures -> the first snapshot taken while waiting to restart
+        async with supervising(backoff) as supervisor:
+            child = supervisor.add("crasher", "launcher_child", ["exit", str(child_log("crasher"))])
+
+            def record() -> bool:
+                snap = child.snapshot()
+                if snap["next_start_in_s"] is not None:
+                    waits.setdefault(snap["consecutive_failures"], snap)
+                return len(waits) >= 5
+            assert await until(record, 30.0)
+        return waits
+
+    waits = asyncio.run(scenario())
+    delays = [0.2, 0.4, 0.8, 0.8, 0.8]  # doubling, capped at max_s
+    for failures, delay in enumerate(delays, start=1):
+        snap = waits[failures]
+        assert delay - 0.1 < snap["next_start_in_s"] <= delay, (failures, snap)
+        assert snap["state"] == ("backoff" if failures < 3 else "crash_loop")
+        assert (snap["pid"], snap["uptime_s"], snap["last_exit"], snap["restarts"]) == (None, None, 3, failures - 1)
+    times = [t for _, t in starts(child_log("crasher"))]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    assert all(gap >= delay for gap, delay in zip(gaps, delays)), gaps  # no restart came before its time
+
+
+def test_a_stable_run_resets_the_consecutive_failures_but_not_the_restart_count(child_log):
+    backoff = Backoff(initial_s=0.05, max_s=5.0, stable_after_s=0.5, crash_loop_after=3)
+
+    async def scenario() -> None:
+        async with supervising(backoff) as supervisor:
+            child = supervisor.add("flaky", "launcher_child", ["fail_first_3", str(child_log("flaky"))])
+            assert await until(lambda: child.state == "running" and child.consecutive_failures == 3)
+            assert await until(lambda: child.consecutive_failures == 0)
+            stable = child.snapshot()
+            assert stable["state"] == "running" and stable["restarts"] == 3 and stable["uptime_s"] >= 0.5
+            os.kill(stable["pid"], signal.SIGKILL)
+            assert await until(lambda: child.next_start_at is not None)
+            after_crash = child.snapshot()
+            # the first failure after a stable run waits initial_s, not 2 ** 3 * initial_s
+            assert after_crash["state"] == "backoff" and after_crash["consecutive_failures"] == 1
+            assert after_crash["next_start_in_s"] <= 0.05 and after_crash["last_exit"] == -signal.SIGKILL
+            assert await until(lambda: child.state == "running")
+            assert child.snapshot()["restarts"] == 4
+
+    asyncio.run(scenario())
+
+
+def test_one_child_waiting_for_its_backoff_does_not_delay_restarting_another(child_log):
+    backoff = Backoff(initial_s=0.05, max_s=5.0, stable_after_s=30.0, crash_loop_after=99)
+
+    async def scenario() -> None:
+        async with supervising(backoff) as supervisor:
+            crasher = supervisor.add("crasher", "launcher_child", ["exit", str(child_log("crasher"))])
+            sleeper = supervisor.add("sleeper", "launcher_child", ["sleep", str(child_log("sleeper"))])
+            assert await until(lambda: crasher.consecutive_failures == 6 and crasher.next_start_at is not None)
+            assert crasher.snapshot()["next_start_in_s"] > 1.0  # 32 * 0.05 s
+            old_pid = sleeper.process.pid
+            os.kill(old_pid, signal.SIGKILL)
+            assert await until(lambda: sleeper.process is not None and sleeper.process.pid != old_pid, 1.0)
+            assert crasher.process is None and crasher.consecutive_failures == 6  # still waiting
+
+    asyncio.run(scenario())
+
+
+def test_a_child_waiting_for_its_backoff_is_not_started_after_shutdown(child_log):
+    async def scenario() -> None:
+        supervisor = Supervisor(backoff=Backoff(initial_s=0.5), poll_interval_s=0.01)
+        watcher = asyncio.create_task(supervisor.watch())
+        child = supervisor.add("crasher", "launcher_child", ["exit", str(child_log("crasher"))])
+        assert await until(lambda: child.state == "backoff")
+        await supervisor.shutdown(timeout_s=1.0)
+        await asyncio.wait_for(watcher, 1.0)  # the watch loop ends by itself
+        supervisor._tend(child, time.monotonic() + 60.0)  # a tick after the backoff would have expired
+        assert child.process is None
+        assert child.snapshot()["state"] == "stopped" and child.snapshot()["next_start_in_s"] is None
+        with pytest.raises(RuntimeError):
+            supervisor.add("late", "launcher_child", ["sleep", str(child_log("late"))])
+
+    asyncio.run(scenario())
+    assert len(starts(child_log("crasher"))) == 1
+
+
+def test_shutdown_kills_a_child_that_ignores_sigterm_and_what_it_started(child_log):
+    log = child_log("stubborn")
+
+    async def scenario() -> tuple[int, float]:
+        supervisor = Supervisor(poll_interval_s=0.01)
+        child = supervisor.add("stubborn", "launcher_child", ["ignore_term", str(log)])
+        assert await until(lambda: starts(log))  # SIGTERM is ignored from now on
+        began = time.monotonic()
+        await supervisor.shutdown(timeout_s=0.3)
+        assert child.state == "stopped"
+        return starts(log)[0][0], time.monotonic() - began
+
+    pid, took_s = asyncio.run(scenario())
+    grandchild = int(Path(str(log) + ".grandchild").read_text())
+    assert took_s >= 0.3  # it waited for the SIGTERM before killing
+    assert not pid_alive(pid)
+    assert wait_for(lambda: not pid_alive(grandchild), 10.0)  # reparented, so reaped by init once killed
+
+
+SUPERVISOR_PROCESS = textwrap.dedent("""
+    import asyncio, sys
+    from edge.launcher import Supervisor
+
+    async def main():
+        supervisor = Supervisor()
+        child = supervisor.add("sleeper", "launcher_child", ["sleep", sys.argv[1]])
+        print(child.process.pid, flush=True)
+        await supervisor.watch()
+
+    asyncio.run(main())
+""")
+
+
+def test_children_die_when_the_supervisor_process_is_killed(child_log):
+    log = child_log("orphan")
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISOR_PROCESS, str(log)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert wait_for(lambda: starts(log), 20.0)  # the trampoline has set PR_SET_PDEATHSIG
+        assert pid_alive(pid)
+        parent.send_signal(signal.SIGKILL)  # no shutdown() runs
+        parent.wait()
+        assert wait_for(lambda: not pid_alive(pid), 10.0)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_the_trampoline_runs_the_module_only_while_its_supervisor_lives(child_log):
+    log = child_log("direct")
+    argv = [sys.executable, "-m", "edge.child_main", "launcher_child", "exit", str(log)]
+    ours = subprocess.run(argv, env={**os.environ, PARENT_PID_ENV: str(os.getpid())}, timeout=30)
+    assert ours.returncode == 3 and len(starts(log)) == 1  # ran the module with its arguments
+    gone = subprocess.run(argv, env={**os.environ, PARENT_PID_ENV: str(os.getpid() + 1)}, timeout=30)
+    assert gone.returncode == 1 and len(starts(log)) == 1  # a parent other than the one expected: not run
+
+
+def test_children_spin_briefly_between_parallel_regions_unless_the_operator_says_otherwise(monkeypatch):
+    """Sleeping between the ops of a CPU decode step (OMP_WAIT_POLICY=PASSIVE) made it 1.7x as slow; a bounded
+    spin (GOMP_SPINCOUNT) keeps it fast. An operator's wait policy or spin count wins."""
+    from edge.launcher import OMP_SPIN_COUNT, child_environment
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = child_environment()
+    assert env["GOMP_SPINCOUNT"] == OMP_SPIN_COUNT and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert child_environment()["GOMP_SPINCOUNT"] == "500"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = child_environment()
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+
+
+def test_the_engine_gets_the_pace_from_the_serve_config():
+    from decode_gpu.service.server import parse_args
+    from edge.config import ServeConfig
+    from edge.launcher import engine_args
+    args = parse_args(engine_args(ServeConfig(cpu_decode_pace_ms=100), "m.gguf") + ["--listen", "unix:/x"])
+    assert args.cpu_decode_pace_ms == 100.0
+    assert parse_args(engine_args(ServeConfig(), "m.gguf") + ["--listen", "unix:/x"]).cpu_decode_pace_ms == 0.0

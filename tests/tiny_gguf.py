@@ -36,6 +36,12 @@ GEMMA3_LOCAL_BASE = 10000.0
 GEMMA3_GLOBAL_BASE = 1000000.0
 
 
+def prompts(n_prompts: int = 3, seed: int = 0) -> list[tuple[int, ...]]:
+    """Up to three random prompts in the tiny vocabulary, 7, 40 and 75 tokens long (the same on every call)."""
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(3, N_VOCAB, size=n)) for n in (7, 40, 75)[:n_prompts]]
+
+
 def _shape(arch: str) -> tuple[int, int, int, int]:
     """(n_layer, n_head, num_kv_heads, head_dim) of a family's tiny model."""
     if arch.startswith("gemma"):

@@ -19,7 +19,7 @@ from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.core.sequence import SeqState
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
-from test_handoff_tiny_models import prompts
+from tiny_gguf import prompts
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,6 @@ KV layer by layer, and greedy continuations from the two must be identical.
 import dataclasses
 
 import llama_cpp
-import numpy as np
 import pytest
 import torch
 
@@ -17,18 +16,13 @@ from decode_gpu.kv.importer import import_handoff
 from decode_gpu.model.loader import load_decode_model
 from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest
-from tiny_gguf import N_VOCAB
+from tiny_gguf import prompts
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0.0)
 # (kv type, flash attention, per-layer relative error bound); f16 without flash attention stores V transposed
 KV_CASES = [("f16", False, 0.01), ("f16", True, 0.01), ("q8_0", True, 0.03), ("q4_0", True, 0.15)]
 MODELS = [("llama", "f32"), ("qwen2", "f32"), ("llama", "f16"), ("qwen2", "f16")]
-
-
-def prompts(n_prompts=3, seed=0):
-    rng = np.random.default_rng(seed)
-    return [tuple(int(t) for t in rng.integers(3, N_VOCAB, size=n)) for n in (7, 40, 75)[:n_prompts]]
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=lambda m: f"{m[0]}-{m[1]}")

@@ -22,8 +22,8 @@ from decode_gpu.reference.dense_cache import DenseKVCache
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.model.loader import load_decode_model
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
-from test_handoff_tiny_models import prompts, relative_error
-from tiny_gguf import GEMMA_WINDOW, LLAMA3_ROPE, write_tiny_gguf
+from test_handoff_tiny_models import relative_error
+from tiny_gguf import GEMMA_WINDOW, LLAMA3_ROPE, prompts, write_tiny_gguf
 from tiny_llama import greedy_tokens
 
 CPU = torch.device("cpu")

@@ -1,5 +1,7 @@
-"""CPU prefill: llama.cpp workers that prefill prompts and hand their quantized KV to the decode engine.
+"""CPU prefill: llama.cpp workers that prefill prompts and hand their KV, as llama.cpp stored it, to the decode engine.
 
-Only `prefill_cpu.prefiller` imports llama_cpp; `handoff`, `kv_state` and `gguf_identity` are pure Python
-so the decode side can import the wire contract without pulling in llama.cpp.
+The modules that import llama_cpp are `prefiller`, `prompt_renderer`, `prefill_weights` and `llama_log` (and so
+`worker`, which uses them); `kv_state`, `prefix_cache`, `engine_link` and `embedded_model` are pure Python. The wire
+contract both sides share (the handoff, the GGUF identity, the KV dtypes) lives in `contracts/`, so the decode side
+never imports this package.
 """

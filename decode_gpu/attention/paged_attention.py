@@ -395,5 +395,5 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 # No mask function is registered on purpose: for an attention implementation without one, transformers skips
 # mask creation entirely (masking is done inside paged_attention from the block tables). With one, it would
 # look for packed sequences in position_ids and read the answer back to the host every forward: a host sync
-# in eager steps, found by tests/test_static_step.py's CPU check of host reads.
+# in eager steps, found by tests/decode_gpu/test_static_step.py's CPU check of host reads.
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -1,9 +1,10 @@
-"""Decode scheduler (pure Python, no torch): priority waiting queue, running set, preemption by swap,
-prefix caching at admission (a prompt's full blocks already in the pool are taken by reference, see
-block_manager.py).
+"""Decode scheduler (pure Python, no torch): priority waiting queue, running set, preemption by swap or by
+recompute (`SchedulerConfig.preemption_mode`), prefix caching at admission (a prompt's full blocks already in the
+pool are taken by reference, see block_manager.py).
 
-Host swap space is bounded (in blocks): a preemption that would overflow it does not happen (a waiter
-waits) or, when a running sequence must grow, fails the victim (see _preempt_or_fail).
+Host swap space is bounded (in blocks): with preemption by swap, a preemption that would overflow it does not
+happen (a waiter waits) or, when a running sequence must grow, fails the victim (see _preempt_or_fail).
+Preemption by recompute needs no swap space: the victim's blocks are freed and its tokens prefilled again.
 
 The model runner receives one `ScheduledStep` per step and carries it out in field order.
 """
@@ -73,7 +74,8 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         # The one idea: the running set is the best-ranked (priority, arrival) sequences that fit in the
         # KV pool; each step every running sequence decodes one token. When blocks run out, the worst-ranked
-        # running sequence is swapped out; a strictly higher-priority waiter may swap out lower ones.
+        # running sequence is preempted (swapped out, or freed for a recompute); a strictly higher-priority waiter
+        # may preempt lower ones.
         step = ScheduledStep()
         self._swapped_this_step: set[str] = set()
         self._grow_running(step)
@@ -216,8 +218,8 @@ class Scheduler:
         seq.forks = []
 
     def _make_room_for(self, seq: Sequence, step: ScheduledStep) -> bool:
-        """Swap out the worst running sequence if it has strictly lower priority than the waiter. With swap
-        space full the waiter waits instead: it loses time, nobody loses a request."""
+        """Preempt the worst running sequence if it has strictly lower priority than the waiter. With swap space
+        full (preemption by swap) the waiter waits instead: it loses time, nobody loses a request."""
         if not self.running:
             return False
         victim = max(self.running.values(), key=lambda s: s.rank)
@@ -227,10 +229,11 @@ class Scheduler:
         return True
 
     def _preempt_or_fail(self, victim: Sequence, step: ScheduledStep) -> None:
-        """A running sequence needs a block and none is free. Without room in swap space the victim fails:
-        there is no recompute to fall back on, and letting the grower sit out instead would not guarantee
-        progress (every running sequence may be waiting for a block) while lower-ranked ones kept taking freed
-        blocks. Failing the worst-ranked sequence frees its blocks at once and tells its client why."""
+        """A running sequence needs a block and none is free. Without room in swap space (preemption by swap; by
+        recompute there is always room) the victim fails: swap mode does not fall back to a recompute, and letting
+        the grower sit out instead would not guarantee progress (every running sequence may be waiting for a block)
+        while lower-ranked ones kept taking freed blocks. Failing the worst-ranked sequence frees its blocks at once
+        and tells its client why."""
         if self.can_swap_out(victim):
             self._preempt(victim, step)
             return

@@ -4,7 +4,7 @@ int8: q8_0-style, one float16 scale per 32 elements, codes in [-127, 127]. int4:
 2i in the low nibble, 2i + 1 in the high one), one float16 (scale, minimum) pair per 32 elements, value =
 code * scale + minimum with codes in [0, 15]. Chosen by teacher-forced fidelity on the embedded SmolLM2
 (top-1 agreement / mean KL against float32 storage over 256 positions, codes simulated in the attention):
-asymmetric groups of 32 0.92 / 0.048 (the pool itself, unrotated: 0.90 / 0.045, tests/test_kv_pool_int4.py);
+asymmetric groups of 32 0.92 / 0.048 (the pool itself, unrotated: 0.90 / 0.045, tests/decode_gpu/test_kv_pool_int4.py);
 symmetric q4_0-style codes in groups of 32 0.86 / 0.093, in groups of 16 (the same bytes as ours) 0.87 / 0.062;
 asymmetric groups of 64 0.84 / 0.146, of 16 0.89 / 0.033 (a fifth more bytes). K after RoPE is what suffers
 (V alone in int4: 0.97 / 0.008), so int4 K is stored rotated (rotate_k; queries are rotated alike), as llama.cpp

@@ -1,7 +1,7 @@
 """Decode one sequence from an imported (or torch-computed) dense KV cache.
 
-The paged, batched engine replaces this for serving; this stays as the reference path that tests
-compare handoff imports against.
+The paged, batched engine replaces this for serving; this stays as the reference path that tests and
+`edge check-model` compare handoff imports (and the engine) against.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class _Probe:
 @dataclass(frozen=True)
 class RunnerConfig:
     block_size: int = 16
-    kv_storage: str = "auto"  # float32 | float16 | bfloat16 | int8; auto: the model's dtype
+    kv_storage: str = "auto"  # float32 | float16 | bfloat16 | int8 | int4; auto: the model's dtype
     kv_cache_tokens: int | None = None  # pool size in tokens (takes precedence)
     kv_cache_bytes: int | None = None  # pool size in bytes
     gpu_memory_utilization: float = 0.9  # on CUDA without an explicit size: this fraction of total memory
@@ -107,7 +107,7 @@ class ModelRunner:
             self.graphs.capture()
             self._graphs_generation = self.inputs.generation  # the buffers the graphs read
         elif gate is not None and gate.enabled:
-            for layer in model.model.layers:  # LLaMA and Qwen2 decoder stacks
+            for layer in model.model.layers:  # the decoder layers of every supported family (docs/models.md)
                 layer.register_forward_pre_hook(self._between_layers)
         self.swap_space: dict[str, list[torch.Tensor]] = {}  # host copies of preempted sequences' blocks
         self._threads = _shared_threads(device, gate)

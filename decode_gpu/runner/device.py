@@ -26,8 +26,8 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto' is bfloat16 on CUDA, and on a CPU with native bfloat16 (AVX512-BF16 or AMX), where the engine's
-    step measured 1.35-1.62x faster than float32 from batch 4 up and as fast at batch 1-2 with prepacked weights
-    (docs/decode.md); float32 on other CPUs, where bfloat16 is emulated and slower."""
+    step measured 1.35-1.62x faster than float32 from batch 4 up, and at batch 1 too once its weights are
+    prepacked (docs/decode.md); float32 on other CPUs, where bfloat16 is emulated and slower."""
     if name == "auto":
         dtype = _auto_dtype(device)
         log.info("--dtype auto: %s on %s", str(dtype).removeprefix("torch."), _describe(device))

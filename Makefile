@@ -1,4 +1,4 @@
-# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+# Two commands do all set-up on a fresh machine: `make serve` and `make test` (`make test-fast` and `make lint` too).
 # Each creates and fills .venv once (idempotent: re-run only when pyproject.toml changes).
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +15,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX
 	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
 	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install browser serve test soak gpu-check bench-handoff bench-decode bench-serving llama-server clean
+.PHONY: install browser serve test test-fast lint soak gpu-check bench-handoff bench-decode bench-serving llama-server clean
 
 install: $(STAMP)
 
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(MAKE) --no-print-directory browser
 	touch $(STAMP)
 
-# headless Chromium for the status page's browser test (tests/test_status_page.py skips without one): installed
+# headless Chromium for the status page's browser test (tests/edge/test_status_page.py skips without one): installed
 # from Debian's archive only where none is found and we are root with apt-get; a failed install is not fatal
 CHROMIUM_NAMES := chromium chromium-browser google-chrome
 browser:
@@ -50,6 +50,14 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# the tests not marked slow (no embedded model end to end, no servers, nothing over a few seconds): ~4 min on 2 cores
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# ruff's checks as configured in pyproject.toml [tool.ruff] (ruff is pinned in the test extra)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . $(ARGS)
 
 # chaos soak against the real service (default 5 minutes; ARGS="--duration 60"); its table: docs/reliability.md
 soak: $(STAMP)

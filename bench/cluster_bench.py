@@ -199,7 +199,8 @@ def _serving_rows(args, results: dict) -> str:
     lines = [f"{args.requests} chat requests of ~{args.prompt_tokens} prompt tokens, {args.max_tokens} output tokens "
              f"(greedy, ignore_eos), {args.concurrency} in flight; prefill workers of 1 thread, one CPU decode engine "
              f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})",
-             "| mode | prefill workers | ok | req/s | output tok/s | TTFT p50 s | TTFT p90 s |", "|---|---|---|---|---|---|---|"]
+             "| mode | prefill workers | ok | req/s | output tok/s | TTFT p50 s | TTFT p90 s |",
+             "|---|---|---|---|---|---|---|"]
     for (mode, n), r in results.items():
         lines.append(f"| {mode} | {n} | {r['completed']}/{r['requests']} | {r['request_throughput']:.2f} | "
                      f"{r['output_throughput']:.1f} | {r['ttft'][50]:.2f} | {r['ttft'][90]:.2f} |")

@@ -19,11 +19,11 @@ import time
 import torch
 
 from contracts.handoff import SamplingParams
-from decode_gpu.runner.device import cpu_supports_bfloat16
+from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model.loader import load_decode_model
+from decode_gpu.runner.device import cpu_supports_bfloat16
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.core.scheduler import SchedulerConfig
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
@@ -54,7 +54,7 @@ def measure(models, identity, handoff, batch: int, context: int, steps: int) -> 
     engines = {dtype: make_engine(model, identity, handoff, batch, context, steps) for dtype, model in models.items()}
     times = {dtype: [] for dtype in engines}
     tokens = {dtype: {} for dtype in engines}
-    for dtype, engine in engines.items():
+    for engine in engines.values():
         timed_step(engine, {})  # warm-up: the imports and the first step
     for _ in range(steps):
         for dtype, engine in engines.items():

@@ -20,8 +20,8 @@ import torch
 
 from bench.cpu_dtype_bench import TEXT, make_engine
 from contracts.handoff import SamplingParams
-from decode_gpu.runner.device import resolve_dtype
 from decode_gpu.model.loader import load_decode_model
+from decode_gpu.runner.device import resolve_dtype
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 

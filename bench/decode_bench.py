@@ -25,14 +25,14 @@ import types
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from decode_gpu.runner.device import resolve_device, resolve_dtype
+from contracts.handoff import SamplingParams
+from decode_gpu.attention.paged_attention import build_paged_batch
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.kv.pool import bytes_per_token
 from decode_gpu.model.loader import load_decode_model
+from decode_gpu.runner.device import resolve_device, resolve_dtype
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.attention.paged_attention import build_paged_batch
 from prefill_cpu.embedded_model import embedded_model_path
-from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 TEXT = ("Operators of on-prem appliances care about predictable latency, honest errors and simple configuration. "

@@ -24,11 +24,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
     import torch
+
     from bench.decode_bench import TEXT, _renamed
     from contracts.handoff import SamplingParams
     from decode_gpu.engine import DecodeEngine, EngineConfig
-    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     from decode_gpu.model.weight_quant import load_weights
+    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     from prefill_cpu.embedded_model import embedded_model_path
     from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
     cpu = torch.device("cpu")

@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from decode_gpu.runner.device import resolve_device
-from decode_gpu.reference.dense_cache import DenseKVCache
+from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.model.loader import load_decode_model
+from decode_gpu.reference.dense_cache import DenseKVCache
+from decode_gpu.runner.device import resolve_device
 from prefill_cpu.embedded_model import embedded_model_path
-from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 TEXT = ("The history of computing is a story of people, machines and ideas. Early mechanical calculators gave way "
@@ -121,7 +121,8 @@ def print_table(rows, device) -> None:
     f16_bytes = {n: r["bytes"] for kv, n, r in rows if kv == "f16"}
     for kv, n, r in rows:
         overhead = (r["export"] + r["transfer"] + r["import_"]) / r["prefill"]
-        size = f"{r['bytes']:,}" + (f" ({r['bytes'] / f16_bytes[n]:.0%} of f16)" if kv != "f16" and n in f16_bytes else "")
+        share = f" ({r['bytes'] / f16_bytes[n]:.0%} of f16)" if kv != "f16" and n in f16_bytes else ""
+        size = f"{r['bytes']:,}{share}"
         print(f"| {kv} | {n} | {r['prefill']:.1f} | {r['export']:.2f} | {size} | {r['bytes'] / n:,.0f} | "
               f"{r['transfer']:.2f} | {r['import_']:.2f} | {overhead:.1%} |")
 

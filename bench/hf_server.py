@@ -18,9 +18,9 @@ import torch
 from aiohttp import web
 from transformers import TextIteratorStreamer
 
-from decode_gpu.runner.device import resolve_device, resolve_dtype
-from decode_gpu.model.loader import load_decode_model, load_tokenizer
 from contracts.identity import read_gguf_identity
+from decode_gpu.model.loader import load_decode_model, load_tokenizer
+from decode_gpu.runner.device import resolve_device, resolve_dtype
 
 MODEL = web.AppKey("model", object)
 TOKENIZER = web.AppKey("tokenizer", object)

@@ -4,8 +4,8 @@
 
 Rows per storage: pool bytes per token (K and V of every layer, codes plus group scales), the tokens a pool of
 --budget-mib holds, and the median decode step (of 9) at each batch size with a 256-token context from one
-llama.cpp q8_0 handoff copied per row, prefix caching off (as bench/decode_bench.py times steps). The storages alternate inside
-each batch size, so a drift of the machine's load falls on both.
+llama.cpp q8_0 handoff copied per row, prefix caching off (as bench/decode_bench.py times steps). The storages
+alternate inside each batch size, so a drift of the machine's load falls on both.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import time
 import torch
 
 from contracts.handoff import SamplingParams
-from decode_gpu.runner.device import resolve_device, resolve_dtype
+from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.kv.pool import bytes_per_token
 from decode_gpu.model.loader import load_decode_model
+from decode_gpu.runner.device import resolve_device, resolve_dtype
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.core.scheduler import SchedulerConfig
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 

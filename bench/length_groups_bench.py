@@ -39,10 +39,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     import torch
+
     from decode_gpu.attention import paged_attention
+    from decode_gpu.model.weight_quant import load_weights
     from decode_gpu.runner.device import resolve_dtype
     from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig, _Probe
-    from decode_gpu.model.weight_quant import load_weights
     from prefill_cpu.embedded_model import embedded_model_path
     from prefill_cpu.prefiller import PrefillConfig, Prefiller
     cpu = torch.device("cpu")

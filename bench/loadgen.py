@@ -95,7 +95,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, spec: Reque
                         result.output_tokens = max(result.output_tokens, len(result.itl_s) + 1)
                         if on_token is not None:
                             on_token()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+    except (TimeoutError, aiohttp.ClientError) as err:
         result.error = f"{type(err).__name__}: {err}"
     result.e2e_s = time.perf_counter() - started
     return result

@@ -18,10 +18,10 @@ import time
 import torch
 
 from contracts.handoff import SamplingParams
+from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.core.scheduler import SchedulerConfig
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 

@@ -22,10 +22,10 @@ import torch
 
 from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from contracts.kv_dtypes import kv_dtype
+from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.core.scheduler import SchedulerConfig
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
@@ -100,7 +100,8 @@ def main() -> None:
     runs = {name: run_engine(identity, model, handoffs, caching) for name, caching in (("off", False), ("on", True))}
     print(f"prefix sharing: {N_REQUESTS} requests, {SYSTEM_TOKENS}-token system prompt, f16 handoffs, "
           f"block {BLOCK}, embedded model on the CPU")
-    print(f"{'prefix caching':>15} {'pool blocks':>12} {'vs off':>7} {'import ms/request':>18} {'same greedy output':>19}")
+    print(f"{'prefix caching':>15} {'pool blocks':>12} {'vs off':>7} {'import ms/request':>18} "
+          f"{'same greedy output':>19}")
     for name, run in runs.items():
         same = run["outputs"] == runs["off"]["outputs"]
         print(f"{name:>15} {run['blocks']:>12} {run['blocks'] / runs['off']['blocks']:>7.2f} "

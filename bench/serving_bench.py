@@ -7,7 +7,8 @@ transformers baseline, on the same GGUF, threads and workload, in one run.
 Per system: idle TTFT of a short interactive request (sequential), then the mixed workload (prompts
 64/256/1024 in 6:3:1 under a shared system prompt) at each offered load, open loop, then the priority
 scenario: --interactive high-priority requests arriving Poisson, first alone, then on top of
---background low-priority streams started at once. Prints one table per part, writes JSON and a PNG of latency against offered load.
+--background low-priority streams started at once. Prints one table per part, writes JSON and a PNG of latency
+against offered load.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ async def idle_ttft(system, specs) -> list[float]:
 
 async def priority_scenario(system, args) -> dict:
     """Interactive requests twice, with the same Poisson arrivals: alone (what they cost each other on
-    one box), then, with other prompts, on top of the background streams, which all start at t=0 (the interactive ones from
-    t=warmup on). Background streams still running when the last interactive request ends are cancelled
+    one box), then, with other prompts, on top of the background streams, which all start at t=0 (the interactive
+    ones from t=warmup on). Background streams still running when the last interactive request ends are cancelled
     (not counted as errors); what they streamed until then gives the background's throughput."""
     fg = interactive(args.interactive, args.seed)
     fg_offsets = arrival_times(len(fg), args.interactive_rate, args.seed)

@@ -29,29 +29,33 @@ from dataclasses import dataclass
 import torch
 
 from contracts.handoff import SamplingParams
-from decode_gpu.runner.device import resolve_dtype
-from decode_gpu.engine import DecodeEngine, EngineConfig
-from decode_gpu.model.loader import eos_token_ids, load_tokenizer
-from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.core.speculative import SpecConfig, StepCosts
+from decode_gpu.engine import DecodeEngine, EngineConfig
+from decode_gpu.model.loader import eos_token_ids, load_tokenizer
 from decode_gpu.model.weight_quant import FLOAT_WEIGHTS, load_weights
+from decode_gpu.runner.device import resolve_dtype
+from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from prefill_cpu.embedded_model import embedded_model_path
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 FUNCTIONS = [
-    "def moving_average(values, window):\n    total = 0.0\n    result = []\n    for index, value in enumerate(values):\n"
+    "def moving_average(values, window):\n    total = 0.0\n    result = []\n"
+    "    for index, value in enumerate(values):\n"
     "        total += value\n        if index >= window:\n            total -= values[index - window]\n"
     "        if index >= window - 1:\n            result.append(total / window)\n    return result\n",
     "def count_words(text):\n    counts = {}\n    for line in text.splitlines():\n        for word in line.split():\n"
-    "            word = word.strip('.,;:!?').lower()\n            if word:\n                counts[word] = counts.get(word, 0) + 1\n"
+    "            word = word.strip('.,;:!?').lower()\n            if word:\n"
+    "                counts[word] = counts.get(word, 0) + 1\n"
     "    return sorted(counts.items(), key=lambda item: item[1], reverse=True)\n",
-    "def merge_intervals(intervals):\n    intervals = sorted(intervals)\n    merged = []\n    for start, end in intervals:\n"
+    "def merge_intervals(intervals):\n    intervals = sorted(intervals)\n    merged = []\n"
+    "    for start, end in intervals:\n"
     "        if merged and start <= merged[-1][1]:\n            merged[-1][1] = max(merged[-1][1], end)\n"
     "        else:\n            merged.append([start, end])\n    return merged\n",
     "def parse_config(path):\n    settings = {}\n    with open(path) as handle:\n        for line in handle:\n"
     "            line = line.strip()\n            if not line or line.startswith('#'):\n                continue\n"
-    "            key, _, value = line.partition('=')\n            settings[key.strip()] = value.strip()\n    return settings\n",
+    "            key, _, value = line.partition('=')\n            settings[key.strip()] = value.strip()\n"
+    "    return settings\n",
 ]
 MAX_NUM_SEQS = 8  # the engine's largest batch: its weights are loaded for this many sequences' verify rows
 RENAMES = ["result", "counts", "merged", "settings"]

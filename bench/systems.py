@@ -65,8 +65,8 @@ class System:
 
 def f16_copy(gguf: str) -> str:
     """The f16 copy of `gguf` our prefill workers load under prefill_weights = "auto" (made once, cached)."""
-    from contracts.identity import read_gguf_identity
     from contracts.cache import converted_dir
+    from contracts.identity import read_gguf_identity
     from prefill_cpu.prefill_weights import converted_copy
     identity = read_gguf_identity(gguf)
     folder = converted_dir(identity)

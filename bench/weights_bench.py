@@ -22,12 +22,13 @@ WEIGHTS = "float32,bfloat16,int8,int4,q8_0,auto"  # the rows of a run, make benc
 def child(weight_dtype: str, batches: list[int], model_path: str | None) -> dict:
     import psutil
     import torch
+
     from bench.decode_bench import TEXT, _renamed, _timed
     from contracts.handoff import SamplingParams
-    from decode_gpu.runner.device import resolve_dtype
     from decode_gpu.engine import DecodeEngine, EngineConfig
-    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     from decode_gpu.model.weight_quant import FLOAT_WEIGHTS, load_weights
+    from decode_gpu.runner.device import resolve_dtype
+    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     from prefill_cpu.embedded_model import embedded_model_path
     from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
     cpu = torch.device("cpu")

@@ -21,7 +21,8 @@ class PolicyRejection(Exception):
     def __init__(self, status: int, code: str, message: str, retry_after_s: int | None = None,
                  param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.message, self.retry_after_s, self.param = status, code, message, retry_after_s, param
+        self.status, self.code, self.message = status, code, message
+        self.retry_after_s, self.param = retry_after_s, param
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class PolicyEnforcer:
             return None
         rule = self.policy.keys.get(api_key or "")
         if rule is None:
-            raise PolicyRejection(401, "invalid_api_key", "missing or wrong API key (send 'Authorization: Bearer <key>')")
+            raise PolicyRejection(401, "invalid_api_key",
+                                  "missing or wrong API key (send 'Authorization: Bearer <key>')")
         return rule
 
     def _check_quota(self, rule: ApiKeyRule | None) -> None:

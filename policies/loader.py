@@ -15,8 +15,18 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, ValidationInfo, create_model, field_validator
 
 from policies.content_filter import pattern_error
-from policies.schema import (ACTIONS, PROTECTIONS, SIGNALS, ApiKeyRule, AuditRules, ClientClass, Filters, Policy,
-                             Tier, TierActions)
+from policies.schema import (
+    ACTIONS,
+    PROTECTIONS,
+    SIGNALS,
+    ApiKeyRule,
+    AuditRules,
+    ClientClass,
+    Filters,
+    Policy,
+    Tier,
+    TierActions,
+)
 from policies.validation import FileError, Invalid, Issue, Strict, issue_at, parse_toml, read_text, validate
 
 PolicyIssue = Issue  # the name this module has always exported

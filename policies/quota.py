@@ -10,7 +10,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 STATE_VERSION = 1
 
@@ -67,10 +67,10 @@ class TokenQuotas:
         up, its reset is the later one, the one worth waiting for."""
         usage, now = self.current(key), self._now()
         if per_month and usage.month_tokens >= per_month:
-            reset = datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=timezone.utc)
+            reset = datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=UTC)
             return QuotaExceeded("tokens_per_month", usage.month_tokens, per_month, reset, _seconds(now, reset))
         if per_day and usage.day_tokens >= per_day:
-            reset = datetime.fromordinal(now.toordinal() + 1).replace(tzinfo=timezone.utc)
+            reset = datetime.fromordinal(now.toordinal() + 1).replace(tzinfo=UTC)
             return QuotaExceeded("tokens_per_day", usage.day_tokens, per_day, reset, _seconds(now, reset))
         return None
 
@@ -102,7 +102,7 @@ class TokenQuotas:
         self.usage = {key: u for key, u in usage.items() if u.month == month}  # past months count for nothing
 
     def _now(self) -> datetime:
-        return datetime.fromtimestamp(self.clock(), timezone.utc)
+        return datetime.fromtimestamp(self.clock(), UTC)
 
 
 def _seconds(now: datetime, then: datetime) -> int:

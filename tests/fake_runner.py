@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from contracts.handoff import KVHandoff, KVLayout, SamplingParams
+from contracts.identity import GGUFIdentity
 from decode_gpu.core.scheduler import ScheduledStep
 from decode_gpu.core.sequence import Sequence
-from contracts.identity import GGUFIdentity
-from contracts.handoff import KVHandoff, KVLayout, SamplingParams
 
 VOCAB = 1000
 IDENTITY = GGUFIdentity(path="fake.gguf", fingerprint="sha256:fake", arch="llama", n_layer=1, n_head=1,
@@ -116,8 +116,8 @@ class FakeRunner:
 
 def make_engine(num_blocks=64, block_size=4, max_num_seqs=32, **config):
     """A decode engine over the fake runner; `config` goes to EngineConfig."""
-    from decode_gpu.engine import DecodeEngine, EngineConfig
     from decode_gpu.core.scheduler import SchedulerConfig
+    from decode_gpu.engine import DecodeEngine, EngineConfig
     runner = FakeRunner(num_blocks, block_size)
     engine = DecodeEngine(runner, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
                                                max_model_len=10_000, **config))

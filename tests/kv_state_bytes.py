@@ -13,7 +13,7 @@ def state_bytes(n_tokens=3, n_layer=2, n_embd=64, ggml_type=1, type_size=2, v_tr
     out += struct.pack("<I", n_tokens)
     if n_tokens == 0:  # llama.cpp writes nothing more for an empty stream
         return out
-    for i, pos in enumerate(positions if positions is not None else range(n_tokens)):
+    for pos in positions if positions is not None else range(n_tokens):
         out += struct.pack("<iI", pos, n_seq) + struct.pack("<i", seq_id) * n_seq
     out += struct.pack("<II", int(v_trans), layers_in_state if layers_in_state is not None else n_layer)
     row = row_bytes if row_bytes is not None else n_embd * type_size

@@ -38,7 +38,7 @@ class ServerProcess:
         self.verify = tls or True  # httpx's default for everyone else
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 300.0) -> "ServerProcess":
+    def start(self, timeout_s: float = 300.0) -> ServerProcess:
         log = open(self.log_path, "w")
         self.process = subprocess.Popen([sys.executable, "-m", "edge.cli", "serve", "--config", str(self.config),
                                          "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT)

@@ -9,6 +9,7 @@ TINY_LLAMA = dict(vocab_size=384, hidden_size=384, intermediate_size=256, num_hi
 def tiny_engine_setup(device: str):
     """A random-weight Llama (head size 64, 3 query heads per KV head) and handoffs of torch's own prompt KV."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from contracts.identity import GGUFIdentity
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval().to(device)
@@ -19,10 +20,11 @@ def tiny_engine_setup(device: str):
 
 
 def handoff(model, identity, request_id: str, prompt: list[int]):
-    from decode_gpu.reference.dense_decoder import prompt_cache
     from contracts.handoff import KVHandoff, KVLayout, SamplingParams
+    from decode_gpu.reference.dense_decoder import prompt_cache
     cache, logits = prompt_cache(model, prompt)
-    rows = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]  # [n, num_kv_heads, 64]
+    # per layer: K, V [n, num_kv_heads, 64]
+    rows = [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
     layout = KVLayout(n_layer=2, num_kv_heads=2, head_dim_k=64, head_dim_v=64, k_dtype="f16", v_dtype="f16",
                       v_transposed=False, k_rotation=0, v_rotation=0, rope_layout="neox")
     to_bytes = lambda x: x.to("cpu", torch.float16).contiguous().numpy().tobytes()  # noqa: E731

@@ -38,7 +38,8 @@ class PagedBatch:
     """Attention metadata for one forward; the model runner builds it, the attention function reads it."""
     pool: KVPool
     backend: str  # "torch" or "triton"
-    slot_mapping: torch.Tensor  # [n_new] int32 pool slot of each new token, in batch order (negative: not stored, Triton path)
+    # [n_new] int32 pool slot of each new token, in batch order (negative: not stored, Triton path)
+    slot_mapping: torch.Tensor
     block_tables: torch.Tensor  # [n_seqs, max_blocks] int32 pool blocks of each sequence, padded with 0
     context_lens: torch.Tensor  # [n_seqs] int32 context length of each sequence, new tokens included
     query_start: torch.Tensor  # [n_seqs] int32 index of each sequence's first new token in the batch
@@ -47,7 +48,8 @@ class PagedBatch:
     num_splits: int  # KV splits per sequence in the Triton kernel, a power of two
     # the torch path's dense view (None on the triton path, which needs none of it)
     gather_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's context's pool blocks, padded
-    query_index: torch.Tensor | None = None  # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
+    # [n_seqs, max_query] index into the new tokens of each sequence's queries, padded
+    query_index: torch.Tensor | None = None
     query_valid: torch.Tensor | None = None  # [n_seqs, max_query] False on padding rows
     output_rows: torch.Tensor | None = None  # [n_new] index of each new token's row in the [n_seqs * max_query] output
     # [n_seqs, max_query, n_blocks * block_size] True where a query may attend to a key
@@ -295,10 +297,13 @@ def _torch_query_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.gather_blocks, q.dtype)
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:])  # [n_seqs, span, num_kv_heads, head_dim]
     v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:])
-    q_seq = q.index_select(0, paged.query_index.view(-1)).view(n_seqs, max_q, *q.shape[1:])  # [n_seqs, max_query, n_heads, head_dim]
-    q_seq, k_ctx, v_ctx = q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)  # [n_seqs, heads, len, head_dim]
+    # [n_seqs, max_query, n_heads, head_dim]
+    q_seq = q.index_select(0, paged.query_index.view(-1)).view(n_seqs, max_q, *q.shape[1:])
+    # [n_seqs, heads, len, head_dim]
+    q_seq, k_ctx, v_ctx = q_seq.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)
     if extras.softcap is None:
-        out = _attend_grouped(paged, q_seq, k_ctx, v_ctx, extras.window, scale)  # [n_seqs, n_heads, max_query, head_dim]
+        # [n_seqs, n_heads, max_query, head_dim]
+        out = _attend_grouped(paged, q_seq, k_ctx, v_ctx, extras.window, scale)
     else:
         out = _attend(q_seq, k_ctx, v_ctx, _mask(paged, extras.window)[:, None], scale, extras.softcap)
     out = out.transpose(1, 2).reshape(n_seqs * max_q, *q.shape[1:])  # [n_seqs * max_query, n_heads, head_dim]
@@ -310,7 +315,8 @@ def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scal
     """One new token per sequence: gather whole blocks (one copy per block, not per token) and mask each
     row past its context. # q: [n_seqs, n_heads, head_dim] -> [n_seqs, n_heads, head_dim]"""
     n_seqs = q.shape[0]
-    k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)  # [n_seqs * n_blocks, bs, kv_heads, head_dim]
+    # [n_seqs * n_blocks, block_size, num_kv_heads, head_dim]
+    k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:]).transpose(1, 2)  # [n_seqs, kv_heads, span, head_dim]
     v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:]).transpose(1, 2)
     if extras.softcap is None and q.dtype == torch.float32:  # the grouped layout wins in float32 only (see there)
@@ -338,7 +344,8 @@ def _mask(paged: PagedBatch, window: int | None) -> torch.Tensor:
             cut = mask & (span[None, :] >= paged.context_lens[:, None] - window)[:, None, None]
         else:
             max_q, span = mask.shape[1:]
-            query_pos = (paged.context_lens - paged.query_lens)[:, None] + torch.arange(max_q, device=mask.device)  # [n_seqs, max_q]
+            # [n_seqs, max_q]
+            query_pos = (paged.context_lens - paged.query_lens)[:, None] + torch.arange(max_q, device=mask.device)
             key_pos = torch.arange(span, device=mask.device)  # [span]
             in_window = key_pos[None, None, :] > query_pos[:, :, None] - window  # [n_seqs, max_q, span]
             cut = mask & (in_window | ~paged.query_valid[:, :, None])  # padded rows keep their one key
@@ -352,7 +359,8 @@ def _attend_grouped(paged: PagedBatch, q: torch.Tensor, k: torch.Tensor, v: torc
     float mask. SDPA's own GQA on the CPU costs more: a verify step's attention (4 sequences x 5 queries, 256
     keys, 9 heads on 3) takes 130 us a layer in bfloat16 with enable_gqa and a boolean mask, 65 us so; one query
     in float32 293 against 195. One query in bfloat16 is the exception (183 against 208): the decode path keeps
-    enable_gqa there, under the same additive mask. Each query row sees the same keys either way, so the result is the same.
+    enable_gqa there, under the same additive mask. Each query row sees the same keys either way, so the result is
+    the same.
     q: [n, n_heads, n_q, d]; k, v: [n, kv_heads, n_k, d] -> [n, n_heads, n_q, d]"""
     n, n_heads, n_q, d = q.shape
     kv_heads = k.shape[1]

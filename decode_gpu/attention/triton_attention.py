@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from decode_gpu.kv.pool import QUANT_GROUPS
 from decode_gpu.attention.triton_store import cast_rne, quant_bits
+from decode_gpu.kv.pool import QUANT_GROUPS
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the cheap instruction
 MAX_TILE_ROWS = 64  # query rows (tokens x group heads) per program before the query tokens are tiled
@@ -53,9 +53,11 @@ def _scale_int8_tile(x, scales, scale_base, ok, HEAD_DIM: tl.constexpr, GROUP_SI
     elements in registers. # [BLOCK_N, HEAD_DIM_P2] float32"""
     n_groups: tl.constexpr = x.shape[1] // GROUP_SIZE
     offs_g = tl.arange(0, n_groups)  # [n_groups]
-    s = tl.load(scales + scale_base[:, None] + offs_g[None, :], mask=ok[:, None] & (offs_g[None, :] < HEAD_DIM // GROUP_SIZE),
-                other=0.0).to(tl.float32)  # [BLOCK_N, n_groups]
-    groups = tl.reshape(x.to(tl.float32), (x.shape[0], n_groups, GROUP_SIZE)) * s[:, :, None]  # [BLOCK_N, n_groups, GROUP_SIZE]
+    group_ok = ok[:, None] & (offs_g[None, :] < HEAD_DIM // GROUP_SIZE)  # [BLOCK_N, n_groups]
+    s = tl.load(scales + scale_base[:, None] + offs_g[None, :], mask=group_ok, other=0.0)  # [BLOCK_N, n_groups]
+    s = s.to(tl.float32)
+    # [BLOCK_N, n_groups, GROUP_SIZE]
+    groups = tl.reshape(x.to(tl.float32), (x.shape[0], n_groups, GROUP_SIZE)) * s[:, :, None]
     return tl.reshape(groups, (x.shape[0], x.shape[1]))
 
 
@@ -122,7 +124,8 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_P2)  # [HEAD_DIM_P2]
     d_ok = offs_d < HEAD_DIM
     q_rows = (first_tok + tok) * q_s_tok + head * q_s_head  # [BLOCK_M]
-    qt = tl.load(q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
+    # [BLOCK_M, HEAD_DIM_P2]
+    qt = tl.load(q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         qt = qt.to(tl.float32)  # both dots follow qt's dtype
 
@@ -179,7 +182,8 @@ def _merge_splits_kernel(mid_out, mid_lse, out, mo_s_tok, mo_s_head, mo_s_split,
     m = tl.max(lse, axis=0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [NUM_SPLITS]; 0 for empty splits
     rows = tok * mo_s_tok + head * mo_s_head + offs_s * mo_s_split  # [NUM_SPLITS]
-    parts = tl.load(mid_out + rows[:, None] + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)  # [NUM_SPLITS, HEAD_DIM_P2]
+    # [NUM_SPLITS, HEAD_DIM_P2]
+    parts = tl.load(mid_out + rows[:, None] + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     total = tl.sum(weight, axis=0)
     merged = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_P2]
     tl.store(out + tok * o_s_tok + head * o_s_head + offs_d, cast_rne(merged, out.dtype.element_ty),

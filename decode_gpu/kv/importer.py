@@ -12,10 +12,10 @@ from typing import Protocol
 
 import torch
 
-from decode_gpu.kv.dequant import dequantize
-from contracts.identity import GGUFIdentity
 from contracts.handoff import KVHandoff
+from contracts.identity import GGUFIdentity
 from contracts.kv_dtypes import kv_dtype
+from decode_gpu.kv.dequant import dequantize
 
 
 class HandoffMismatchError(ValueError):

@@ -82,8 +82,9 @@ class KVPool:
         if shape.storage in QUANT_GROUPS:
             # int8: [..., head_dim / 32] scales; int4: [..., head_dim / 32, 2] (scale, minimum) pairs
             scale_dims = dims[:-1] + (shape.head_dim // QUANT_GROUPS[shape.storage],) + ((2,) if self.int4 else ())
-            self.k_scale = [torch.zeros(scale_dims, dtype=torch.float16, device=device) for _ in range(shape.num_layers)]
-            self.v_scale = [torch.zeros(scale_dims, dtype=torch.float16, device=device) for _ in range(shape.num_layers)]
+            layers = range(shape.num_layers)
+            self.k_scale = [torch.zeros(scale_dims, dtype=torch.float16, device=device) for _ in layers]
+            self.v_scale = [torch.zeros(scale_dims, dtype=torch.float16, device=device) for _ in layers]
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %s storage, %.1f MiB on %s",
                  shape.num_blocks, shape.block_size, shape.num_blocks * shape.block_size, shape.storage,
                  shape.num_blocks * shape.block_size * shape.bytes_per_token() / 2**20, device)

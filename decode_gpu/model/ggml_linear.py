@@ -24,7 +24,7 @@ import os
 import torch
 from torch import nn
 
-from decode_gpu.model.weight_quant import _QuantizedLinear
+from decode_gpu.model.quantized_linear import QuantizedLinear
 
 log = logging.getLogger(__name__)
 GGML_TYPES = {"q8_0": 8}  # weight_dtype -> ggml_type
@@ -156,7 +156,7 @@ def matmul_graph(blocks: torch.Tensor, weight_dtype: str, in_features: int, out_
     return _MatMulGraph(_ggml(), GGML_TYPES[weight_dtype], blocks.data_ptr(), in_features, out_features, rows)
 
 
-class GGMLLinear(_QuantizedLinear):
+class GGMLLinear(QuantizedLinear):
     """y = x @ W.T + b with W held in ggml's Q8_0 blocks (32 weights, one float16 scale) and multiplied by ggml's CPU
     kernels with torch's current thread count; activations cross as float32."""
     held_as = "q8_0"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from decode_gpu.sample.sampler import make_generator, sample_token
 from contracts.handoff import SamplingParams
+from decode_gpu.sample.sampler import make_generator, sample_token
 
 
 @torch.inference_mode()

@@ -22,20 +22,20 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
-from decode_gpu.kv.importer import import_handoff
-from decode_gpu.kv.pool import KVPool, PoolShape, device_index
-from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
+from contracts.handoff import SamplingParams
+from contracts.identity import GGUFIdentity
 from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch, resolve_backend
 from decode_gpu.core.priority_gate import PriorityGate
-from decode_gpu.sample.sampler import sample_rows
-from decode_gpu.sample.sampling_params import SamplingBatch, SamplingRow
 from decode_gpu.core.scheduler import ScheduledStep
 from decode_gpu.core.sequence import Sequence
 from decode_gpu.core.speculative import StepCosts, measurement_rows
+from decode_gpu.kv.importer import import_handoff
+from decode_gpu.kv.pool import KVPool, PoolShape, device_index
+from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
+from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
 from decode_gpu.runner.step_inputs import StepInputs
-from contracts.handoff import SamplingParams
-from contracts.identity import GGUFIdentity
+from decode_gpu.sample.sampler import sample_rows
+from decode_gpu.sample.sampling_params import SamplingBatch, SamplingRow
 
 log = logging.getLogger(__name__)
 PROFILE_LOGPROBS = 20  # the profiling forward samples with this many top logprobs, OpenAI's maximum
@@ -62,7 +62,8 @@ class RunnerConfig:
     max_num_seqs: int = 32  # the largest batch: step inputs, CUDA graph buckets and the profiling forward
     max_model_len: int = 4096  # the longest context: block table width and the graphs' KV splits
     enforce_eager: bool = False  # no CUDA graphs
-    num_speculative_tokens: int = 0  # draft tokens a sequence may feed per step: the profiling forward samples that many more rows
+    # draft tokens a sequence may feed per step: the profiling forward samples that many more rows
+    num_speculative_tokens: int = 0
 
 
 class PagedKVWriter:

@@ -17,9 +17,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from decode_gpu.kv.pool import KVPool
 from decode_gpu.attention.paged_attention import PagedBatch, choose_num_splits, length_groups
 from decode_gpu.core.sequence import Sequence
+from decode_gpu.kv.pool import KVPool
 
 log = logging.getLogger(__name__)
 IDS, POSITIONS, SLOTS, CONTEXT = range(4)
@@ -43,7 +43,8 @@ class StepInputs:
         self._np = self.host.numpy()
         self._columns = self._np[:4 * capacity].reshape(4, capacity)  # [4, capacity] numpy views of the host
         self._tables = self._np[4 * capacity:].reshape(capacity, max_blocks)  # [capacity, max_blocks]
-        self.buffer = self.host if self.device.type == "cpu" else torch.zeros(size, dtype=torch.int32, device=self.device)
+        on_host = self.device.type == "cpu"
+        self.buffer = self.host if on_host else torch.zeros(size, dtype=torch.int32, device=self.device)  # [size]
         columns = self.buffer[:4 * capacity].view(4, capacity)  # [4, capacity] on the device
         self.input_ids, self.positions, self.slots, self.context_lens = columns
         self.block_tables = self.buffer[4 * capacity:].view(capacity, max_blocks)  # [capacity, max_blocks]
@@ -120,5 +121,6 @@ class StepInputs:
         tables, context_lens = self.block_tables.index_select(0, index), self.context_lens.index_select(0, index)
         longest = int(self._columns[CONTEXT, rows].max())
         group = PagedBatch(self.pool, self.backend, self.slots[:0], tables, context_lens, self.query_start[:len(rows)],
-                           self.query_lens[:len(rows)], 1, num_splits, **self._decode_view(tables, context_lens, longest))
+                           self.query_lens[:len(rows)], 1, num_splits,
+                           **self._decode_view(tables, context_lens, longest))
         return index, group

@@ -8,11 +8,11 @@ with decoding from torch's own prompt KV on the next token (top-1) and in distri
 import pytest
 import torch
 
-from decode_gpu.reference.dense_decoder import decode, prompt_cache, teacher_forced_logits
-from decode_gpu.reference.dense_cache import DenseKVCache
+from contracts.handoff import SamplingParams
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.model.loader import load_decode_model
-from contracts.handoff import SamplingParams
+from decode_gpu.reference.dense_cache import DenseKVCache
+from decode_gpu.reference.dense_decoder import decode, prompt_cache, teacher_forced_logits
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ import llama_cpp
 import pytest
 import torch
 
-from decode_gpu.reference.dense_decoder import decode, prompt_cache
-from decode_gpu.reference.dense_cache import DenseKVCache
+from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.model.loader import load_decode_model
-from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
+from decode_gpu.reference.dense_cache import DenseKVCache
+from decode_gpu.reference.dense_decoder import decode, prompt_cache
 from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest
 from tiny_gguf import prompts
 

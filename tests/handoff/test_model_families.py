@@ -12,17 +12,17 @@ import dataclasses
 
 import pytest
 import torch
+from test_handoff_tiny_models import relative_error
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
 from contracts.identity import UnsupportedModelError, check_supported, read_gguf_identity
-from decode_gpu.reference.dense_decoder import decode, prompt_cache
-from decode_gpu.model.family_config import ROPE_FREQS_KEY
-from decode_gpu.reference.dense_cache import DenseKVCache
 from decode_gpu.kv.importer import import_handoff
+from decode_gpu.model.family_config import ROPE_FREQS_KEY
 from decode_gpu.model.loader import load_decode_model
+from decode_gpu.reference.dense_cache import DenseKVCache
+from decode_gpu.reference.dense_decoder import decode, prompt_cache
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
-from test_handoff_tiny_models import relative_error
 from tiny_gguf import GEMMA_WINDOW, LLAMA3_ROPE, prompts, write_tiny_gguf
 from tiny_llama import greedy_tokens
 

@@ -24,7 +24,8 @@ key = "k2"
 class = "batch"
 """
 NO_KEYS = GUARDED[:GUARDED.index("[[keys]]")]
-NO_CONTENT_RULES = GUARDED.replace('blocked_words = ["forbidden"]\n', "").replace('blocked_patterns = ["secret\\\\d+"]\n', "")
+NO_CONTENT_RULES = (GUARDED.replace('blocked_words = ["forbidden"]\n', "")
+                    .replace('blocked_patterns = ["secret\\\\d+"]\n', ""))
 NO_LIMITS = GUARDED.replace("requests_per_minute = 60\n", "").replace("max_concurrent = 4\n", "")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from dataclasses import dataclass
@@ -10,7 +9,6 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from edge.tools import ToolError, ToolSpec, parse_tools, with_tools
-
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 UNSUPPORTED_IF_SET = {"best_of": 1, "suffix": None, "functions": None, "function_call": None}
@@ -99,23 +97,35 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
                            prompt_tokens, messages, chat_logprobs, echo, param, tools, text)
 
 
-async def check_structured(request: GenerateRequest) -> None:
-    """A constraint that does not compile is the client's 400, naming the problem. Compiling imports xgrammar
-    (once) and can take milliseconds: off the event loop."""
+_GRAMMAR_CHECK = None  # the gateway's contracts.grammar_compile.GatewayCheck, made on the first constraint
+
+
+async def check_structured(request: GenerateRequest, timeout_s: float | None = None) -> None:
+    """A constraint the engine cannot enforce is the client's 400 naming the problem (code
+    invalid_structured_output), one that compiles too slowly or is too large a 400 too (code
+    structured_output_too_complex), and a full compile pool a 503. Compiles run in a bounded pool, off the event
+    loop, each awaited at most timeout_s (grammar_compile_timeout_s)."""
+    global _GRAMMAR_CHECK
     constraint = request.sampling.get("structured")
     if constraint is None:
         return
-    from contracts.grammar import GrammarError, check
+    from contracts.grammar import GrammarBusyError, GrammarError
+    from contracts.grammar_compile import GatewayCheck, compile_timeout_s
+    if _GRAMMAR_CHECK is None:
+        _GRAMMAR_CHECK = GatewayCheck()
     try:
-        await asyncio.to_thread(check, *constraint)
+        await _GRAMMAR_CHECK.check(*constraint, timeout_s or compile_timeout_s())
+    except GrammarBusyError as err:
+        raise ApiError(503, str(err), request.structured_param, err.code, "server_error",
+                       {"Retry-After": "1"}) from None
     except GrammarError as err:
-        raise ApiError(400, str(err), request.structured_param, "invalid_structured_output") from None
+        raise ApiError(400, str(err), request.structured_param, err.code) from None
 
 
 def _structured(body: dict) -> tuple[str | None, tuple[str, str] | None]:
     """(the field it came from, (kind, source)) of a structured-output constraint, or (None, None). OpenAI's
     response_format, vLLM's guided_* fields and its structured_outputs object; at most one constraint. Whether
-    it compiles is checked by the caller (contracts.grammar.check, off the event loop)."""
+    it compiles is checked by the caller (check_structured, off the event loop)."""
     found: list[tuple[str, tuple[str, str]]] = []
     response_format = _field(body, "response_format", dict, default=None)
     if response_format is not None:

@@ -10,6 +10,7 @@ import time
 
 from aiohttp import BasicAuth, web
 
+from contracts.grammar_compile import compile_timeout_s
 from edge.engine_group import EngineGroup
 from edge.gateway import Gateway, Run
 from edge.lifecycle import RequestStatus
@@ -38,7 +39,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
         parsed = parse_request(body, kind, vocab_size=gateway.pool.vocab_size)
-        await check_structured(parsed)
+        await check_structured(parsed, compile_timeout_s(gateway.config, getattr(gateway.config, "limits", None)))
         run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
@@ -70,7 +71,7 @@ async def _read_json(request: web.Request, gateway: Gateway):
                             f"{limits.max_body_bytes}", code="body_too_large")
     try:
         raw = await asyncio.wait_for(request.read(), timeout=limits.body_timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ApiError(408, f"the body did not arrive within {limits.body_timeout_s:.0f} s",
                        code="body_timeout") from None
     except web.HTTPRequestEntityTooLarge:

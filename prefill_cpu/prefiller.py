@@ -9,8 +9,8 @@ A context's KV type is fixed; `with_kv_type` builds another context on the same 
 A cancel is seen between chunks and also inside one: llama.cpp's abort callback asks after every graph
 node, so a preempted prompt gives the CPU back within milliseconds, not after a whole chunk.
 The first token gets the request's output controls (min_tokens, logit_bias, repetition penalty, min_p) as the
-decode engine applies them to the later tokens, and a structured output's grammar (xgrammar) masks it as the engine
-masks the rest; its logprobs stay those of the model's raw distribution.
+decode engine applies them to the later tokens, and a structured output's grammar (llguidance, prefill_cpu.grammar)
+masks it as the engine masks the rest; its logprobs stay those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -28,10 +26,12 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaContext
 
-from contracts.grammar import GrammarError, build_grammar
-from contracts.identity import GGUFIdentity, read_gguf_identity
+from contracts.grammar import DEFAULT_COMPILE_TIMEOUT_S, Matcher
 from contracts.handoff import GREEDY_BELOW, FirstToken, KVHandoff, KVLayout, SamplingParams, choice_seed
+from contracts.identity import GGUFIdentity, read_gguf_identity
 from contracts.kv_dtypes import kv_dtype
+from prefill_cpu.grammar import FirstTokenGrammars, apply_first_mask
+from prefill_cpu.kv_rotation import rotations_from_log
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
 from prefill_cpu.prefill_weights import prefill_weights_path
@@ -40,9 +40,6 @@ from prefill_cpu.prefix_cache import PrefixCache
 log = logging.getLogger(__name__)
 SEQ = 0  # the llama.cpp sequence a prompt occupies while it is prefilled (cached prompts use 1, 2, ...)
 MIN_LLAMA_CTX = 256  # the Llama object's own context, unused for prefill
-COMPILED_GRAMMARS = 64  # compiled structured-output grammars kept per worker, least recently used dropped
-# tokens that are no text: the grammar never admits them (xgrammar treats a token of empty bytes as special)
-NOT_TEXT = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN | llama_cpp.LLAMA_TOKEN_ATTR_UNUSED
 
 
 class PrefillError(RuntimeError):
@@ -68,6 +65,7 @@ class PrefillConfig:
     prefix_cache_tokens: int = 0  # KV cells kept for earlier prompts, on top of n_ctx; 0: no prompt cache
     prefix_cache_entries: int = 8  # earlier prompts kept at most (one llama.cpp sequence each)
     weights: str = "given"  # what llama.cpp loads: given | f16 | bf16 | q8_0 | auto (prefill_cpu.prefill_weights)
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a structured output's compile, at most
 
 
 @dataclass(frozen=True)
@@ -123,12 +121,15 @@ class Prefiller:
         lines: list[str] = []
         with captured_llama_log(lines):
             self._context = LlamaContext(model=self.llm._model, params=params, verbose=False)
-        self.k_rotation, self.v_rotation = _rotations_from_log("".join(lines), self.identity)
+        rotations = rotations_from_log("".join(lines), self.identity)
+        if rotations is None:
+            raise PrefillError("llama.cpp did not log whether it rotates the KV (attn_rot_k/attn_rot_v); "
+                               "this llama-cpp-python is not the pinned 0.3.36")
+        self.k_rotation, self.v_rotation = rotations
         self.cache = PrefixCache(list(range(1, 1 + cache_entries)), config.prefix_cache_tokens)
         self._eog_ids = _eog_ids(self.llm._model.vocab)  # [n_eog] int64: what min_tokens bans
-        self._tokenizer_info = None  # xgrammar.TokenizerInfo of the vocabulary, built on the first structured request
-        self._grammar_compiler = None  # xgrammar.GrammarCompiler over it, likewise
-        self._grammars: OrderedDict[tuple[str, str], object] = OrderedDict()  # (kind, source) -> CompiledGrammar
+        self.grammars = FirstTokenGrammars(self.llm._model.vocab, tuple(int(t) for t in self._eog_ids),
+                                           config.grammar_compile_timeout_s)
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
         self._should_cancel = _never
         # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
@@ -188,9 +189,10 @@ class Prefiller:
         if not tokens:
             raise PromptTooLongError("the prompt is empty")
         if len(tokens) >= self.config.n_ctx:
-            raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds {self.config.n_ctx - 1}")
+            raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds "
+                                     f"{self.config.n_ctx - 1}")
         self._check_logit_bias(request.sampling)  # before the prompt is computed, not after
-        grammar = self._compiled_grammar(request.sampling.structured)  # likewise: a bad constraint fails first
+        grammar = self.grammars.matcher(request.sampling.structured)  # likewise: a bad constraint fails first
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
         cached = self._reuse_cached_prefix(memory, tokens)
@@ -278,15 +280,15 @@ class Prefiller:
             if not 0 <= token < n_vocab:
                 raise ValueError(f"logit_bias names token {token}, outside this model's vocabulary of {n_vocab}")
 
-    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int], grammar=None) -> list[int]:
+    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int], grammar: Matcher | None) -> list[int]:
         """Each choice's first output token (params.n of them, from one prompt): the output controls and the grammar
-        (an xgrammar CompiledGrammar, or None) change the logits in llama.cpp's buffer, then a llama.cpp sampler
+        (a fresh Matcher, or None) change the logits in llama.cpp's buffer, then a llama.cpp sampler
         chain draws (temperature, min_p, top-k, top-p, the draw; greedy takes the argmax), choice i with
         choice_seed(seed, i). The grammar masks last, so no control can bring a forbidden token back."""
         logits = self._last_logits()  # [vocab]
         self._apply_controls(logits, params, prompt_tokens)
         if grammar is not None:
-            _apply_grammar(logits, grammar)
+            apply_first_mask(logits, grammar)
         controlled = logits.copy() if params.n > 1 else None  # the chain scales the buffer in place
         tokens = []
         for index in range(params.n):
@@ -334,63 +336,6 @@ class Prefiller:
             r = np.float32(params.repetition_penalty)
             logits[seen] = np.where(picked > 0, picked / r, picked * r)
 
-    def _compiled_grammar(self, structured: tuple[str, str] | None):
-        """The CompiledGrammar of a request's constraint (None without one). Compiling takes milliseconds to
-        seconds (a large JSON schema), and clients repeat their constraints, so the last COMPILED_GRAMMARS stay."""
-        if structured is None:
-            return None
-        compiled = self._grammars.get(structured)
-        if compiled is not None:
-            self._grammars.move_to_end(structured)
-            return compiled
-        grammar = build_grammar(*structured)  # GrammarError when it does not compile
-        try:
-            compiled = self._compiler().compile_grammar(grammar)
-        except Exception as err:  # xgrammar's RuntimeError: the gateway checked, so this is defensive
-            raise GrammarError(f"the {structured[0]} constraint does not compile for this vocabulary: {err}") from None
-        self._grammars[structured] = compiled
-        if len(self._grammars) > COMPILED_GRAMMARS:
-            self._grammars.popitem(last=False)
-        return compiled
-
-    def _compiler(self):
-        """xgrammar's compiler for this GGUF's vocabulary, built once, on the first structured request."""
-        if self._grammar_compiler is None:
-            import xgrammar as xgr
-            # our own LRU keeps compiled grammars; xgrammar's cache would be a second one, unbounded
-            self._grammar_compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=self.threads,
-                                                         cache_enabled=False)
-        return self._grammar_compiler
-
-    def tokenizer_info(self):
-        """The xgrammar.TokenizerInfo of this GGUF, built once, when first asked for: workers that never see a
-        structured request do not pay for it (nor import xgrammar). From llama.cpp's own vocabulary: each token's
-        bytes as llama.cpp detokenizes them (RAW: no byte-level or byte-fallback spelling to undo), so the grammar
-        sees exactly the text the client gets. Control, unknown and unused tokens get no bytes, which xgrammar
-        treats as special: never inside the grammar's text. The end-of-generation tokens end a finished grammar."""
-        if self._tokenizer_info is not None:
-            return self._tokenizer_info
-        import xgrammar as xgr
-        started = time.perf_counter()
-        vocab = self.llm._model.vocab
-        n_vocab = self.vocab_size
-        buf = ctypes.create_string_buffer(256)
-        pieces: list[bytes] = []
-        for token in range(n_vocab):
-            if llama_cpp.llama_vocab_get_attr(vocab, token) & NOT_TEXT:
-                pieces.append(b"")
-                continue
-            n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
-            if n < 0:  # the piece is longer than buf: -n bytes
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, False)
-            pieces.append(buf.raw[:n])
-        self._tokenizer_info = xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=n_vocab,
-                                                 stop_token_ids=[int(t) for t in self._eog_ids])
-        log.info("structured outputs: xgrammar tokenizer info for %d tokens (%d special) in %.3f s", n_vocab,
-                 len(self._tokenizer_info.special_token_ids), time.perf_counter() - started)
-        return self._tokenizer_info
-
     def _export_state(self) -> SeqKVState:
         size = llama_cpp.llama_state_seq_get_size(self.ctx, SEQ)
         buf = (ctypes.c_uint8 * size)()
@@ -436,38 +381,5 @@ def _eog_ids(vocab) -> np.ndarray:
     return np.array([t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
 
 
-def _apply_grammar(logits: np.ndarray, grammar) -> None:
-    """-inf on every token the grammar does not allow first, in place. # logits: [vocab] float32
-    A fresh matcher: the first token is the grammar's first step."""
-    import xgrammar as xgr
-    n_vocab = logits.shape[0]
-    matcher = xgr.GrammarMatcher(grammar)
-    bitmask = np.zeros(xgr.get_bitmask_shape(1, n_vocab), dtype=np.int32)  # [1, ceil(vocab / 32)]
-    if not matcher.fill_next_token_bitmask(bitmask):
-        return  # every token is allowed
-    import torch  # xgrammar imported it already; its kernel writes through to llama.cpp's buffer
-    xgr.apply_token_bitmask_inplace(torch.from_numpy(logits)[None], torch.from_numpy(bitmask))
-
-
 def _never() -> bool:
     return False
-
-
-def _rotations_from_log(text: str, ident: GGUFIdentity) -> tuple[int, int]:
-    """Which Hadamard rotation llama.cpp applied, as it logged it, with the block sizes it uses."""
-    k_flag = re.search(r"attn_rot_k = (\d)", text)
-    v_flag = re.search(r"attn_rot_v = (\d)", text)
-    if not k_flag or not v_flag:
-        raise PrefillError("llama.cpp did not log whether it rotates the KV (attn_rot_k/attn_rot_v); "
-                           "this llama-cpp-python is not the pinned 0.3.36")
-    k_block = _largest_pow2_block(ident.head_dim_k) if k_flag.group(1) == "1" else 0
-    v_block = 64 if v_flag.group(1) == "1" else 0  # llama.cpp rotates V in blocks of 64
-    return k_block, v_block
-
-
-def _largest_pow2_block(head_dim: int) -> int:
-    """llama.cpp rotates K in the largest power-of-two block (at least 64) that divides the head size."""
-    block = 64
-    while head_dim % (block * 2) == 0:
-        block *= 2
-    return block

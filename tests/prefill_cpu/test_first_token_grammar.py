@@ -111,25 +111,46 @@ def test_logprobs_stay_raw(prefiller):
         assert lp == pytest.approx(raw_logprobs[t], abs=1e-4)
 
 
-def test_tokenizer_info_covers_the_vocabulary(prefiller):
-    info = prefiller.tokenizer_info()
-    assert info.vocab_size == prefiller.vocab_size == SMOLLM2_VOCAB
-    assert info is prefiller.tokenizer_info()  # built once
+def test_grammar_vocabulary_is_llama_cpps(prefiller):
+    """The grammar sees each token as the text llama.cpp gives the client; control tokens are never text, and the
+    end-of-generation tokens end a complete grammar."""
+    tokenizer = prefiller.grammars.tokenizer()
+    assert tokenizer.vocab_size == prefiller.vocab_size == SMOLLM2_VOCAB
+    assert tokenizer is prefiller.grammars.tokenizer()  # built once
     vocab = prefiller.llm._model.vocab
-    control = [t for t in range(info.vocab_size) if llama_cpp.llama_vocab_is_control(vocab, t)]
-    assert control and set(control) <= set(info.special_token_ids) | set(info.stop_token_ids)
-    assert sorted(info.stop_token_ids) == [t for t in range(info.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-    decoded = info.decoded_vocab
-    for t in (17, 1000, 20000, info.vocab_size - 1):
-        assert decoded[t] == prefiller.llm.detokenize([t])
+    control = [t for t in range(SMOLLM2_VOCAB) if llama_cpp.llama_vocab_is_control(vocab, t)]
+    assert control and all(tokenizer.is_special_token(t) for t in control)
+    assert sorted(tokenizer.eos_tokens) == [t for t in range(SMOLLM2_VOCAB) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    for t in (17, 1000, 20000, SMOLLM2_VOCAB - 1):
+        assert tokenizer.decode_bytes([t]) == prefiller.llm.detokenize([t])
+
+
+def test_the_engine_sees_the_same_vocabulary(prefiller, embedded_model_path):
+    """The decode engine builds its grammar vocabulary from the converted transformers tokenizer: every token's
+    bytes and special-ness agree, so the engine's matcher takes the first token the worker's mask allowed."""
+    from contracts.identity import read_gguf_identity
+    from decode_gpu.model.loader import load_tokenizer
+    from decode_gpu.sample.structured import llg_tokenizer
+    ours = prefiller.grammars.tokenizer()
+    tokenizer = load_tokenizer(read_gguf_identity(embedded_model_path))
+    engine = llg_tokenizer(tokenizer, SMOLLM2_VOCAB, tuple(ours.eos_tokens))
+    differ = [t for t in range(SMOLLM2_VOCAB) if ours.decode_bytes([t]) != engine.decode_bytes([t])
+              or ours.is_special_token(t) != engine.is_special_token(t)]
+    assert differ == []
 
 
 def test_compiled_grammars_are_reused(prefiller):
     structured = ("regex", "[a-z]+")
     first(prefiller, PROMPT, temperature=0.0, structured=structured)
-    compiled = prefiller._compiled_grammar(structured)
+    compiled = prefiller.grammars._compiled[structured]
     first(prefiller, PROMPT, temperature=0.0, structured=structured)
-    assert prefiller._compiled_grammar(structured) is compiled
+    assert prefiller.grammars._compiled[structured] is compiled
+
+
+def test_an_unsupported_schema_keyword_raises_grammar_error_naming_it(prefiller):
+    schema = json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        first(prefiller, PROMPT, temperature=0.0, structured=("json_schema", schema))
 
 
 def test_a_bad_constraint_raises_grammar_error(prefiller):

@@ -1,0 +1,206 @@
+"""contracts.grammar (llguidance) and contracts.grammar_compile: every kind compiles; what the engine cannot
+enforce is an error naming it (fail closed); $defs and $ref work; compiles are bounded in number and in time; the
+gateway's check answers 400/503 with the right codes while other requests go on."""
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from contracts.grammar import (
+    GrammarBusyError,
+    GrammarError,
+    GrammarTooComplexError,
+    build_grammar,
+    grammar_text,
+)
+from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s
+from edge import openai_api
+from edge.openai_api import ApiError, GenerateRequest, check_structured
+
+
+def refusal(kind: str, source: str) -> str:
+    with pytest.raises(GrammarError) as caught:
+        build_grammar(kind, source)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("kind, source", [
+    ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})),
+    ("json_object", ""),
+    ("regex", "[0-9]{1,3}"),
+    ("choice", json.dumps(["yes", "no"])),
+    ("grammar", 'root ::= "a" digit+\ndigit ::= [0-9]'),  # llama.cpp's GBNF, converted to Lark
+    ("grammar", 'start: "a" DIGIT+\nDIGIT: /[0-9]/'),  # Lark
+])
+def test_every_kind_compiles(kind, source):
+    assert build_grammar(kind, source)
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"not": {"type": "string"}}, '["not"]'),
+    ({"type": "array", "uniqueItems": True}, '["uniqueItems"]'),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, '["dependentRequired"]'),
+    ({"type": "string", "format": "bogus"}, "Unknown format: bogus"),
+    ({"type": "string", "pattern": "(?=a)b"}, "look-around"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),  # overlapping branches: not enforceable
+    ({"$ref": "http://example.com/schema.json"}, "http://example.com/schema.json"),
+])
+def test_a_keyword_the_engine_does_not_enforce_is_refused_by_name(schema, named):
+    message = refusal("json_schema", json.dumps(schema))
+    assert named in message and message.startswith("the json_schema constraint")
+
+
+def test_unsupported_keywords_say_they_are_refused_not_ignored():
+    assert "refused, not ignored" in refusal("json_schema", json.dumps({"not": {}}))
+
+
+def test_defs_and_refs_compile_as_instructor_sends_them():
+    schema = {"$defs": {"Pet": {"type": "object", "properties": {"name": {"type": "string"}},
+                                "required": ["name"]}},
+              "type": "object", "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}},
+                                               "best": {"$ref": "#/$defs/Pet"}},
+              "required": ["pets"]}
+    assert build_grammar("json_schema", json.dumps(schema))
+    # a discriminated union (pydantic writes oneOf + discriminator): the branches are disjoint, so it is enforced
+    kinds = [{"type": "object", "properties": {"kind": {"const": k, "type": "string"}}, "required": ["kind"]}
+             for k in ("cat", "dog")]
+    union = {"$defs": {"Cat": kinds[0], "Dog": kinds[1]}, "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+             "discriminator": {"propertyName": "kind"}}
+    assert build_grammar("json_schema", json.dumps(union))
+    # branches that may overlap are refused, even under a discriminator (oneOf would pass what fits both)
+    kinds[1]["properties"]["kind"] = {"type": "string"}
+    assert "oneOf" in refusal("json_schema", json.dumps(union))
+
+
+@pytest.mark.parametrize("kind, source, says", [
+    ("regex", "a(b", "unclosed group"),
+    ("grammar", 'root ::= "a" | missing', "missing"),
+    ("grammar", "start: foo", "foo"),
+    ("choice", "[]", "non-empty list"),
+    ("json_schema", "{", "EOF"),
+    ("json_schema", json.dumps({"type": 5}), "type must be a string"),
+    ("bogus", "", "unknown structured output kind"),
+])
+def test_what_does_not_parse_is_a_grammar_error_saying_why(kind, source, says):
+    assert says in refusal(kind, source)
+
+
+def test_a_source_past_the_size_limit_is_too_complex():
+    with pytest.raises(GrammarTooComplexError):
+        grammar_text("regex", "a" * (256 * 1024 + 1))
+
+
+def test_a_grammar_past_llguidances_size_limit_is_too_complex():
+    """allOf over anyOfs multiplies out: llguidance stops at its grammar size limit, quickly."""
+    schema = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {"type": "string"}}}
+                                   for i in range(6)]} for j in range(6)]}
+    started = time.perf_counter()
+    with pytest.raises(GrammarTooComplexError) as caught:
+        build_grammar("json_schema", json.dumps(schema))
+    assert time.perf_counter() - started < 2.0 and caught.value.code == "structured_output_too_complex"
+
+
+class Gate:
+    """A compile that runs until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, *args):
+        self.entered.set()
+        assert self.release.wait(30)
+        return "done"
+
+
+def test_the_pool_times_a_compile_out_and_keeps_its_slot_until_it_ends():
+    pool, gate = CompilePool(workers=1, capacity=1), Gate()
+    with pytest.raises(GrammarTooComplexError, match="longer than the limit of 0.05 s"):
+        pool.run(0.05, gate)
+    with pytest.raises(GrammarBusyError):  # the abandoned compile still holds the only slot: refused at once
+        pool.run(5.0, lambda: "next")
+    gate.release.set()
+    # the one worker runs this after the abandoned compile has ended and its slot come back (done callbacks first)
+    pool._executor.submit(lambda: None).result(10)
+    assert pool.run(5.0, lambda: "next") == "next"
+
+
+def test_a_compile_that_waited_behind_others_is_busy_not_too_complex():
+    pool, gate = CompilePool(workers=1, capacity=2), Gate()
+    pool.submit(gate)
+    assert gate.entered.wait(5)
+    with pytest.raises(GrammarBusyError):
+        pool.run(0.05, lambda: "queued")
+    gate.release.set()
+
+
+def test_the_timeout_comes_from_the_config_when_it_has_one():
+    class Config:
+        grammar_compile_timeout_s = 1.5
+    assert compile_timeout_s(object(), Config()) == 1.5
+    assert compile_timeout_s(object()) == 5.0
+
+
+def request(schema) -> GenerateRequest:
+    return GenerateRequest("chat", "m", {"structured": ("json_schema", json.dumps(schema))}, False, False, None,
+                           structured_param="response_format")
+
+
+async def refused(schema, timeout_s=5.0) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        await check_structured(request(schema), timeout_s)
+    return caught.value
+
+
+def test_the_gateway_answers_400_naming_the_keyword(monkeypatch):
+    monkeypatch.setattr(openai_api, "_GRAMMAR_CHECK", GatewayCheck())
+    error = asyncio.run(refused({"type": "array", "uniqueItems": True}))
+    assert (error.status, error.code, error.param) == (400, "invalid_structured_output", "response_format")
+    assert "uniqueItems" in error.message
+    asyncio.run(check_structured(request({"type": "object"}), 5.0))  # and passes what compiles
+
+
+def test_a_slow_compile_is_a_400_in_time_and_other_requests_keep_their_latency(monkeypatch):
+    from contracts import grammar_compile
+    gate, real = Gate(), grammar_compile.build_grammar
+    slow = {"title": "slow"}
+    monkeypatch.setattr(grammar_compile, "build_grammar", lambda kind, source: gate() if "slow" in source
+                        else real(kind, source))
+    monkeypatch.setattr(openai_api, "_GRAMMAR_CHECK", GatewayCheck(CompilePool(workers=2, capacity=2)))
+
+    async def scenario():
+        started = time.perf_counter()
+        slow_check = asyncio.ensure_future(refused(slow, timeout_s=0.3))
+        await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 5)
+        other = time.perf_counter()
+        await check_structured(request({"type": "object", "properties": {"x": {"type": "integer"}}}), 5.0)
+        other_s = time.perf_counter() - other
+        error = await slow_check
+        return error, time.perf_counter() - started, other_s
+    error, slow_s, other_s = asyncio.run(scenario())
+    assert (error.status, error.code) == (400, "structured_output_too_complex")
+    assert 0.3 <= slow_s < 1.0 and other_s < 0.25, (slow_s, other_s)
+    # a third compile finds both slots taken (the abandoned one and none free after a second slow one): 503
+    asyncio.run(refused({"title": "slow", "n": 2}, timeout_s=0.05))
+    busy = asyncio.run(refused({"type": "object", "title": "another"}))
+    assert (busy.status, busy.code, busy.headers) == (503, "structured_output_busy", {"Retry-After": "1"})
+    gate.release.set()
+
+
+def test_a_compile_that_ended_past_the_limit_is_remembered_as_too_complex(monkeypatch):
+    from contracts import grammar_compile
+    gate = Gate()
+    monkeypatch.setattr(grammar_compile, "build_grammar", gate)
+    check = GatewayCheck(CompilePool(workers=1, capacity=1))
+    with pytest.raises(GrammarTooComplexError):
+        asyncio.run(check.check("json_schema", "{}", 0.05))
+    future, _started = check._compiling[("json_schema", "{}")]
+    gate.release.set()
+    future.result(10)  # the compile ends, past the limit, and leaves its outcome
+    started = time.perf_counter()
+    with pytest.raises(GrammarTooComplexError, match="longer than the limit"):
+        asyncio.run(check.check("json_schema", "{}", 5.0))
+    assert time.perf_counter() - started < 0.5

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from decode_gpu.model.fused_projections import FusedSlice, fuse_projections
-from decode_gpu.model.weight_quant import pack_linears, packs, quantize_model, weight_bytes
+from decode_gpu.model.packed_linear import pack_linears, packs
+from decode_gpu.model.weight_quant import quantize_model, weight_bytes
 from tiny_llama import TINY_LLAMA, greedy_tokens, tiny_engine_setup
 
 CPU = torch.device("cpu")

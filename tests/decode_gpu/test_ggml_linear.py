@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from decode_gpu.model import ggml_linear
-from decode_gpu.model.weight_quant import _measured_cpu_plan, held_weight_dtype, quantize_model, weight_bytes
+from decode_gpu.model.weight_plan import _measured_cpu_plan
+from decode_gpu.model.weight_quant import held_weight_dtype, quantize_model, weight_bytes
 from tiny_llama import TINY_LLAMA
 
 CPU = torch.device("cpu")
@@ -110,16 +111,16 @@ def test_the_cpu_measurement_weighs_q8_0_against_torch_kernels_and_float():
 
 
 def test_auto_on_the_cpu_measures_q8_0_only_where_ggml_loads(monkeypatch):
-    from decode_gpu.model import weight_quant
+    from decode_gpu.model import weight_plan
     seen = []
 
     def measured(model, max_batch, kinds, head_int8):
         seen.append(kinds)
-        return weight_quant.WeightPlan("float", "measured")
+        return weight_plan.WeightPlan("float", "measured")
 
-    monkeypatch.setattr(weight_quant, "_measured_cpu_plan", measured)
-    types = weight_quant.GGUFWeightTypes(frozenset({"Q4_1"}), "Q8_0")
-    weight_quant.auto_weight_plan(CPU, types, model=nn.Linear(32, 32))
+    monkeypatch.setattr(weight_plan, "_measured_cpu_plan", measured)
+    types = weight_plan.GGUFWeightTypes(frozenset({"Q4_1"}), "Q8_0")
+    weight_plan.auto_weight_plan(CPU, types, model=nn.Linear(32, 32))
     monkeypatch.setattr(ggml_linear, "available", lambda: False)
-    weight_quant.auto_weight_plan(CPU, types, model=nn.Linear(32, 32))
+    weight_plan.auto_weight_plan(CPU, types, model=nn.Linear(32, 32))
     assert seen == [("int4", "q8_0"), ("int4",)]

@@ -9,8 +9,11 @@ import torch
 from torch import nn
 
 from decode_gpu.model import ggml_linear
-from decode_gpu.model.weight_quant import (Int4Linear, Int8Embedding, Int8Linear, PackedLinear, _measured_cpu_plan,
-                                     held_weight_dtype, pack_linears, packs, quantize_model, weight_bytes)
+from decode_gpu.model.int4_linear import Int4Linear
+from decode_gpu.model.int8_linear import Int8Embedding, Int8Linear
+from decode_gpu.model.packed_linear import PackedLinear, pack_linears, packs
+from decode_gpu.model.weight_plan import _measured_cpu_plan
+from decode_gpu.model.weight_quant import held_weight_dtype, quantize_model, weight_bytes
 from embedded_continuations import POSITIONS, greedy_continuations
 from tiny_llama import TINY_LLAMA, greedy_tokens, handoff
 
@@ -64,6 +67,7 @@ def test_the_engine_decodes_quantized_weights_as_transformers_generate_does(weig
     if weights == "q8_0" and not ggml_linear.available():
         pytest.skip("llama-cpp-python's ggml libraries not found")
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from contracts.identity import GGUFIdentity
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
@@ -152,7 +156,7 @@ def test_layers_prebuilt_by_the_cpu_measurement_give_the_model_it_would_have_bui
 
 def test_the_weight_types_of_a_gguf_set_the_int4_head(embedded_model_path):
     """The embedded GGUF: Q4_1 layers, a Q8_0 embedding that is also its head. Only an affine 4-bit head goes int4."""
-    from decode_gpu.model.weight_quant import GGUFWeightTypes, gguf_weight_types
+    from decode_gpu.model.weight_plan import GGUFWeightTypes, gguf_weight_types
     types = gguf_weight_types(str(embedded_model_path))
     assert types == GGUFWeightTypes(frozenset({"Q4_1"}), "Q8_0") and types.head_int8
     assert not GGUFWeightTypes(frozenset({"Q4_K", "Q6_K"}), "Q4_K").head_int8
@@ -178,7 +182,7 @@ def test_without_a_packed_int8_kernel_an_int4_model_keeps_its_head_int4(monkeypa
     prefiller = Prefiller(PrefillConfig(str(embedded_model_path), n_ctx=64, kv_type="f16"))
     identity = prefiller.identity
     prefiller.close()
-    monkeypatch.setattr(weight_quant, "_int8_kernel_works", lambda device, dtype: False)
+    monkeypatch.setattr(weight_quant, "int8_kernel_works", lambda device, dtype: False)
     model, report = weight_quant.load_weights(identity, CPU, torch.bfloat16, "int4", 1)
     assert isinstance(model.get_output_embeddings(), Int4Linear) and report.weight_dtype == "int4"
     assert "no packed int8 kernel" in caplog.text

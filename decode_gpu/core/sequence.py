@@ -32,10 +32,12 @@ class Sequence:
     num_swapped_blocks: int = 0  # blocks held in host swap space while SWAPPED
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     seed: int = 0  # int64 the sampler keys its noise with: the request's seed, or one drawn at admission
-    meta: dict = field(default_factory=dict)  # timing and logprob bookkeeping filled by the engine
+    # the engine's parts keep their per-sequence state here: "text" (IncrementalText, admission), "matcher" (the
+    # grammar matcher of a structured request, admission), "draft" (speculator), "prefix_hashes" (scheduler)
+    meta: dict = field(default_factory=dict)
     request_id: str = ""  # the request this sequence is a choice of ("": seq_id)
     index: int = 0  # which choice (n > 1)
-    forks: list["Sequence"] = field(default_factory=list)  # choices that share this one's prompt KV once imported
+    forks: list[Sequence] = field(default_factory=list)  # choices that share this one's prompt KV once imported
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

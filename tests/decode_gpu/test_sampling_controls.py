@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from contracts.handoff import SamplingParams
+from decode_gpu.engine import DecodeEngine
 from decode_gpu.sample.sampler import apply_controls, sample_rows
 from decode_gpu.sample.sampling_params import Controls, SamplingBatch, SamplingRow
 from fake_runner import expected_tokens, fake_handoff, make_engine
@@ -109,8 +110,8 @@ def test_min_tokens_bans_the_end_token_and_ignore_eos_runs_past_it():
     prompt = [5, 9, 4]
     want = expected_tokens(prompt, 8)
     eos = want[3]  # the fabricated model's 4th token plays end-of-sequence
-    engine, _ = make_engine()
-    engine.eos_token_ids = frozenset({eos})
+    engine, runner = make_engine()
+    engine = DecodeEngine(runner, engine.config, eos_token_ids=(eos,))
     assert _run(engine, fake_handoff("plain", prompt, 8)) == want[:4]  # ends at eos
     handoff = fake_handoff("ignore", prompt, 8)
     handoff = dataclasses.replace(handoff, sampling=dataclasses.replace(handoff.sampling, ignore_eos=True))

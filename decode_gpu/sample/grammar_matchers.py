@@ -1,0 +1,40 @@
+"""Each constrained choice's grammar matcher and the step's token bitmask, from one set of grammar tables.
+
+The tokenizer's tables take seconds to build, so they are built on the first structured request, not at start-up
+(an engine that never sees one never pays for them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode_gpu.core.sequence import Sequence
+from decode_gpu.sample.structured import Grammars
+
+
+class GrammarMatchers:
+    def __init__(self, tokenizer, runner, stop_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.runner = runner  # its model's vocabulary sizes the masks (read on first use: test runners have no model)
+        self.stop_token_ids = stop_token_ids  # the tokens that complete a grammar
+        self._grammars: Grammars | None = None
+
+    def matcher(self, seq: Sequence):
+        """The sequence's grammar matcher, having taken the first token (which the prefill worker masked); a
+        GrammarError or ValueError when the constraint does not compile or the first token does not fit."""
+        matcher = self._built().matcher(*seq.sampling.structured)
+        if not matcher.accept_token(seq.tokens[-1]):
+            raise ValueError(f"the first token {seq.tokens[-1]} does not fit the constraint")
+        return matcher
+
+    def bitmask(self, matchers: list, device: torch.device) -> tuple[list[int], torch.Tensor]:
+        """The rows that have a matcher (None: unconstrained) and the batch's bitmask on the device
+        # [len(matchers), ceil(vocab / 32)] int32"""
+        return self._built().bitmask(matchers, device)
+
+    def _built(self) -> Grammars:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer to build token masks with")
+            self._grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size, self.stop_token_ids)
+        return self._grammars

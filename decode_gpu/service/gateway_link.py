@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from contracts.framing import pack
 from contracts.messages import Token
@@ -23,7 +23,7 @@ DEFAULT_QUEUE_BYTES = 32 << 20
 
 class GatewayLink:
     def __init__(self, writer: asyncio.StreamWriter, max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 on_close: Callable[["GatewayLink", str], None] = lambda link, why: None) -> None:
+                 on_close: Callable[[GatewayLink, str], None] = lambda link, why: None) -> None:
         self.writer = writer
         self.max_queue_bytes = max_queue_bytes
         self.on_close = on_close  # called once, on the loop, when the link closes for any reason

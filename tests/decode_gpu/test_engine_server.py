@@ -231,7 +231,7 @@ class Harness:
 
     async def gateway(self):
         reader, writer = await self.connect("gateway")
-        await until(lambda: len(self.service.links) > 0)
+        await until(lambda: len(self.service.gateways.links) > 0)
         return reader, writer
 
     async def __aexit__(self, *exc) -> None:
@@ -324,21 +324,21 @@ def test_a_gateway_that_falls_behind_is_dropped_and_its_endings_wait_for_the_nex
         async with Harness(tmp_path, engine, max_queue_bytes=limit) as harness:
             service = harness.service
             stalled, _ = await harness.gateway()  # never reads
-            link = next(iter(service.links))
+            link = next(iter(service.gateways.links))
 
             async def stream_until(condition):
                 for _ in range(1000):  # far more than the socket buffers and the queue hold
                     if condition():
                         return
-                    service._send_events([TokenEvent("streaming", (5,), big)])
+                    service.gateways.send_events([TokenEvent("streaming", (5,), big)])
                     await asyncio.sleep(0)  # let the sender task write what the socket takes
                 raise AssertionError("the queue never filled")
 
             await stream_until(lambda: len(link.queue) > 1)  # the socket is full: the sender waits in drain
-            service._send_events([TokenEvent.ending("done", FinishReason.STOP)])  # queued behind the stream
+            service.gateways.send_events([TokenEvent.ending("done", FinishReason.STOP)])  # queued behind the stream
             await stream_until(lambda: link.num_queued_bytes + len(big) > limit)
-            service._send_events([TokenEvent("last", (6,), big, FinishReason.LENGTH)])  # the one that overflows
-            assert link.closed and not service.links and link.num_queued_bytes <= limit
+            service.gateways.send_events([TokenEvent("last", (6,), big, FinishReason.LENGTH)])  # the one that overflows
+            assert link.closed and not service.gateways.links and link.num_queued_bytes <= limit
             got_through = []
             while (message := await read_message(stalled)) is not None:  # what got through, then the end
                 got_through.append(message.event.request_id)
@@ -361,7 +361,7 @@ def test_requests_live_when_the_last_gateway_leaves_end_with_a_clear_error(tmp_p
             while (await read_message(gateway)).event.request_id != "long":
                 pass
             gateway_writer.close()
-            await until(lambda: "long" in harness.service.pending_endings)
+            await until(lambda: "long" in harness.service.gateways.pending_endings)
             gateway, _ = await harness.gateway()
             events = await read_until_ended(gateway, ["long"])
             await until(lambda: harness.service.snapshot.kv_blocks_used == 0)

@@ -13,7 +13,7 @@ import json
 import os
 from datetime import datetime, timezone
 
-from edge.gateway import RequestRecord
+from edge.request_record import RequestRecord
 from policies.enforcer import PolicyEnforcer
 
 

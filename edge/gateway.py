@@ -15,62 +15,25 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from edge.affinity import prefix_key
-from edge.config import ServeConfig
-from edge.engine_client import EngineClient
-from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
-from edge.metrics import Metrics
-from edge.openai_api import ApiError, GenerateRequest
 from contracts.events import EngineStats, FinishReason, TokenEvent
 from contracts.handoff import SamplingParams
 from contracts.messages import ChatMessage, PrefillDone, PrefillFailed, PrefillJob, Recompute
 from contracts.tasks import spawn
+from edge.affinity import prefix_key
+from edge.api_errors import decode_error, policy_error, prefill_error
+from edge.config import ServeConfig
+from edge.engine_client import EngineClient
+from edge.gauges import EMPTY_STATS, refresh_gauges
+from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
+from edge.metrics import Metrics
+from edge.openai_api import ApiError, GenerateRequest
 from edge.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
+from edge.request_record import RequestRecord, ended_record
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.quota import key_id
 from policies.signals import TTFTWindow, box_signals
 
 log = logging.getLogger("edge.gateway")
-PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, code)
-    "prompt_too_long": (413, "invalid_request_error", "context_length_exceeded"),
-    "context_exceeded": (400, "invalid_request_error", "context_length_exceeded"),
-    "bad_prompt": (400, "invalid_request_error", "invalid_prompt"),
-    "worker_died": (503, "server_error", "prefill_worker_died"),
-    "worker_stuck": (503, "server_error", "prefill_worker_stuck"),
-    "engine_unavailable": (503, "server_error", "engine_unavailable"),
-    "internal": (500, "server_error", "prefill_failed"),
-    "cancelled": (499, "server_error", "cancelled"),
-    "recompute_failed": (503, "server_error", "kv_cache_full"),  # a preempted request could not be prefilled again
-}
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """How one request ended, for the gateway's observers (audit log, status page). It never holds the API key
-    (key_id is a hash of it); prompt_text is the client's text, for an observer to hash or, if told to, keep."""
-    time: float  # wall clock (epoch seconds) at the end
-    request_id: str  # "" for a request refused before it got one
-    key_id: str | None  # "sha256:<16 hex>" of the bearer token; None without one
-    client_class: str  # "" when refused before the policy chose one
-    tenant: str | None
-    model: str
-    kind: str  # "chat" or "completion"
-    client: str  # the peer's address
-    status: str  # "finished", "aborted", "failed" or "rejected"
-    finish_reason: str  # "stop", "length", "abort", "error", or the error code of a refusal
-    http_status: int  # 200 for a finished request, else the status answered (0: the client went away)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    degradation: tuple[str, ...] = ()  # what the degradation tier changed
-    tier: str = ""
-    priority: int = 0
-    ttft_s: float | None = None
-    tpot_s: float | None = None  # mean time per output token after the first
-    e2e_s: float | None = None
-    prompt_text: str = ""
-    # wall-clock times (epoch seconds) of the request's phases that happened: created, prefill_started (the
-    # last dispatch to a worker), handed_off, first_token; the end is `time`
-    marks: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -129,7 +92,7 @@ class Gateway:
         try:
             decision = self.enforcer.decide(facts, {self.model_name})
         except PolicyRejection as err:
-            raise _api_error(err) from None
+            raise policy_error(err) from None
         try:
             run = self._queue(request, decision)
         except ApiError:
@@ -240,13 +203,13 @@ class Gateway:
             remaining = run.deadline - time.monotonic()
             try:
                 message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} s",
                                error_type="server_error", code="timeout") from None
             if isinstance(message, PrefillDone):
                 self._prefilled(run, message)
             elif isinstance(message, PrefillFailed):
-                raise self._prefill_error(message)
+                raise prefill_error(message)
             else:
                 return self._token(run, message)
 
@@ -267,14 +230,6 @@ class Gateway:
         m.label(m.handoff_bytes).observe(done.handoff_bytes)
         m.label(m.handoff_seconds).observe(done.handoff_ms / 1e3)
 
-    def _prefill_error(self, failed: PrefillFailed) -> ApiError:
-        status, error_type, code = PREFILL_FAILURES.get(failed.kind, (500, "server_error", failed.kind))
-        message = failed.message
-        if failed.kind == "prompt_too_long":
-            message = (f"the prompt has {failed.num_prompt_tokens} tokens, more than the limit of {failed.limit}")
-        param = {"prompt_too_long": "messages", "context_exceeded": "max_tokens"}.get(failed.kind)
-        return ApiError(status, message, param, code, error_type)
-
     def _token(self, run: Run, event: TokenEvent) -> TokenEvent:
         now = time.perf_counter()
         inflight, m = run.inflight, self.metrics
@@ -289,7 +244,7 @@ class Gateway:
             m.label(m.generation_tokens).inc(len(event.token_ids))
         inflight.advance(RequestStatus.DECODING)
         if event.finish_reason is FinishReason.ERROR:
-            raise _decode_error(event)
+            raise decode_error(event)
         if event.finish_reason is FinishReason.ABORT:
             raise ApiError(503, "the request was aborted by the server (shutting down or restarting)",
                            error_type="server_error", code="aborted")
@@ -303,7 +258,7 @@ class Gateway:
         was = inflight.status
         if not inflight.advance(status):
             return
-        self._notify(self._record(run, status, reason, usage or {}, error))
+        self._notify(ended_record(run, status, reason, usage or {}, error))
         self.enforcer.release(run.decision)
         if status is not RequestStatus.FINISHED:
             if was <= RequestStatus.PREFILLING:
@@ -329,24 +284,6 @@ class Gateway:
             request.model if request else "", request.kind if request else "", http.remote or "", "rejected",
             err.code or "", err.status, prompt_text=request.user_text if request else ""))
 
-    def _record(self, run: Run, status: RequestStatus, reason: str, usage: dict, error: ApiError | None):
-        inflight, now = run.inflight, time.perf_counter()
-        completion = usage.get("completion_tokens", 0)
-        ttft = inflight.first_token_at - inflight.created if inflight.first_token_at is not None else None
-        tpot = None
-        if completion > 1 and inflight.first_token_at is not None and inflight.last_token_at is not None:
-            tpot = (inflight.last_token_at - inflight.first_token_at) / (completion - 1)
-        http_status = 200 if status is RequestStatus.FINISHED else error.status if error is not None else 0
-        wall = time.time()
-        marks = tuple((name, wall - (now - at)) for name, at in (
-            ("created", inflight.created), ("prefill_started", inflight.prefill_started_at),
-            ("handed_off", inflight.handed_off_at), ("first_token", inflight.first_token_at)) if at is not None)
-        return RequestRecord(wall, inflight.request_id, run.key_id, run.decision.client_class, run.tenant,
-                             run.request.model, run.request.kind, run.client, status.name.lower(), reason,
-                             http_status, usage.get("prompt_tokens", 0), completion, run.decision.notes,
-                             run.decision.tier, inflight.priority, ttft, tpot, now - inflight.created,
-                             run.request.user_text, marks)
-
     def _notify(self, record: RequestRecord) -> None:
         for observer in self.observers:
             try:
@@ -355,60 +292,11 @@ class Gateway:
                 log.exception("request observer %r failed", observer)
 
     def refresh_metrics(self) -> None:
-        m, stats = self.metrics, self.engine_stats
-        m.label(m.prefill_queue).set(self.pool.queue_length)
-        m.label(m.prefill_tps).set(self.pool.tokens_per_s)
-        waiting, used, total = self._load()
-        m.label(m.waiting).set(waiting)
-        m.label(m.running).set(stats.num_running)
-        m.label(m.kv_blocks_used).set(used)
-        m.label(m.kv_blocks_total).set(total)
-        m.label(m.kv_usage).set(used / total if total else 0.0)
-        m.preemptions_seen = _advance_counter(m.label(m.preemptions), m.preemptions_seen, stats.num_preemptions)
-        totals = {"pool_queries": (m.label(m.prefix_cache_queries, where="pool"), stats.prefix_cache_queries),
-                  "pool_hits": (m.label(m.prefix_cache_hits, where="pool"), stats.prefix_cache_hits),
-                  "drafts": (m.label(m.spec_drafts), stats.num_spec_drafts),
-                  "draft_tokens": (m.label(m.spec_draft_tokens), stats.num_spec_draft_tokens),
-                  "accepted": (m.label(m.spec_accepted_tokens), stats.num_spec_accepted_tokens)}
-        for key, (counter, total) in totals.items():
-            m.engine_totals_seen[key] = _advance_counter(counter, m.engine_totals_seen.get(key, 0), total)
-        m.label(m.decode_tps).set(stats.tokens_per_s)
-        m.label(m.decode_yielded).set(stats.decode_yielded_s)
-        m.label(m.tier).set(self.enforcer.evaluator.state.index + 1)
-        for name, client in getattr(self.engine, "clients", {}).items():
-            own = client.stats or EMPTY_STATS
-            m.label(m.engine_up, engine=name).set(1 if client.state == "ready" else 0)
-            m.label(m.engine_running, engine=name).set(own.num_running)
-            m.label(m.engine_waiting, engine=name).set(own.num_waiting)
-            m.label(m.engine_kv_usage, engine=name).set(own.kv_blocks_used / own.kv_blocks_total
-                                                        if own.kv_blocks_total else 0.0)
-
-
-EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
-
-
-def _decode_error(event: TokenEvent) -> ApiError:
-    """A full or restarting engine is availability (503, retry shortly); anything else is a failure of this
-    request (500)."""
-    if event.error_code in ("engine_busy", "kv_cache_full", "engine_unavailable"):
-        return ApiError(503, f"the decode engine cannot serve this request now: {event.error}",
-                        error_type="server_error", code=event.error_code, headers={"Retry-After": "2"})
-    return ApiError(500, f"decoding failed: {event.error}", error_type="server_error", code="decode_failed")
-
-
-def _advance_counter(counter, seen: int, total: int) -> int:
-    """Mirror an engine-side running total into a Prometheus counter (a restarted engine starts again at 0)."""
-    counter.inc(max(0, total - seen) if total >= seen else total)
-    return total
+        """Bring /metrics up to date before a scrape (edge/gauges.py)."""
+        refresh_gauges(self)
 
 
 def _bearer(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     return header[7:].strip() if header.lower().startswith("bearer ") else None
 
-
-def _api_error(err: PolicyRejection) -> ApiError:
-    error_type = {401: "authentication_error", 403: "content_policy_violation", 429: "rate_limit_error",
-                  503: "server_error"}.get(err.status, "invalid_request_error")
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else {}
-    return ApiError(err.status, err.message, err.param, err.code, error_type, headers)

@@ -18,7 +18,8 @@ from importlib import resources
 from aiohttp import web
 
 from contracts.tasks import spawn
-from edge.gateway import Gateway, RequestRecord
+from edge.gateway import Gateway
+from edge.request_record import RequestRecord
 
 log = logging.getLogger("edge.status")
 WINDOW_S = 900.0  # what the charts and the per-class windows cover

@@ -263,8 +263,8 @@ def test_engine_stats_are_read_only_on_the_engine_thread():
                                          ("", 500)])
 def test_a_full_engine_is_a_503_and_a_broken_request_a_500(code, status):
     from contracts.events import TokenEvent
-    from edge.gateway import _decode_error
-    error = _decode_error(TokenEvent.ending("r1", FinishReason.ERROR, "why", error_code=code))
+    from edge.api_errors import decode_error
+    error = decode_error(TokenEvent.ending("r1", FinishReason.ERROR, "why", error_code=code))
     assert error.status == status and ("Retry-After" in error.headers) == (status == 503)
 
 

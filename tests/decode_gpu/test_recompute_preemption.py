@@ -154,6 +154,7 @@ def wait_decoding(server) -> bool:
 def test_a_recompute_that_cannot_be_queued_ends_its_request_with_503_saying_why():
     """A full prefill queue: the handler gets a 503 kv_cache_full naming the preemption, not a silent abort."""
     from contracts.messages import PrefillFailed, Recompute
+    from edge.api_errors import prefill_error
     from edge.config import ServeConfig
     from edge.engine_client import EngineClient
     from edge.gateway import Gateway
@@ -175,5 +176,5 @@ def test_a_recompute_that_cannot_be_queued_ends_its_request_with_503_saying_why(
     engine.on_recompute(Recompute("r", 0, (1, 2, 3), SamplingParams(), 5), engine)
     failed = registry.get("r").events.get_nowait()
     assert isinstance(failed, PrefillFailed) and failed.kind == "recompute_failed"
-    error = gateway._prefill_error(failed)
+    error = prefill_error(failed)
     assert (error.status, error.code) == (503, "kv_cache_full") and "could not be queued again" in error.message

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from edge.app import _enforcer
 from edge.audit import AuditLog, RotatingFile, quota_state_path
 from edge.config import ServeConfig
-from edge.gateway import Gateway, RequestRecord, key_id
+from edge.gateway import Gateway, key_id
 from edge.openai_api import ApiError, parse_request
+from edge.request_record import RequestRecord
 from policies.enforcer import PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.loader import PolicyError, load_policy, parse_policy
 from policies.quota import TokenQuotas

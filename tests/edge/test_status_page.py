@@ -20,15 +20,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from edge.config import ServeConfig
-from edge.gateway import Gateway, RequestRecord
+from edge.gateway import Gateway
 from edge.lifecycle import InFlightRegistry
 from edge.metrics import Metrics
+from edge.request_record import RequestRecord
 from edge.routes import add_routes
 from edge.state import GATEWAY
 from edge.status import WINDOW_S, StatusBoard
 from policies.enforcer import PolicyEnforcer
 from policies.schema import Policy, Tier
-
 from server_process import ServerProcess, wait_for
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

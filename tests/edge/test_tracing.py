@@ -9,7 +9,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from edge.gateway import RequestRecord
+from edge.request_record import RequestRecord
 
 pytest.importorskip("opentelemetry.sdk", reason="OpenTelemetry is the optional [tracing] extra")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402

@@ -82,7 +82,7 @@ bench-decode: $(STAMP)
 
 # llama.cpp's own server for the serving benchmark (built once, cached in ~/.cache/edge-llm)
 llama-server: $(STAMP)
-	$(PY) -m bench.build_llama_server
+	$(PY) -m checks.llama_server
 
 bench-serving: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"

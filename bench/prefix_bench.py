@@ -20,31 +20,17 @@ import time
 
 import torch
 
-from contracts.handoff import SamplingParams, decode_handoff, encode_handoff
+from checks.shared_prefix import BLOCK, N_REQUESTS, SYSTEM_TOKENS, shared_prefix_handoffs
+from contracts.handoff import decode_handoff, encode_handoff
 from contracts.kv_dtypes import kv_dtype
 from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from prefill_cpu.embedded_model import embedded_model_path
-from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
+from prefill_cpu.prefiller import PrefillConfig, Prefiller
 
-SYSTEM = ("You are the appliance's assistant. Answer in plain words, cite the manual's section numbers, never "
-          "invent a setting that the configuration reference does not list, and say so when you do not know. ")
-N_REQUESTS, SYSTEM_TOKENS, BLOCK, OUTPUT = 16, 300, 16, 16
 CPU = torch.device("cpu")
-
-
-def shared_prefix_handoffs(prefiller: Prefiller) -> list:
-    """N_REQUESTS greedy handoffs: one SYSTEM_TOKENS system prompt, then a question each (tests/test_prefix_caching.py
-    uses them too)."""
-    system = prefiller.tokenize(SYSTEM * 10)[:SYSTEM_TOKENS]
-    handoffs = []
-    for i in range(N_REQUESTS):
-        question = prefiller.tokenize(f" Question {i}: how do I change setting number {i * 7}?")
-        params = SamplingParams(temperature=0.0, max_tokens=OUTPUT)
-        handoffs.append(prefiller.prefill(PrefillRequest(f"q{i:02d}", tuple(system + question), params)).handoff)
-    return handoffs
 
 
 def run_engine(identity, model, handoffs, prefix_caching: bool) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.build_llama_server import build as build_llama_server
+from checks.llama_server import build as build_llama_server
 
 
 def free_port() -> int:

@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from bench.prefix_bench import BLOCK, N_REQUESTS, SYSTEM_TOKENS, shared_prefix_handoffs
+from checks.shared_prefix import BLOCK, N_REQUESTS, SYSTEM_TOKENS, shared_prefix_handoffs
+from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.core.scheduler import SchedulerConfig
 from prefill_cpu.prefiller import PrefillConfig, Prefiller
 
 CPU = torch.device("cpu")

@@ -1,9 +1,9 @@
 """Build llama.cpp's own `llama-server` from the llama.cpp source inside the pinned llama-cpp-python sdist.
 
-    .venv/bin/python -m bench.build_llama_server      # prints the binary's path; cached after the first build
+    .venv/bin/python -m checks.llama_server      # prints the binary's path; cached after the first build
 
-Same llama.cpp version as our prefill workers, so the comparison is engine against engine, not
-version against version. The build takes several minutes on 2 cores, once.
+Same llama.cpp version as our prefill workers, so the comparison (bench/serving_bench.py, bench/systems.py) is
+engine against engine, not version against version. The build takes several minutes on 2 cores, once.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from decode_gpu.kv.importer import check_handoff_matches
 from decode_gpu.model.weight_quant import held_weight_dtype, weight_bytes
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.sample.grammar_matchers import GrammarMatchers
-from decode_gpu.sample.sampler import SampledRow
-from decode_gpu.sample.sampling_params import resolve_seed
 from decode_gpu.sample.step_sampler import StepSampler
+from sampling.sampler import SampledRow
+from sampling.sampling_params import resolve_seed
 
 __all__ = ["DecodeEngine", "EngineConfig", "HandoffRejectedError"]  # the error is admission's, raised through here
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from decode_gpu.core.detokenizer import IncrementalText
 from decode_gpu.core.sequence import Sequence
 
 if TYPE_CHECKING:
-    from decode_gpu.sample.sampler import SampledRow
+    from sampling.sampler import SampledRow
 
 
 @dataclass(frozen=True)

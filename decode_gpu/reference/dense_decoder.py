@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from contracts.handoff import SamplingParams
-from decode_gpu.sample.sampler import make_generator, sample_token
+from sampling.sampler import make_generator, sample_token
 
 
 @torch.inference_mode()

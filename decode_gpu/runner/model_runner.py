@@ -34,8 +34,8 @@ from decode_gpu.kv.pool import KVPool, PoolShape, device_index
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
 from decode_gpu.runner.step_inputs import StepInputs
-from decode_gpu.sample.sampler import sample_rows
-from decode_gpu.sample.sampling_params import SamplingBatch, SamplingRow
+from sampling.sampler import sample_rows
+from sampling.sampling_params import SamplingBatch, SamplingRow
 
 log = logging.getLogger(__name__)
 PROFILE_LOGPROBS = 20  # the profiling forward samples with this many top logprobs, OpenAI's maximum

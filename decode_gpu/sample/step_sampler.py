@@ -16,8 +16,8 @@ import torch
 from decode_gpu.core.output import StopRules
 from decode_gpu.core.sequence import Sequence
 from decode_gpu.sample.grammar_matchers import GrammarMatchers
-from decode_gpu.sample.sampler import SampledRow, sample_rows
-from decode_gpu.sample.sampling_params import SamplingBatch, SamplingRow
+from sampling.sampler import SampledRow, sample_rows
+from sampling.sampling_params import SamplingBatch, SamplingRow, banned_end_tokens
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class StepSampler:
     def sample(self, rows: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[SampledRow]:
         """Every row's token. # logits: [len(rows), vocab]"""
         try:
-            return sample_rows(logits, self._batch(rows, logits.device))
+            return sample_rows(logits, self._batch(rows, logits))
         except Exception:
             log.exception("batched sampling failed; sampling each row alone")
             return [self._sample_alone(row, logits_row) for row, logits_row in zip(rows, logits)]
@@ -38,23 +38,24 @@ class StepSampler:
     def _sample_alone(self, row: tuple[Sequence, list[int]], logits: torch.Tensor) -> SampledRow:  # logits: [vocab]
         """One row through the sampler by itself: an error here becomes this row's problem."""
         try:
-            return sample_rows(logits[None], self._batch([row], logits.device))[0]
+            return sample_rows(logits[None], self._batch([row], logits[None]))[0]
         except Exception as err:
             return SampledRow(-1, str(err) or type(err).__name__)
 
-    def _batch(self, rows: list[tuple[Sequence, list[int]]], device: torch.device) -> SamplingBatch:
+    def _batch(self, rows: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> SamplingBatch:
         # the position of the token being sampled keys its noise: the same seed and prompt give the same
         # tokens in any batch, after preemption, and with or without speculation
-        batch = SamplingBatch.build([self._row(seq, ahead) for seq, ahead in rows], device)
+        vocab, device = logits.shape[-1], logits.device  # logits: [n, vocab]
+        batch = SamplingBatch.build([self._row(seq, ahead, vocab) for seq, ahead in rows], device)
         matchers = [seq.meta.get("matcher") for seq, _ in rows]  # a structured sequence never has a draft
         if any(m is not None for m in matchers):
             batch = dataclasses.replace(batch, token_mask=self.matchers.bitmask(matchers, device))
         return batch
 
-    def _row(self, seq: Sequence, ahead: list[int]) -> SamplingRow:
+    def _row(self, seq: Sequence, ahead: list[int], vocab: int) -> SamplingRow:
         """The draw after seq's tokens and then `ahead`: what the step would sample there were they accepted."""
         position = len(seq.tokens) + len(ahead)
-        ban = self.stops.banned(seq, position)
+        ban = banned_end_tokens(seq.sampling, position - seq.prompt_len, tuple(self.stops.eos_token_ids), vocab)
         row = SamplingRow(seq.sampling, seq.seed, position, seq.tokens, seq.prompt_len, ban)
         # penalties count the draft tokens ahead as context (the tokens are read only by penalized rows)
         return dataclasses.replace(row, tokens=[*seq.tokens, *ahead]) if ahead and row.penalized else row

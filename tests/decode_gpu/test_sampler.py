@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from test_engine_server import run_engine
 
-from decode_gpu.sample.sampler import NOISE_ROWS, PROBLEMS, filter_scores, sample_packed, sample_rows
-from decode_gpu.sample.sampling_params import SamplingBatch, SamplingRow, resolve_seed
-from decode_gpu.sample.seeded_noise import GOLDEN, mix64
 from contracts.events import FinishReason
 from contracts.handoff import SamplingParams as P
 from fake_runner import expected_tokens, fake_handoff, make_engine
-from test_engine_server import run_engine
+from sampling.sampler import NOISE_ROWS, PROBLEMS, filter_scores, sample_packed, sample_rows
+from sampling.sampling_params import SamplingBatch, SamplingRow, resolve_seed
+from sampling.seeded_noise import GOLDEN, mix64
 
 CPU = torch.device("cpu")
 MASK64 = (1 << 64) - 1

@@ -8,9 +8,9 @@ import torch
 
 from contracts.handoff import SamplingParams
 from decode_gpu.engine import DecodeEngine
-from decode_gpu.sample.sampler import apply_controls, sample_rows
-from decode_gpu.sample.sampling_params import Controls, SamplingBatch, SamplingRow
 from fake_runner import expected_tokens, fake_handoff, make_engine
+from sampling.sampler import apply_controls, sample_rows
+from sampling.sampling_params import Controls, SamplingBatch, SamplingRow
 
 VOCAB = 50
 CPU = torch.device("cpu")

@@ -13,13 +13,21 @@ import pytest
 import torch
 
 from contracts.handoff import SamplingParams
+from decode_gpu.core.speculative import (
+    DraftState,
+    NgramIndex,
+    SpecConfig,
+    StepCosts,
+    accepted_length,
+    measurement_rows,
+    plan_drafts,
+    propose_ngram,
+)
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.sample.sampler import sample
-from decode_gpu.sample.sampling_params import SamplingBatch, SamplingRow
 from decode_gpu.service.server import parse_args, spec_config
-from decode_gpu.core.speculative import (DraftState, NgramIndex, SpecConfig, StepCosts, accepted_length, measurement_rows,
-                                    plan_drafts, propose_ngram)
+from sampling.sampler import sample
+from sampling.sampling_params import SamplingBatch, SamplingRow
 from tiny_llama import handoff, tiny_engine_setup
 
 # every proposal drafted in full (no cost model): the tests of exactness and accounting want drafts every step

@@ -1,5 +1,11 @@
-"""Next-token choice for a whole batch on the device: greedy, temperature, top-k, top-p, seeded noise, logprobs.
+"""Next-token choice for a whole batch: the output controls, the grammar mask, temperature, min-p, top-k, top-p,
+seeded noise, logprobs. The one implementation of these: the decode engine samples each step's rows with it on the
+device, the prefill worker each choice's first token on the host (a torch view of llama.cpp's logits).
 
+The order, per row (`sample`): logit_bias adds, the repetition penalty scales, presence and frequency penalties
+subtract, min_tokens bans the end tokens (-inf, whatever came before), the grammar mask removes what it forbids
+(the last step that changes values, so no control brings a forbidden token back), then temperature scales, min-p,
+top-k and top-p drop tokens (of those the mask left), and the seeded draw picks.
 Everything runs as batched tensor ops, and the host reads the result with one device-to-host copy per step
 (`sample_rows`). A row whose logits cannot be sampled is flagged, not raised, so it fails alone.
 """
@@ -10,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_gpu.sample.sampling_params import Controls, SamplingBatch, SamplingRow, resolve_seed
-from decode_gpu.sample.seeded_noise import race_noise
-from decode_gpu.sample.structured import apply_mask
 from contracts.handoff import SamplingParams
+from sampling.sampling_params import Controls, SamplingBatch, SamplingRow, resolve_seed
+from sampling.seeded_noise import race_noise
+from sampling.token_mask import apply_mask
 
 # what a row's problem code means; 0 is none
 PROBLEMS = {1: "the model produced NaN logits", 2: "the model produced infinite logits",
@@ -72,8 +78,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
 
 
 def apply_controls(logits: torch.Tensor, controls: Controls) -> torch.Tensor:
-    """Banned end tokens, then logit_bias, then the penalties, on a copy of the raw logits (logprobs keep the raw
-    ones). # logits: [n, vocab] float32 -> [n, vocab]"""
+    """logit_bias, then the penalties, then the banned end tokens (-inf whatever came before), on a copy of the raw
+    logits (logprobs keep the raw ones). # logits: [n, vocab] float32 -> [n, vocab]"""
     out = logits.clone()
     out.index_put_((controls.bias_rows, controls.bias_ids), controls.bias, accumulate=True)
     if controls.penalty_rows.numel():

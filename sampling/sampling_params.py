@@ -1,4 +1,5 @@
-"""One step's per-row sampling parameters as device tensors, built once per step from the sequences."""
+"""A batch's per-row sampling parameters as tensors, built once per step from the sequences (or once per prompt
+for the first tokens), and the one rule of which tokens min_tokens bans."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decode_gpu.sample.seeded_noise import row_keys
 from contracts.handoff import GREEDY_BELOW, SamplingParams, choice_seed
+from sampling.seeded_noise import row_keys
 
 
 def resolve_seed(params: SamplingParams, index: int = 0) -> int:
@@ -21,6 +22,17 @@ def resolve_seed(params: SamplingParams, index: int = 0) -> int:
     return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+def banned_end_tokens(params: SamplingParams, num_output: int, end_token_ids: Sequence[int],
+                      vocab_size: int) -> tuple[int, ...]:
+    """The tokens a draw may not take because they would end the answer before min_tokens are out: the stop ids and
+    the model's end tokens (those only without ignore_eos, with which they end nothing). num_output: the tokens out
+    before this draw; ids outside the vocabulary cannot be drawn anyway."""
+    if num_output >= params.min_tokens:
+        return ()
+    ends = {*params.stop_token_ids, *(() if params.ignore_eos else end_token_ids)}
+    return tuple(sorted(t for t in ends if 0 <= t < vocab_size))
+
+
 @dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs from one sequence this step."""
@@ -29,7 +41,7 @@ class SamplingRow:
     position: int  # the position of the token being sampled: with the seed, it keys this draw's noise
     tokens: Sequence[int] = ()  # prompt then output tokens so far (read only when a penalty is on)
     prompt_len: int = 0
-    ban: tuple[int, ...] = ()  # token ids this draw may not take (end tokens before min_tokens)
+    ban: tuple[int, ...] = ()  # token ids this draw may not take (banned_end_tokens)
 
     @property
     def penalized(self) -> bool:
@@ -54,7 +66,7 @@ class Controls:
     min_p: torch.Tensor | None  # [n] float32, None when no row sets it
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], device: torch.device) -> "Controls | None":
+    def build(cls, rows: list[SamplingRow], device: torch.device) -> Controls | None:
         """None when no row uses any control (the common case: no tensor is made)."""
         penalized = [i for i, row in enumerate(rows) if row.penalized]
         if not (penalized or any(row.ban or row.params.logit_bias or row.params.min_p > 0 for row in rows)):
@@ -103,7 +115,7 @@ class SamplingBatch:
     token_mask: tuple[list[int], torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], device: torch.device) -> "SamplingBatch":
+    def build(cls, rows: list[SamplingRow], device: torch.device) -> SamplingBatch:
         # "not below" rather than ">=": a NaN temperature samples, and is flagged, instead of passing as greedy
         random = [not row.params.temperature < GREEDY_BELOW for row in rows]
         floats = torch.tensor([[row.params.temperature if r else 1.0, row.params.top_p, float(r)]

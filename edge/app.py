@@ -15,12 +15,13 @@ from aiohttp.web_runner import GracefulExit
 
 from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret
+from contracts.process_config import config_argv
 from contracts.tasks import spawn
 from edge.audit import AuditLog, quota_state_path
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
-from edge.launcher import Supervisor, engine_args, worker_args
+from edge.launcher import Supervisor, engine_config, worker_config
 from edge.lifecycle import InFlightRegistry
 from edge.metrics import Metrics
 from edge.prefill_pool import PrefillPool
@@ -172,9 +173,9 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
     async def context(app: web.Application):
         config, supervisor = app[CONFIG], app[SUPERVISOR]
         # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
-        share = ["--cpu-share-file", os.path.join(run_dir, "cpu-share")]
-        supervisor.add("decode_engine", "decode_gpu.service.server",
-                       engine_args(config, model_path) + ["--listen", engine_address, *share])
+        share = os.path.join(run_dir, "cpu-share")
+        engine = engine_config(config, model_path, engine_address, share)
+        supervisor.add("decode_engine", "decode_gpu.service.server", config_argv(engine))
         if config.cpu_decode_pace_ms and default_threads(config) > 1:
             log.warning("cpu_decode_pace_ms = %g with %d threads a prefill worker: a worker that shares the cores "
                         "with decode runs half its threads while decode has sequences, so the cores idle while decode "
@@ -184,9 +185,9 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,
                  engine_address)
         for name, address in worker_addresses.items():
-            supervisor.add(name, "prefill_cpu.worker", [
-                *worker_args(config, model_path, name, kv_type, default_threads(config)),
-                "--listen", address, "--engine", engine_address, *share])
+            worker = worker_config(config, model_path, name, address, engine_address, kv_type, default_threads(config),
+                                   share)
+            supervisor.add(name, "prefill_cpu.worker", config_argv(worker))
         watcher = spawn(supervisor.watch(), "the process supervisor", log)
         yield
         watcher.cancel()

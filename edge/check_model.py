@@ -5,14 +5,13 @@ bytes, which weights the prefill workers load (`prefill_weights = "auto"`: a dec
 or what the first start will do), and how many KV tokens a device of `--memory` holds for each decode weight_dtype.
 Then a short fidelity check: llama.cpp prefills a few prompts, their KV crosses the handoff into the torch model,
 and decoding from it is compared with decoding from transformers' own prefill of the same prompt
-(tests/test_handoff_embedded_model.py holds the same comparison to the same thresholds). Exit 0 when every check passes, 1 when one fails, with the
-reason on one line, never a traceback; 2 on bad arguments.
+(tests/handoff/test_handoff_embedded_model.py holds the same comparison to the same thresholds). Exit 0 when every
+check passes, 1 when one fails, with the reason on one line, never a traceback; 2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import logging
@@ -22,12 +21,10 @@ import sys
 from dataclasses import dataclass
 
 from contracts.identity import GGUFIdentity, UnsupportedModelError, check_supported, read_gguf_identity
-from contracts.kv_dtypes import KV_DTYPES
-from edge.config import ServeConfig
+from contracts.options import AUTO, KNOBS
+from edge.model_sizes import decode_weight_bytes, handoff_kv_bytes, pool_kv_bytes, pool_tokens
 
 log = logging.getLogger(__name__)
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")  # weight_quant's, less "auto"
-QUANTIZED_ACTIVATIONS = "bfloat16"  # int8/int4 layers' scales and activations: the engine's dtype on CUDA
 # the handoff's fidelity bounds on the embedded model (issue 15; tests/test_handoff_embedded_model.py)
 MIN_TOP1, MAX_KL = 0.95, 0.01
 # (prompt, continuation): llama.cpp prefills the prompt; the continuation is fed teacher-forced after it, so
@@ -61,13 +58,14 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
-def _fraction(text: str) -> float:
+def _utilization(text: str) -> float:
+    """A value gpu_memory_utilization allows, as the config checks it."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if problem := KNOBS["gpu_memory_utilization"].problem(value):
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 
@@ -75,9 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", metavar="PATH.gguf", help="the model file to check")
     parser.add_argument("--memory", type=parse_size, default=parse_size("24GiB"),
                         help="decode device memory to size the KV pool for (default 24GiB; e.g. 8GiB, 80GB)")
-    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=ServeConfig.gpu_memory_utilization,
+    parser.add_argument("--gpu-memory-utilization", type=_utilization, default=KNOBS["gpu_memory_utilization"].default,
                         help="the engine's share of that memory, as in the config (default %(default)s)")
-    parser.add_argument("--kv-type", action="append", choices=sorted(KV_DTYPES),
+    parser.add_argument("--kv-type", action="append", choices=KNOBS["kv_type"].allowed(exclude=(AUTO,)),
                         help="handoff KV type(s) the fidelity check prefills with (default: f16 and q8_0)")
     parser.add_argument("--no-fidelity", action="store_true", help="skip the prefill/decode comparison")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
@@ -91,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print_model(report["model"], args.memory, args.gpu_memory_utilization)
         if not args.no_fidelity:
-            report["fidelity"] = [dataclasses.asdict(f) for f in check_fidelity(args.gguf, args.kv_type or ["f16", "q8_0"])]
+            fidelity = check_fidelity(args.gguf, args.kv_type or ["f16", "q8_0"])
+            report["fidelity"] = [dataclasses.asdict(f) for f in fidelity]
             if not args.json:
                 print_fidelity(report["fidelity"])
     except CheckFailed as err:
@@ -138,6 +137,8 @@ class ModelReport:
 
 def read_model(path: str, memory: int, utilization: float) -> ModelReport:
     import gguf
+
+    from decode_gpu.model.weight_quant import gguf_weight_types  # int4: the lm_head follows the GGUF's
     try:
         check_supported(path)
         identity = read_gguf_identity(path)
@@ -149,7 +150,7 @@ def read_model(path: str, memory: int, utilization: float) -> ModelReport:
     gguf_bytes: dict[str, int] = {}
     for tensor in tensors:
         gguf_bytes[tensor.tensor_type.name] = gguf_bytes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
-    weights = decode_weight_bytes(path)
+    weights = decode_weight_bytes(_meta_model(path), gguf_weight_types(path).head_int8)
     pool = pool_kv_bytes(identity)
     return ModelReport(
         arch=identity.arch, rope_layout=identity.rope_layout, n_layer=identity.n_layer, n_head=identity.n_head,
@@ -170,30 +171,10 @@ def prefill_outlook(identity: GGUFIdentity) -> str:
         return f"unknown ({type(err).__name__}: {err})"
 
 
-def decode_weight_bytes(path: str) -> dict[str, int | None]:
-    """Bytes the decode model holds for each weight_dtype, from the model built on the meta device (no memory,
-    no conversion) and quantized by the engine's own quantize_model: its numbers are what the engine holds."""
-    import torch
-    from decode_gpu.model.weight_quant import FLOAT_WEIGHTS, gguf_weight_types, quantize_model, weight_bytes
-    skeleton = _meta_model(path)
-    head_int8 = gguf_weight_types(path).head_int8  # int4: the lm_head follows the GGUF's (load_weights)
-    held: dict[str, int | None] = {}
-    for weight_dtype in WEIGHT_DTYPES:
-        dtype = FLOAT_WEIGHTS.get(weight_dtype, FLOAT_WEIGHTS[QUANTIZED_ACTIVATIONS])
-        model = copy.deepcopy(skeleton).to(dtype)
-        try:
-            if weight_dtype in ("int8", "int4"):
-                quantize_model(model, weight_dtype, torch.device("meta"), dtype, head_int8=head_int8)
-            held[weight_dtype] = sum(weight_bytes(model).values())
-        except ValueError as err:  # int4 needs layer inputs divisible by its group
-            log.warning("%s weights: %s", weight_dtype, err)
-            held[weight_dtype] = None
-    return held
-
-
 def _meta_model(path: str):
     """The float32 decode model on the meta device, built as the converter builds it (gguf_convert)."""
     import torch
+
     from decode_gpu.model.gguf_convert import model_skeleton
     log.info("reading %s's config as transformers does, to size the decode weights", os.path.basename(path))
     try:
@@ -201,35 +182,6 @@ def _meta_model(path: str):
     except Exception as err:  # transformers' GGUF loader refuses architectures it does not map
         raise CheckFailed(f"{path}: transformers cannot build a model from this GGUF: {type(err).__name__}: {err}") \
             from None
-
-
-def handoff_kv_bytes(identity: GGUFIdentity) -> dict[str, int | None]:
-    """Per token on the wire: a K row of n_embd_k and a V row of n_embd_v elements per layer, in ggml blocks."""
-    sizes: dict[str, int | None] = {}
-    for name, kv in KV_DTYPES.items():
-        try:
-            sizes[name] = identity.n_layer * (kv.row_bytes(identity.n_embd_k) + kv.row_bytes(identity.n_embd_v))
-        except ValueError:
-            sizes[name] = None
-    return sizes
-
-
-def pool_kv_bytes(identity: GGUFIdentity) -> dict[str, int]:
-    from decode_gpu.kv.pool import STORAGE_DTYPES, bytes_per_token, storage_fits
-    return {storage: bytes_per_token(identity.n_layer, identity.num_kv_heads, identity.head_dim_k, storage)
-            for storage in STORAGE_DTYPES if storage_fits(storage, identity.head_dim_k)}
-
-
-def pool_tokens(memory: int, utilization: float, weights: int, per_token: int) -> int:
-    """The engine's own sizing (kv_sizing.kv_budget_bytes) with nothing but the weights measured: activations and
-    the CUDA context come off at start, so this is an upper bound."""
-    from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
-    profile = MemoryProfile(total=memory, free=memory - weights, torch_allocated=weights, torch_reserved=weights,
-                            peak_activation=0)
-    try:
-        return kv_budget_bytes(profile, utilization, per_token) // per_token
-    except ValueError:  # no room left for even one token
-        return 0
 
 
 # ---- fidelity: llama.cpp's prefill, through the handoff, against transformers' own ----
@@ -275,6 +227,7 @@ def _open_prefiller(path: str, kv_type: str):
 
 def _load_decode_model(path: str):
     import torch
+
     from decode_gpu.model.loader import load_decode_model
     log.info("loading the decode model as float32 on the CPU (converted once and cached)")
     try:
@@ -328,10 +281,11 @@ def _through_handoff(prefiller, model, request_id: str, ref: _Reference):
     """llama.cpp's first token for the prompt, and the logits over the continuation from its imported KV
     [len(forced), vocab]."""
     import torch
+
     from contracts.handoff import SamplingParams
-    from decode_gpu.reference.dense_decoder import teacher_forced_logits
-    from decode_gpu.reference.dense_cache import DenseKVCache
     from decode_gpu.kv.importer import import_handoff
+    from decode_gpu.reference.dense_cache import DenseKVCache
+    from decode_gpu.reference.dense_decoder import teacher_forced_logits
     from prefill_cpu.prefiller import PrefillRequest
     handoff = prefiller.prefill(PrefillRequest(request_id, ref.tokens, SamplingParams(temperature=0))).handoff
     imported = DenseKVCache(model.config, torch.float32)

@@ -8,6 +8,7 @@ stably, and shutdown sends SIGTERM, then SIGKILL to whatever has not exited in t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -16,7 +17,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from contracts.options import check
+from contracts.process_config import Config, EngineProcessConfig, WorkerProcessConfig
 from edge.child_main import PARENT_PID_ENV
+from edge.config import ServeConfig
 
 log = logging.getLogger("edge.launcher")
 
@@ -41,31 +45,24 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def engine_args(config, model_path: str) -> list[str]:
-    """The decode engine's flags from the serve config, less where it listens (the caller's to say)."""
-    args = ["--model", model_path, "--device", config.device, "--dtype", config.dtype,
-            "--weight-dtype", config.weight_dtype,
-            "--kv-storage", config.kv_storage, "--max-num-seqs", str(config.max_num_seqs),
-            "--max-model-len", str(config.max_model_len), "--log-level", config.log_level,
-            "--yield-to-prefill", config.decode_yields_to_prefill,
-            "--cpu-decode-pace-ms", str(config.cpu_decode_pace_ms),
-            "--swap-space-gib", str(config.swap_space_gib), "--max-backlog-bytes", str(config.max_backlog_bytes),
-            "--prefix-caching", "on" if config.prefix_caching else "off", "--speculative", config.speculative,
-            "--preemption-mode", config.preemption_mode,
-            "--num-speculative-tokens", str(config.num_speculative_tokens)]
-    if config.kv_cache_tokens:
-        args += ["--kv-cache-tokens", str(config.kv_cache_tokens)]
-    args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-    if config.enforce_eager:
-        args.append("--enforce-eager")
-    return args
+def engine_config(config: ServeConfig, model_path: str, listen: str, cpu_share_file: str = "") -> EngineProcessConfig:
+    """The decode engine's config: every setting it shares with the serve config, and where it sits."""
+    return _child_config(EngineProcessConfig, config, model=model_path, listen=listen, cpu_share_file=cpu_share_file,
+                         kv_cache_tokens=config.kv_cache_tokens or None)  # 0 and unset both mean "size it for me"
 
 
-def worker_args(config, model_path: str, name: str, kv_type: str, threads: int) -> list[str]:
-    """A prefill worker's flags from the serve config, less where it listens and its engine."""
-    return ["--model", model_path, "--name", name, "--n-ctx", str(config.n_ctx), "--n-batch", str(config.n_batch),
-            "--threads", str(threads), "--kv-type", kv_type, "--prefix-cache-tokens", str(config.prefix_cache_tokens),
-            "--prefill-weights", config.prefill_weights, "--log-level", config.log_level]
+def worker_config(config: ServeConfig, model_path: str, name: str, listen: str, engine: str, kv_type: str,
+                  threads: int, cpu_share_file: str = "") -> WorkerProcessConfig:
+    """A prefill worker's config: every setting it shares with the serve config, its resolved KV type and threads,
+    and where it sits."""
+    return _child_config(WorkerProcessConfig, config, model=model_path, name=name, listen=listen, engine=engine,
+                         kv_type=kv_type, threads_per_worker=threads, cpu_share_file=cpu_share_file)
+
+
+def _child_config(cls: type[Config], config: ServeConfig, **own) -> Config:
+    """The settings are copied by name: a knob both configs hold reaches the child without a line here."""
+    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(config, f.name)}
+    return check(cls(**{**shared, **own}))
 
 
 @dataclass(frozen=True)
@@ -112,6 +109,7 @@ class Supervisor:
         self.stopping = False
 
     def add(self, name: str, module: str, args: list[str]) -> Child:
+        """Start `python -m module *args` (through edge.child_main) and keep it running."""
         if self.stopping:
             raise RuntimeError(f"not starting {name}: the supervisor is shutting down")
         child = Child(name, [sys.executable, "-m", "edge.child_main", module, *args])

@@ -1,6 +1,10 @@
 """The prefill worker process: takes jobs from the gateway, prefills on llama.cpp, hands KV to the engine.
 
-    python -m prefill_cpu.worker --model PATH.gguf --listen ADDR [--engine ADDR] [--name w0]
+    python -m prefill_cpu.worker --config-json '{"model": ..., "listen": ...}'   (what edge serve passes)
+    python -m prefill_cpu.worker --model PATH.gguf --listen ADDR [--engine ADDR] [--name w0]   (by hand)
+
+Its settings are one WorkerProcessConfig (contracts.process_config), checked against their knobs (contracts.options);
+by hand, each is a flag of the same name.
 
 It serves one prompt at a time; the gateway owns the priority queue and sends a worker its next job when it
 is idle. A cancel reaches llama.cpp's abort callback, which stops the prompt within a graph node; a job whose
@@ -8,14 +12,13 @@ gateway went away waits for its thread to leave llama.cpp before the next job ma
 The decode engine link (prefill_cpu.engine_link) reconnects on its own: while the engine is away, jobs fail
 at once with engine_unavailable, and the prompt in prefill when it dropped is aborted. A job may name another
 engine (PrefillJob.engine: the gateway chooses per request among several); the worker links to it on first use
-and keeps the link. Without --engine (a Ray cluster) every job names its engine.
-Contexts for the KV types a degradation tier may ask for (--extra-kv-types) are built at startup on the same
+and keeps the link. Without an engine of its own (a Ray cluster) every job names its engine.
+Contexts for the KV types a degradation tier may ask for (extra_kv_types) are built at startup on the same
 weights; a job asking for a type not prepared is prefilled with the worker's own type, with a warning.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import ctypes
@@ -28,17 +31,23 @@ from dataclasses import replace
 from contracts.cpu_share import CpuShare, split_threads
 from contracts.framing import ProtocolError, accept_peer, control_secret, read_message, send_message, start_server
 from contracts.handoff import encode_handoff
-from contracts.messages import (HEARTBEAT_INTERVAL_S, CancelPrefill, Handoff, Heartbeat, PrefillDone, PrefillFailed,
-                                PrefillJob, WorkerStatus)
+from contracts.messages import (
+    HEARTBEAT_INTERVAL_S,
+    CancelPrefill,
+    Handoff,
+    Heartbeat,
+    PrefillDone,
+    PrefillFailed,
+    PrefillJob,
+    WorkerStatus,
+)
+from contracts.process_config import WorkerProcessConfig, parse_config
 from contracts.tasks import spawn
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
-from prefill_cpu.prefill_weights import CHOICES as PREFILL_WEIGHTS
-from prefill_cpu.prefiller import (PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest,
-                                   PromptTooLongError)
+from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest, PromptTooLongError
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
 
 log = logging.getLogger("prefill_cpu.worker")
-KV_TYPES = ["f16", "q8_0", "q4_0"]
 ENGINE_STARTUP_WAIT_S = 600.0  # an engine loads its model before it listens
 
 
@@ -51,11 +60,11 @@ class PrefillWorker:
         self.renderer = PromptRenderer(prefiller)
         self.name = name
         self.secret = secret
-        self.links = EngineLinks(engine, name, secret)  # engine: this worker's own (--engine), or None
+        self.links = EngineLinks(engine, name, secret)  # engine: this worker's own, or None
         self.cancelled: set[str] = set()  # read by the prefill thread: llama.cpp's abort callback asks it
         self.lock = asyncio.Lock()  # one prompt at a time, and a context's thread finishes before the next starts
         # every prompt on the same thread: each thread that runs llama.cpp keeps an OpenMP team of its own, and with
-        # more of them than cores libgomp stops spinning between parallel regions (decode_gpu.service.server.EngineThread)
+        # more of them than cores libgomp stops spinning between parallel regions (the decode engine's EngineThread)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self._warned_kv_types: set[str] = set()
 
@@ -184,7 +193,7 @@ class PrefillWorker:
         if chosen is None:
             if kv_type not in self._warned_kv_types:
                 self._warned_kv_types.add(kv_type)
-                log.warning("a job asked for KV type %s, which this worker did not prepare (--extra-kv-types %s); "
+                log.warning("a job asked for KV type %s, which this worker did not prepare (extra_kv_types %s); "
                             "prefilling such jobs with %s", kv_type, " ".join(self.prefillers),
                             self.prefiller.config.kv_type)
             chosen = self.prefiller
@@ -247,28 +256,28 @@ def prepare_extra_contexts(prefiller: Prefiller, kv_types: list[str]) -> tuple[P
     return tuple(extra)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    prefiller = Prefiller(PrefillConfig(args.model, n_ctx=args.n_ctx, n_batch=args.n_batch,
-                                        n_threads=args.threads, kv_type=args.kv_type,
-                                        prefix_cache_tokens=args.prefix_cache_tokens, weights=args.prefill_weights))
-    extra = prepare_extra_contexts(prefiller, extra_kv_types(args))
-    if args.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
-        share = CpuShare(args.cpu_share_file)
+async def serve(config: WorkerProcessConfig) -> None:
+    prefiller = Prefiller(PrefillConfig(config.model, n_ctx=config.n_ctx, n_batch=config.n_batch,
+                                        n_threads=config.threads_per_worker, kv_type=config.kv_type,
+                                        prefix_cache_tokens=config.prefix_cache_tokens, weights=config.prefill_weights))
+    extra = prepare_extra_contexts(prefiller, extra_kv_types(config))
+    if config.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
+        share = CpuShare(config.cpu_share_file)
         threads = prefiller.threads
         log.info("prefill uses %d threads, %d while the decode engine decodes prompts at least as important on the "
                  "same cores", threads, split_threads(threads))
         for context in (prefiller, *extra):
             context.threads_now = lambda priority: share.threads_for(priority, threads)
-    secret = control_secret(args.engine or None)
-    control_secret(args.listen)  # a TCP listener refuses to start without a secret
-    engine, link = await _own_engine(args, secret)
-    worker = PrefillWorker(prefiller, args.name, engine, secret, extra)
-    server = await start_server(worker.handle_gateway, args.listen)
+    secret = control_secret(config.engine or None)
+    control_secret(config.listen)  # a TCP listener refuses to start without a secret
+    engine, link = await _own_engine(config, secret)
+    worker = PrefillWorker(prefiller, config.name, engine, secret, extra)
+    server = await start_server(worker.handle_gateway, config.listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("prefill worker %s ready on %s", args.name, args.listen)
+    log.info("prefill worker %s ready on %s", config.name, config.listen)
     stopping = spawn(stop.wait(), "waiting for a stop signal", log)
     await asyncio.wait([stopping, link], return_when=asyncio.FIRST_COMPLETED)
     server.close()
@@ -278,57 +287,37 @@ async def serve(args: argparse.Namespace) -> None:
     link.cancel()
 
 
-async def _own_engine(args: argparse.Namespace, secret: bytes) -> tuple[EngineLink | None, asyncio.Future]:
-    """The link to --engine, up before the worker listens, and the task holding it (a never-ending stand-in
-    without --engine: then each job names its engine)."""
-    if not args.engine:
+async def _own_engine(config: WorkerProcessConfig, secret: bytes) -> tuple[EngineLink | None, asyncio.Future]:
+    """The link to the worker's own engine, up before the worker listens, and the task holding it (a never-ending
+    stand-in without one: then each job names its engine)."""
+    if not config.engine:
         return None, asyncio.get_running_loop().create_future()
-    engine = EngineLink(args.engine, args.name, secret)
+    engine = EngineLink(config.engine, config.name, secret)
     link = spawn(engine.run(), "the decode engine link", log)
     # listen once the engine is there (it loads its model first), so a new gateway does not see an engine-less
     # worker as ready; a worker whose engine does not come up serves anyway and reports it in its heartbeats
     if not await engine.wait_connected(ENGINE_STARTUP_WAIT_S):
-        log.error("the decode engine at %s is not up after %.0f s; serving without it", args.engine,
+        log.error("the decode engine at %s is not up after %.0f s; serving without it", config.engine,
                   ENGINE_STARTUP_WAIT_S)
     return engine, link
 
 
-def extra_kv_types(args: argparse.Namespace) -> list[str]:
-    if args.extra_kv_types is not None:
-        return args.extra_kv_types
-    return ["q4_0"] if args.kv_type != "q4_0" else []
+def extra_kv_types(config: WorkerProcessConfig) -> list[str]:
+    if config.extra_kv_types is not None:
+        return list(config.extra_kv_types)
+    return ["q4_0"] if config.kv_type != "q4_0" else []
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="llama.cpp prefill worker process")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--engine", default="",
-                        help="the decode engine to hand off to unless a job names another; none: every job names it")
-    parser.add_argument("--name", default="prefill-0")
-    parser.add_argument("--n-ctx", type=int, default=4096)
-    parser.add_argument("--n-batch", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--kv-type", default="q8_0", choices=KV_TYPES)
-    parser.add_argument("--prefill-weights", default="auto", choices=PREFILL_WEIGHTS,
-                        help="what llama.cpp loads: the GGUF as given, or a copy converted for prefill speed (auto: "
-                             "measured once; prefill_cpu.prefill_weights)")
-    parser.add_argument("--extra-kv-types", nargs="*", choices=KV_TYPES,
-                        help="KV types that degraded requests may ask for, each a context built at startup on the "
-                             "same weights (default: q4_0 unless --kv-type is q4_0; none: the flag alone)")
-    parser.add_argument("--prefix-cache-tokens", type=int, default=2048,
-                        help="KV cells kept for recent prompts, so a shared prefix is not prefilled again (0: off)")
-    parser.add_argument("--cpu-share-file", default="",
-                        help="the decode engine's CPU share file (edge serve passes it): half the threads while the "
-                             "engine decodes on the same cores")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+def parse_args(argv=None) -> WorkerProcessConfig:
+    """The launcher's one JSON argument, or flags typed by hand (`--help` lists them)."""
+    return parse_config(WorkerProcessConfig, sys.argv[1:] if argv is None else argv, "llama.cpp prefill worker process")
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s [{args.name}] %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    config = parse_args(argv)
+    logging.basicConfig(level=config.log_level,
+                        format=f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s")
+    asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

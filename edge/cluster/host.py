@@ -1,8 +1,9 @@
 """The Ray actor that runs one edge process on its node: a prefill worker or a decode engine.
 
-The process is the same `python -m prefill_cpu.worker` / `decode_gpu.service.server` that single-box mode starts, on a TCP
-port of this node, and it speaks the same authenticated protocol (contracts.framing): the secret arrives in the
-actor's arguments, so it travels through Ray, never through a port. The actor only hosts it:
+The process is the same `python -m prefill_cpu.worker` / `decode_gpu.service.server` that single-box mode starts, with
+the typed config the gateway built (contracts.process_config), on a TCP port of this node, and it speaks the same
+authenticated protocol (contracts.framing): the secret arrives in the actor's arguments, so it travels through Ray,
+never through a port. The actor only hosts it:
 - `address()` says where it listens (at once), `ready()` the same once it accepts connections;
 - the process dies with the actor (edge.child_main's parent-death signal), and the actor dies with the process
   (os._exit), so Ray's max_restarts restarts the pair, wherever resources allow. A prefill worker has no engine of
@@ -12,6 +13,7 @@ Imported only on the Ray path; the class is made an actor by edge.cluster.placem
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -24,15 +26,16 @@ import time
 import psutil
 
 from contracts.framing import SECRET_ENV
+from contracts.process_config import EngineProcessConfig, WorkerProcessConfig, config_argv
 from edge.launcher import child_environment
 
 log = logging.getLogger("edge.cluster.host")
-EMBEDDED_MODEL = "embedded"  # a --model value each node resolves to its own copy of the embedded model
+EMBEDDED_MODEL = "embedded"  # a model value each node resolves to its own copy of the embedded model
 STOP_TIMEOUT_S = 10.0
 
 
 class ProcessHost:
-    def __init__(self, name: str, module: str, args: list[str], secret: str) -> None:
+    def __init__(self, name: str, module: str, config: EngineProcessConfig | WorkerProcessConfig, secret: str) -> None:
         import ray
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
         self.name = name
@@ -41,12 +44,12 @@ class ProcessHost:
         self.stopping = False
         self.exited = threading.Event()
         self.returncode: int | None = None
-        args = [_model_here(a) for a in args] + ["--listen", f"tcp://0.0.0.0:{self.port}"]
+        config = dataclasses.replace(config, model=_model_here(config.model), listen=f"tcp://0.0.0.0:{self.port}")
         env = child_environment()
         env[SECRET_ENV] = secret
         started = threading.Event()
         self.process: subprocess.Popen | None = None
-        argv = [sys.executable, "-m", "edge.child_main", module, *args]
+        argv = [sys.executable, "-m", "edge.child_main", module, *config_argv(config)]
         threading.Thread(target=self._run, args=(argv, env, started), name="child", daemon=True).start()
         started.wait()
 
@@ -98,9 +101,9 @@ class ProcessHost:
             os.killpg(self.process.pid, signal.SIGKILL)
 
 
-def _model_here(arg: str) -> str:
-    if arg != EMBEDDED_MODEL:
-        return arg
+def _model_here(model: str) -> str:
+    if model != EMBEDDED_MODEL:
+        return model
     from prefill_cpu.embedded_model import embedded_model_path
     return embedded_model_path()
 

@@ -22,7 +22,7 @@ import ray
 
 from edge.cluster.host import EMBEDDED_MODEL, ProcessHost
 from edge.config import ServeConfig
-from edge.launcher import engine_args, worker_args
+from edge.launcher import engine_config, worker_config
 
 log = logging.getLogger("edge.cluster")
 READY_TIMEOUT_S = 120.0  # one wait for an actor to listen (an engine loads its model first); then asked again
@@ -49,15 +49,17 @@ class RayPlacement:
     def start(self) -> None:
         model = self.config.model or EMBEDDED_MODEL
         decode = self._decode_resources()
+        # each actor's host says where its process listens (a free port of its node), hence no address here
         for name in self.engines:
             self.hosts[name] = self._actor(name, decode).remote(name, "decode_gpu.service.server",
-                                                                engine_args(self.config, model), self.secret)
+                                                                engine_config(self.config, model, ""), self.secret)
         kv_type = self.config.kv_type if self.config.kv_type != "auto" else "q8_0"  # the handoff crosses hosts
         cpus = self.config.ray_prefill_cpus or self.config.threads_per_worker or 1
         threads = self.config.threads_per_worker or max(1, int(cpus))
-        for name in self.workers:
-            self.hosts[name] = self._actor(name, {"num_cpus": cpus}).remote(
-                name, "prefill_cpu.worker", worker_args(self.config, model, name, kv_type, threads), self.secret)
+        for name in self.workers:  # no engine of its own: each job names its engine
+            worker = worker_config(self.config, model, name, "", "", kv_type, threads)
+            self.hosts[name] = self._actor(name, {"num_cpus": cpus}).remote(name, "prefill_cpu.worker", worker,
+                                                                            self.secret)
         log.info("started %d decode engine and %d prefill worker actors (decode: %s each; prefill: %s CPUs, %d "
                  "threads, KV %s)", len(self.engines), len(self.workers), decode, cpus, threads, kv_type)
 
@@ -72,7 +74,7 @@ class RayPlacement:
         """Where `name` listens now; LookupError while Ray cannot say (restarting, no node has the resources)."""
         try:
             return await asyncio.wait_for(self.hosts[name].ready.remote(READY_TIMEOUT_S), READY_TIMEOUT_S + 5)
-        except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
+        except (TimeoutError, ray.exceptions.RayError) as err:
             raise LookupError(f"{name} is not ready in the Ray cluster: {type(err).__name__}") from None
 
     async def watch(self, name: str) -> None:
@@ -107,7 +109,7 @@ class RayPlacement:
             stops = [self.hosts[name].stop.remote() for name in names if name in self.hosts]
             try:
                 await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), STOP_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("some actors did not stop in %.0f s; killing them", STOP_TIMEOUT_S)
         for host in self.hosts.values():
             ray.kill(host, no_restart=True)

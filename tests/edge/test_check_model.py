@@ -80,7 +80,7 @@ def test_the_embedded_model_passes_with_every_row(embedded_table):
     for row in ("shape         30 layers, 9 heads, 3 KV heads, head size K 64 / V 64", "parameters    134.5 M",
                 "GGUF weights", "KV per token  handoff f16 22.5 KiB, q8_0 12.0 KiB, q4_0 6.3 KiB"):
         assert any(line.startswith(row) for line in lines), row
-    for weight_dtype in ("float32", "bfloat16", "float16", "int8", "int4"):
+    for weight_dtype in ("float32", "bfloat16", "float16", "int8", "int4", "q8_0"):
         assert any(line.split()[:1] == [weight_dtype] for line in lines), weight_dtype
     for kv_type in ("f16", "q8_0"):
         fidelity = next(line for line in lines if line.strip().startswith(f"KV {kv_type} "))
@@ -118,6 +118,8 @@ def test_the_numbers_match_arithmetic(capsys, embedded_model_path):
     layers = linear - embedding
     assert weights["int4"] == pytest.approx(layers // 2 + layers // 32 * 4 + embedding + 2 * 49152 + 2 * 61 * 576,
                                             abs=1024)
+    # q8_0: every layer matrix, the tied head too, in Q8_0 blocks of 32 weights in 34 bytes; the embedding int8
+    assert weights["q8_0"] == pytest.approx(linear // 32 * 34 + embedding + 2 * 49152 + 2 * 61 * 576, abs=1024)
     budget = int(8 * GIB * 0.9)
     for weight_dtype, held in weights.items():
         for storage, per_token in model["pool_kv_bytes"].items():
@@ -150,7 +152,7 @@ def test_memory_sizes_parse_and_bad_arguments_are_refused(capsys, tiny_gguf):
     status, _, err = check_model(capsys, tiny_gguf("llama"), "--memory", "lots")
     assert status == 2 and "'lots' is not a memory size" in err and "Traceback" not in err
     status, _, err = check_model(capsys, tiny_gguf("llama"), "--gpu-memory-utilization", "1.5")
-    assert status == 2 and "'1.5' is not a fraction in (0, 1]" in err
+    assert status == 2 and "--gpu-memory-utilization: expected a value <= 1, got 1.5" in err  # as the config says
 
 
 def test_a_truncated_gguf_fails_in_one_line(capsys, tiny_gguf, tmp_path):

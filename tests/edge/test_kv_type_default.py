@@ -1,11 +1,12 @@
 """kv_type = "auto" (the default): f16 for workers whose handoff stays on this host, q8_0 across hosts; an
-explicit type is passed through as given; a launched worker gets the resolved type on its command line."""
+explicit type is passed through as given; a launched worker gets the resolved type in its config."""
 
 import asyncio
 
 import pytest
 from aiohttp import web
 
+from contracts.process_config import CONFIG_FLAG, EngineProcessConfig, WorkerProcessConfig, decode_config
 from edge.app import _processes
 from edge.config import ServeConfig, is_local_address, load_config, worker_kv_type
 from edge.state import CONFIG, SUPERVISOR
@@ -65,12 +66,12 @@ def test_launched_workers_get_the_resolved_kv_type(kv_type, engine_address, expe
         return app[SUPERVISOR].added
 
     added = asyncio.run(launch())
-    for name in ("prefill-0", "prefill-1"):
-        args = added[name]
-        assert args[args.index("--kv-type") + 1] == expected
-    assert "--kv-type" not in added["decode_engine"]  # the engine reads the KV type from each handoff
+    configs = {name: decode_config(EngineProcessConfig if name == "decode_engine" else WorkerProcessConfig,
+                                   args[args.index(CONFIG_FLAG) + 1]) for name, args in added.items()}
+    assert {configs[name].kv_type for name in ("prefill-0", "prefill-1")} == {expected}
+    assert not hasattr(configs["decode_engine"], "kv_type")  # the engine reads the KV type from each handoff
     # the engine and the workers launched here share the cores through one file in the run directory
-    assert {added[name][added[name].index("--cpu-share-file") + 1] for name in added} == {"/tmp/edge-t/cpu-share"}
+    assert {config.cpu_share_file for config in configs.values()} == {"/tmp/edge-t/cpu-share"}
 
 
 def test_a_config_file_may_say_auto_or_an_explicit_type_and_nothing_else(tmp_path):

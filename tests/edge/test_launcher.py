@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from server_process import pid_alive, wait_for
 
 from edge.child_main import PARENT_PID_ENV
 from edge.launcher import Backoff, Supervisor
+from server_process import pid_alive, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -234,9 +234,14 @@ def test_children_spin_briefly_between_parallel_regions_unless_the_operator_says
 
 
 def test_the_engine_gets_the_pace_from_the_serve_config():
+    """The launcher hands the engine one typed config, which the engine process reads back whole."""
+    from contracts.process_config import config_argv
     from decode_gpu.service.server import parse_args
     from edge.config import ServeConfig
-    from edge.launcher import engine_args
-    args = parse_args(engine_args(ServeConfig(cpu_decode_pace_ms=100), "m.gguf") + ["--listen", "unix:/x"])
-    assert args.cpu_decode_pace_ms == 100.0
-    assert parse_args(engine_args(ServeConfig(), "m.gguf") + ["--listen", "unix:/x"]).cpu_decode_pace_ms == 0.0
+    from edge.launcher import engine_config
+    config = engine_config(ServeConfig(cpu_decode_pace_ms=100), "m.gguf", "unix:/x", "/run/cpu-share")
+    assert parse_args(config_argv(config)) == config
+    assert (config.cpu_decode_pace_ms, config.listen, config.cpu_share_file) == (100.0, "unix:/x", "/run/cpu-share")
+    assert engine_config(ServeConfig(), "m.gguf", "unix:/x").cpu_decode_pace_ms == 0.0
+    # 0 and unset both leave the pool's size to the engine
+    assert engine_config(ServeConfig(kv_cache_tokens=0), "m.gguf", "unix:/x").kv_cache_tokens is None

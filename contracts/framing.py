@@ -27,6 +27,8 @@ from contracts.messages import MESSAGES, Challenge, Hello, Refused, Welcome
 HANDSHAKE_FRAME_BYTES = 64 << 10  # before authentication a peer may not make us buffer more
 CONTROL_FRAME_BYTES = 16 << 20  # jobs (prompts up to the body limit), token events, stats
 HANDSHAKE_TIMEOUT_S = 10.0
+OPEN_TIMEOUT_S = 15.0  # one try to open a connection
+LISTEN_POLL_S = 0.2  # how often connect_when_listening tries while the peer is not listening yet
 SECRET_ENV = "EDGE_CONTROL_SECRET"  # hex; the launcher passes the per-launch secret to its children this way
 
 _BY_NAME = {cls.__name__: cls for cls in MESSAGES}
@@ -109,7 +111,7 @@ async def accept_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             await send_message(writer, Welcome(_proof(secret, b"welcome", hello.nonce, nonce)))
             return hello
         await send_message(writer, Refused(reason))
-    except (asyncio.TimeoutError, ProtocolError, ConnectionError):
+    except (TimeoutError, ProtocolError, ConnectionError):
         pass
     writer.close()
     return None
@@ -148,23 +150,6 @@ async def introduce(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
 
 
 # --- addresses and connections ----------------------------------------------------------------------
-class RetryDelay:
-    """The wait between reconnect attempts: doubles after each failure up to `longest`, back to `first` once a
-    connection succeeded."""
-
-    def __init__(self, first: float, longest: float) -> None:
-        self.first, self.longest = first, longest
-        self.delay = first
-
-    def succeeded(self) -> None:
-        self.delay = self.first
-
-    async def wait(self, failed: bool = False) -> None:
-        await asyncio.sleep(self.delay)
-        if failed:
-            self.delay = min(self.longest, self.delay * 2)
-
-
 async def open_connection(address: str):
     kind, target = parse_address(address)
     if kind == "unix":
@@ -179,13 +164,13 @@ async def connect_when_listening(address: str, role: str, name: str, secret: byt
     A refusal (wrong secret, version skew) raises PeerRefusedError at once: retrying would not help."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        try:
-            reader, writer = await open_connection(address)
+        try:  # bounded: a TCP peer that drops SYNs would otherwise hold one try for minutes
+            reader, writer = await asyncio.wait_for(open_connection(address), OPEN_TIMEOUT_S)
             break
-        except (FileNotFoundError, ConnectionError, OSError):
+        except OSError:  # not listening yet (no socket file, refused), unreachable, or no answer (TimeoutError)
             if deadline is not None and time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(LISTEN_POLL_S)
     try:
         await introduce(reader, writer, role, name, secret)
     except BaseException:

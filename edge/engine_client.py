@@ -1,7 +1,7 @@
 """The gateway's connection to the decode engine: token events in, aborts out, stats kept for policies.
 
 The connection survives anything a peer can send: a bad frame or a refused handshake is logged, the
-connection dropped and made again (with backoff), and the requests it carried end with a clear error.
+connection dropped and made again (contracts.reconnect), and the requests it carried end with a clear error.
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ import asyncio
 import logging
 
 from contracts.events import EngineStats, FinishReason
-from contracts.framing import (PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, read_message,
-                               send_message)
+from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, read_message, send_message
 from contracts.messages import Abort, DecodeYield, Recompute, Speculate, Stats, Token
+from contracts.reconnect import Streams, stay_connected
 from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
 
 log = logging.getLogger("edge.engine_client")
-RETRY_S = (0.2, 5.0)  # reconnect backoff: first and longest wait
 
 
 class EngineClient:
-    def __init__(self, address: str, registry: InFlightRegistry, secret: bytes = b"", name: str = "decode_engine") -> None:
+    def __init__(self, address: str, registry: InFlightRegistry, secret: bytes = b"",
+                 name: str = "decode_engine") -> None:
         self.name = name
         self.address = address
         self.registry = registry
@@ -41,7 +41,7 @@ class EngineClient:
         self.owns = lambda request: True  # which handed-off requests end with this connection (several engines)
 
     @property
-    def clients(self) -> dict[str, "EngineClient"]:
+    def clients(self) -> dict[str, EngineClient]:
         """The engines behind this client, by name (edge.engine_group has several)."""
         return {self.name: self}
 
@@ -53,22 +53,15 @@ class EngineClient:
         return ""
 
     async def run(self) -> None:
-        retry = RetryDelay(*RETRY_S)
-        while True:
-            try:
-                if self.resolve is not None:
-                    self.address = await self.resolve()
-                reader, writer = await connect_when_listening(self.address, "gateway", "gateway", self.secret,
-                                                              self.connect_timeout_s)
-            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError, LookupError) as err:
-                self._refused(err)
-                await retry.wait(failed=True)
-                continue
-            retry.succeeded()
-            await self._session(reader, writer)
-            await retry.wait()
+        await stay_connected(self._connect, self._session, self._refused)
 
-    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connect(self) -> Streams:
+        if self.resolve is not None:
+            self.address = await self.resolve()
+        return await connect_when_listening(self.address, "gateway", "gateway", self.secret, self.connect_timeout_s)
+
+    async def _session(self, streams: Streams) -> None:
+        reader, writer = streams
         self.writer, self.state, self.last_error = writer, "ready", None
         log.info("connected to the decode engine at %s", self.address)
         # a restarted engine must hear what is in prefill now
@@ -82,11 +75,11 @@ class EngineClient:
             log.error("dropping the decode engine connection after a bad frame: %s", err)
         finally:
             self._lost()
-            writer.close()
 
     def _refused(self, err: Exception) -> None:
+        repeated = str(err) == self.last_error  # logged once: an engine down for minutes must not flood the log
         self.state, self.last_error = ("refused" if isinstance(err, PeerRefusedError) else "down"), str(err)
-        log.error("cannot connect to the decode engine at %s: %s", self.address, err)
+        (log.debug if repeated else log.error)("cannot connect to the decode engine at %s: %s", self.address, err)
 
     def drop(self, reason: str) -> None:
         """The engine is known to be gone (its Ray actor died): end its requests now, not when TCP notices."""

@@ -26,14 +26,14 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
-from contracts.framing import PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, pack, read_message
+from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, pack, read_message
 from contracts.messages import CancelPrefill, Heartbeat, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus
+from contracts.reconnect import Streams, stay_connected
 from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
 
 log = logging.getLogger("edge.prefill_pool")
 HEARTBEAT_TIMEOUT_S = 5.0  # workers send a heartbeat every second, busy or not
-RETRY_S = (0.2, 5.0)  # reconnect backoff: first and longest wait
 
 
 class QueueFullError(RuntimeError):
@@ -150,36 +150,37 @@ class PrefillPool:
         await asyncio.gather(*(self._maintain(w) for w in self.workers.values()))
 
     async def _maintain(self, worker: WorkerClient) -> None:
-        retry = RetryDelay(*RETRY_S)
-        while True:
-            try:
-                if self.resolve is not None:
-                    worker.address = await self.resolve(worker.name)
-                reader, writer = await connect_when_listening(worker.address, "gateway", "gateway", self.secret,
-                                                              self.connect_timeout_s)
-            except (PeerRefusedError, ProtocolError, asyncio.TimeoutError, OSError, LookupError) as err:
-                worker.state = "refused" if isinstance(err, PeerRefusedError) else "down"
-                worker.last_error = str(err)
-                log.error("cannot connect to prefill worker %s at %s: %s", worker.name, worker.address, err)
-                await retry.wait(failed=True)
-                continue
-            retry.succeeded()
-            worker.writer, worker.last_error = writer, None
-            try:
-                await self._serve(worker, reader)
-            except ProtocolError as err:
-                worker.last_error = str(err)
-                log.error("dropping prefill worker %s after a bad frame: %s", worker.name, err)
-            finally:
-                self._lost(worker)
-                writer.close()
-            await retry.wait()
+        await stay_connected(lambda: self._connect(worker), lambda streams: self._session(worker, streams),
+                             lambda err: self._refused(worker, err))
+
+    async def _connect(self, worker: WorkerClient) -> Streams:
+        if self.resolve is not None:
+            worker.address = await self.resolve(worker.name)
+        return await connect_when_listening(worker.address, "gateway", "gateway", self.secret, self.connect_timeout_s)
+
+    def _refused(self, worker: WorkerClient, err: Exception) -> None:
+        repeated = str(err) == worker.last_error  # logged once: a worker down for minutes must not flood the log
+        worker.state = "refused" if isinstance(err, PeerRefusedError) else "down"
+        worker.last_error = str(err)
+        (log.debug if repeated else log.error)("cannot connect to prefill worker %s at %s: %s", worker.name,
+                                               worker.address, err)
+
+    async def _session(self, worker: WorkerClient, streams: Streams) -> None:
+        reader, worker.writer = streams
+        worker.last_error = None
+        try:
+            await self._serve(worker, reader)
+        except ProtocolError as err:
+            worker.last_error = str(err)
+            log.error("dropping prefill worker %s after a bad frame: %s", worker.name, err)
+        finally:
+            self._lost(worker)
 
     async def _serve(self, worker: WorkerClient, reader: asyncio.StreamReader) -> None:
         while True:
             try:
                 message = await asyncio.wait_for(read_message(reader), self.heartbeat_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._stuck(worker)
                 return
             if message is None:

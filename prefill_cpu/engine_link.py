@@ -2,8 +2,8 @@
 
 A worker outlives its engine: when the connection drops, the prompt in prefill is aborted at once (its
 KV would have nowhere to go), jobs fail with engine_unavailable while the engine is away, and the link
-reconnects with backoff (a restarted engine listens again once its model is loaded). The engine sends
-nothing on this connection; end of stream is how its death shows.
+reconnects with backoff (contracts.reconnect; a restarted engine listens again once its model is loaded). The
+engine sends nothing on this connection; end of stream is how its death shows.
 
 A worker may hand off to several engines (a Ray cluster: the gateway names the engine in each job). `EngineLinks`
 keeps one link per engine address: the worker's own (`--engine`, up from startup, as on one box) and the others made
@@ -17,12 +17,12 @@ import logging
 import time
 from collections import OrderedDict
 
-from contracts.framing import PeerRefusedError, ProtocolError, RetryDelay, connect_when_listening, send_message
+from contracts.framing import PeerRefusedError, connect_when_listening, send_message
+from contracts.reconnect import RETRY_FIRST_S, RETRY_LONGEST_S, RetryDelay, Streams, stay_connected
 from contracts.tasks import spawn
 
 log = logging.getLogger("prefill_cpu.engine_link")
-RETRY_S = (0.2, 2.0)  # reconnect backoff: first and longest wait (an engine restart takes seconds)
-CONNECT_TIMEOUT_S = 15.0  # a TCP peer that drops SYNs would otherwise hold one try for minutes
+RETRY_S = (RETRY_FIRST_S, RETRY_LONGEST_S)  # tests shorten them
 MAX_LINKS = 16  # links to engines named by jobs; an engine restarted elsewhere leaves a stale address behind
 LINK_WAIT_S = 5.0  # a job's engine that the gateway sees up but this worker does not (yet): wait this long for it
 STALE_LINK_S = 60.0  # a named link that is down and unused this long is closed (its engine moved or is gone)
@@ -51,20 +51,13 @@ class EngineLink:
     async def wait_connected(self, timeout_s: float) -> bool:
         try:
             await asyncio.wait_for(self._up.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return self.connected
 
     async def run(self) -> None:
-        """Forever: connect, hold the connection until it drops, wait, again."""
-        retry = RetryDelay(*self.retry_s)
-        while True:
-            connection = await self._connect()
-            if connection is None:
-                await retry.wait(failed=True)
-                continue
-            retry.succeeded()
-            await self._hold(*connection)
+        """Forever: connect, hold the connection until it drops, wait, again (contracts.reconnect)."""
+        await stay_connected(self._connect, self._hold, self._failed, RetryDelay(*self.retry_s))
 
     async def send(self, message) -> None:
         writer = self.writer
@@ -75,24 +68,22 @@ class EngineLink:
         except (ConnectionError, RuntimeError) as err:
             raise EngineUnavailableError(f"the decode engine connection dropped during the handoff: {err}") from None
 
-    async def _connect(self):
-        """One try (the backoff is run's); (reader, writer) or None."""
-        try:
-            return await asyncio.wait_for(connect_when_listening(
-                self.address, "prefill", self.name, self.secret, timeout_s=0), CONNECT_TIMEOUT_S)
-        except PeerRefusedError as err:  # before OSError: it is a ConnectionError
-            self._failed(f"the decode engine refused this worker: {err}")
-        except (OSError, asyncio.TimeoutError, ProtocolError) as err:
-            self._failed(f"cannot connect to the decode engine at {self.address}: {err!r}")
-        return None
+    async def _connect(self) -> Streams:
+        """One try: the engine is expected to listen already (the backoff is stay_connected's)."""
+        return await connect_when_listening(self.address, "prefill", self.name, self.secret, timeout_s=0)
 
-    def _failed(self, error: str) -> None:
+    def _failed(self, err: Exception) -> None:
         """Logged once per distinct error: an engine down for minutes must not flood the log."""
+        if isinstance(err, PeerRefusedError):
+            error = f"the decode engine refused this worker: {err}"
+        else:
+            error = f"cannot connect to the decode engine at {self.address}: {err!r}"
         (log.debug if error == self.last_error else log.warning)("%s; retrying", error)
         self.last_error = error
 
-    async def _hold(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.writer, self.last_error = writer, None
+    async def _hold(self, streams: Streams) -> None:
+        reader, self.writer = streams
+        self.last_error = None
         self._up.set()
         log.info("connected to the decode engine at %s", self.address)
         try:
@@ -104,7 +95,6 @@ class EngineLink:
             self.writer = None
             self._up.clear()
             self.num_losses += 1
-            writer.close()
         log.error("lost the decode engine at %s; jobs fail with engine_unavailable until it is back", self.address)
 
 
@@ -156,7 +146,7 @@ class EngineLinks:
     def _close(self, address: str, why: str) -> None:
         _, task = self.named.pop(address)
         self.last_used.pop(address, None)
-        task.cancel()  # _hold's finally closes the connection
+        task.cancel()  # stay_connected closes the connection
         log.info("closed the link to the decode engine at %s (%s)", address, why)
 
     def close(self) -> None:

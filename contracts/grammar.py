@@ -40,7 +40,7 @@ DEFAULT_COMPILE_TIMEOUT_S = _default_timeout_s()
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
                 "coerce_one_of": False}
 # llguidance's wording when a grammar passes its size or work limits
-_TOO_COMPLEX = re.compile(r"too (large|big|complex)|fuel|too many|exceeded|limit", re.IGNORECASE)
+_TOO_COMPLEX = re.compile(r"too (large|big|complex)|fuel|too many|exceeded|limit|symbols\.len", re.IGNORECASE)
 _QUOTED = re.compile(r"^\s*(\^+|\d+ \|.*)\s*$")  # a caret line, or a numbered line of the grammar
 
 
@@ -66,7 +66,7 @@ def limits() -> LLParserLimits:
     """llguidance's work limits, stated here rather than inherited: each bounds a compile or a mask step, so that
     no grammar can hang the gateway, a prefill worker or the engine (past one, the matcher errs)."""
     return LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-                          step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                          step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=60_000,
                           verbose_errors=False)
 
 
@@ -175,7 +175,8 @@ def _choice_lark(source: str) -> str:
 
 def _short(err) -> str:
     """llguidance's message on one line, without the pointer lines and the grammar excerpt it quotes."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not _QUOTED.match(line)]
+    text = str(err).split("<backtrace>", 1)[0]  # a panic's message comes with one
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not _QUOTED.match(line)]
     return " ".join(lines)[:400] if lines else type(err).__name__
 
 

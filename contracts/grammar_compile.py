@@ -9,9 +9,11 @@ rather than queued behind them. llguidance's own work limits (contracts.grammar.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -20,8 +22,19 @@ from contracts.grammar import (
     GrammarBusyError,
     GrammarError,
     GrammarTooComplexError,
+    Matcher,
     build_grammar,
+    compile_matcher,
 )
+
+log = logging.getLogger(__name__)
+# The gateway's check is the limit clients see. A prefill worker and the engine compile a constraint the gateway
+# passed again, on their own busy CPUs: they allow this many times the limit before they fail the request.
+DOWNSTREAM_MARGIN = 2.0
+
+
+def downstream_timeout_s(timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> float:
+    return timeout_s * DOWNSTREAM_MARGIN
 
 
 def compile_timeout_s(*sources) -> float:
@@ -73,33 +86,81 @@ def timed_out(future: Future, started: threading.Event, timeout_s: float, cancel
     return GrammarTooComplexError(f"compiling the constraint took longer than the limit of {timeout_s:g} s")
 
 
-class GatewayCheck:
-    """The gateway's check of a constraint before it admits the request: compiled (without a vocabulary: the
-    schema's keywords, the regexes, the grammar's size) in the pool, awaited at most the time limit. The outcome is
-    kept per constraint (clients repeat theirs); requests with a constraint still compiling await the same compile.
-    A compile that ends past the limit is remembered as too complex, so that a later request with it is refused at
-    once instead of reaching a worker whose own compile would time out."""
+class CompiledGrammars:
+    """The compiled grammars of one vocabulary (a prefill worker's, the engine's), kept by constraint (least
+    recently used dropped) and copied per sequence. `prepare` starts a compile from any thread without waiting;
+    `matcher` waits for it at most timeout_s. The vocabulary (tokenizer(): an llguidance LLTokenizer) is built by
+    the first compile, in the pool. A failed compile stays failed: its constraint is refused again at once."""
 
-    def __init__(self, pool: CompilePool | None = None, entries: int = 256) -> None:
-        self._pool = pool or CompilePool(workers=2, capacity=8, name="gateway-grammar")
+    def __init__(self, tokenizer: Callable, stop_token_ids: tuple[int, ...], timeout_s: float,
+                 pool: CompilePool, entries: int = 64) -> None:
+        self._tokenizer, self._stops = tokenizer, tuple(stop_token_ids)
+        self.timeout_s = timeout_s
+        self._pool, self._entries = pool, entries
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], tuple[Future, threading.Event]] = OrderedDict()
+
+    def prepare(self, kind: str, source: str) -> Future:
+        """The compile's future (its result: a Matcher at the grammar's start); GrammarBusyError if the pool is full."""
+        return self._running((kind, source))[0]
+
+    def matcher(self, kind: str, source: str) -> Matcher:
+        """A fresh matcher of the constraint: GrammarError when it does not compile, GrammarTooComplexError past the
+        time limit, GrammarBusyError when no compile slot is free."""
+        future, started = self._running((kind, source))
+        try:
+            return future.result(self.timeout_s).copy()
+        except FutureTimeout:
+            raise timed_out(future, started, self.timeout_s, cancel=False) from None
+
+    def _running(self, key: tuple[str, str]) -> tuple[Future, threading.Event]:
+        with self._lock:
+            running = self._compiled.get(key)
+            if running is None or running[0].cancelled():
+                running = self._pool.submit(self._compile, key)
+                self._compiled[key] = running
+                if len(self._compiled) > self._entries:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(key)
+            return running
+
+    def _compile(self, key: tuple[str, str]) -> Matcher:
+        return compile_matcher(self._tokenizer(), *key, self._stops)
+
+
+class GatewayCheck:
+    """The gateway's check of a constraint before it admits the request: compiled in the pool exactly as a prefill
+    worker will compile it (over the model's vocabulary, when `vocabulary` gives it: llguidance's own validation
+    passes grammars whose matcher then fails to build), awaited at most the time limit. The outcome is kept per
+    constraint (clients repeat theirs); requests whose constraint is still compiling await the same compile. A
+    compile that ends past the limit is remembered as too complex, so that a later request with it is refused at
+    once. vocabulary: a callable giving an object with .tokenizer (an LLTokenizer) and .stop_token_ids
+    (prefill_cpu.grammar.GGUFVocabulary), called once, off the event loop, not timed; None, or a vocabulary that
+    fails to load, checks the grammar alone (a worker may then still refuse it)."""
+
+    def __init__(self, vocabulary: Callable | None = None, pool: CompilePool | None = None,
+                 entries: int = 256) -> None:
+        # one compile at a time: however many abusive schemas arrive, they take one core at most
+        self._pool = pool or CompilePool(workers=1, capacity=4, name="gateway-grammar")
         self._entries = entries
-        self._lock = threading.Lock()  # the outcomes are written by pool threads
+        self._lock = threading.RLock()  # the outcomes are written by pool threads
         self._outcomes: OrderedDict[tuple[str, str], GrammarError | None] = OrderedDict()
         self._compiling: dict[tuple[str, str], tuple[Future, threading.Event]] = {}
+        self._vocabulary_source = vocabulary
+        self._vocabulary: Future | None = None  # what vocabulary() gave, or None; loaded on the first check
 
     async def check(self, kind: str, source: str, timeout_s: float) -> None:
         """Return if the constraint compiles; raise GrammarError (or its subclasses) saying why not."""
         key = (kind, source)
+        if self._known(key):
+            return
+        vocabulary = await asyncio.wrap_future(self._loaded())
         with self._lock:
-            if key in self._outcomes:
-                self._outcomes.move_to_end(key)
-                outcome = self._outcomes[key]
-                if outcome is not None:
-                    raise outcome
+            if self._known(key):  # compiled while the vocabulary loaded
                 return
             running = self._compiling.get(key)
             if running is None:
-                running = self._pool.submit(self._compile, key, timeout_s)
+                running = self._pool.submit(self._compile, key, timeout_s, vocabulary)
                 self._compiling[key] = running
         future, started = running
         try:
@@ -109,10 +170,41 @@ class GatewayCheck:
         if outcome is not None:
             raise outcome
 
-    def _compile(self, key: tuple[str, str], timeout_s: float) -> GrammarError | None:
+    def _known(self, key: tuple[str, str]) -> bool:
+        """True if the constraint was checked before and compiles; raises its error if it did not."""
+        with self._lock:
+            if key not in self._outcomes:
+                return False
+            self._outcomes.move_to_end(key)
+            outcome = self._outcomes[key]
+        if outcome is not None:
+            raise outcome
+        return True
+
+    def _loaded(self) -> Future:
+        with self._lock:
+            if self._vocabulary is None:
+                self._vocabulary = Future()
+                threading.Thread(target=self._load, name="gateway-vocabulary", daemon=True).start()
+            return self._vocabulary
+
+    def _load(self) -> None:
+        vocabulary = None
+        if self._vocabulary_source is not None:
+            try:
+                vocabulary = self._vocabulary_source()
+            except Exception:
+                log.exception("structured outputs: the model's vocabulary did not load; the gateway checks "
+                              "constraints without it")
+        self._vocabulary.set_result(vocabulary)
+
+    def _compile(self, key: tuple[str, str], timeout_s: float, vocabulary) -> GrammarError | None:
         started = time.perf_counter()
         try:
-            build_grammar(*key)
+            if vocabulary is None:
+                build_grammar(*key)
+            else:  # what a worker will do (and more than llguidance's validation checks)
+                compile_matcher(vocabulary.tokenizer, *key, vocabulary.stop_token_ids)
             outcome = None
         except GrammarError as err:
             outcome = err

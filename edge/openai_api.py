@@ -97,29 +97,38 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
                            prompt_tokens, messages, chat_logprobs, echo, param, tools, text)
 
 
-_GRAMMAR_CHECK = None  # the gateway's contracts.grammar_compile.GatewayCheck, made on the first constraint
+_GRAMMAR_CHECKS: dict = {}  # model path -> contracts.grammar_compile.GatewayCheck, made on its first constraint
 
 
-async def check_structured(request: GenerateRequest, timeout_s: float | None = None) -> None:
+async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
+                           model_path: str | None = None) -> None:
     """A constraint the engine cannot enforce is the client's 400 naming the problem (code
-    invalid_structured_output), one that compiles too slowly or is too large a 400 too (code
-    structured_output_too_complex), and a full compile pool a 503. Compiles run in a bounded pool, off the event
-    loop, each awaited at most timeout_s (grammar_compile_timeout_s)."""
-    global _GRAMMAR_CHECK
+    invalid_structured_output), one too large or too slow to compile a 400 too (code structured_output_too_complex),
+    and a full compile pool a 503. The constraint is compiled as the prefill workers will compile it, over the
+    model's vocabulary (the GGUF at model_path, its tokenizer only), in a bounded pool off the event loop, and
+    awaited at most timeout_s (grammar_compile_timeout_s)."""
     constraint = request.sampling.get("structured")
     if constraint is None:
         return
     from contracts.grammar import GrammarBusyError, GrammarError
     from contracts.grammar_compile import GatewayCheck, compile_timeout_s
-    if _GRAMMAR_CHECK is None:
-        _GRAMMAR_CHECK = GatewayCheck()
+    check = _GRAMMAR_CHECKS.get(model_path)
+    if check is None:
+        check = _GRAMMAR_CHECKS[model_path] = GatewayCheck(_vocabulary(model_path) if model_path else None)
     try:
-        await _GRAMMAR_CHECK.check(*constraint, timeout_s or compile_timeout_s())
+        await check.check(*constraint, timeout_s or compile_timeout_s())
     except GrammarBusyError as err:
         raise ApiError(503, str(err), request.structured_param, err.code, "server_error",
                        {"Retry-After": "1"}) from None
     except GrammarError as err:
         raise ApiError(400, str(err), request.structured_param, err.code) from None
+
+
+def _vocabulary(model_path: str):
+    def load():
+        from prefill_cpu.grammar import GGUFVocabulary
+        return GGUFVocabulary(model_path)
+    return load
 
 
 def _structured(body: dict) -> tuple[str | None, tuple[str, str] | None]:

@@ -39,7 +39,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
         parsed = parse_request(body, kind, vocab_size=gateway.pool.vocab_size)
-        await check_structured(parsed, compile_timeout_s(gateway.config, getattr(gateway.config, "limits", None)))
+        await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway))
         run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
@@ -62,6 +62,15 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         raise
     finally:
         await asyncio.shield(gateway.end(run, status, reason, completion.usage, completion.error))
+
+
+def _model_path(gateway: Gateway) -> str | None:
+    """The GGUF the workers load, whose vocabulary the gateway compiles constraints over."""
+    from prefill_cpu.embedded_model import embedded_model_path
+    try:
+        return getattr(gateway.config, "model", None) or embedded_model_path()
+    except FileNotFoundError:
+        return None
 
 
 async def _read_json(request: web.Request, gateway: Gateway):

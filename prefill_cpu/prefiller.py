@@ -26,7 +26,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaContext
 
-from contracts.grammar import DEFAULT_COMPILE_TIMEOUT_S, Matcher
+from contracts.grammar import Matcher
 from contracts.handoff import GREEDY_BELOW, FirstToken, KVHandoff, KVLayout, SamplingParams, choice_seed
 from contracts.identity import GGUFIdentity, read_gguf_identity
 from contracts.kv_dtypes import kv_dtype
@@ -65,7 +65,7 @@ class PrefillConfig:
     prefix_cache_tokens: int = 0  # KV cells kept for earlier prompts, on top of n_ctx; 0: no prompt cache
     prefix_cache_entries: int = 8  # earlier prompts kept at most (one llama.cpp sequence each)
     weights: str = "given"  # what llama.cpp loads: given | f16 | bf16 | q8_0 | auto (prefill_cpu.prefill_weights)
-    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a structured output's compile, at most
+    grammar_compile_timeout_s: float | None = None  # a structured output's compile, at most; None: the default
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ async def refused(schema, timeout_s=5.0) -> ApiError:
 
 
 def test_the_gateway_answers_400_naming_the_keyword(monkeypatch):
-    monkeypatch.setattr(openai_api, "_GRAMMAR_CHECK", GatewayCheck())
+    monkeypatch.setitem(openai_api._GRAMMAR_CHECKS, None, GatewayCheck())
     error = asyncio.run(refused({"type": "array", "uniqueItems": True}))
     assert (error.status, error.code, error.param) == (400, "invalid_structured_output", "response_format")
     assert "uniqueItems" in error.message
@@ -169,7 +169,7 @@ def test_a_slow_compile_is_a_400_in_time_and_other_requests_keep_their_latency(m
     slow = {"title": "slow"}
     monkeypatch.setattr(grammar_compile, "build_grammar", lambda kind, source: gate() if "slow" in source
                         else real(kind, source))
-    monkeypatch.setattr(openai_api, "_GRAMMAR_CHECK", GatewayCheck(CompilePool(workers=2, capacity=2)))
+    monkeypatch.setitem(openai_api._GRAMMAR_CHECKS, None, GatewayCheck(pool=CompilePool(workers=2, capacity=2)))
 
     async def scenario():
         started = time.perf_counter()
@@ -194,7 +194,7 @@ def test_a_compile_that_ended_past_the_limit_is_remembered_as_too_complex(monkey
     from contracts import grammar_compile
     gate = Gate()
     monkeypatch.setattr(grammar_compile, "build_grammar", gate)
-    check = GatewayCheck(CompilePool(workers=1, capacity=1))
+    check = GatewayCheck(pool=CompilePool(workers=1, capacity=1))
     with pytest.raises(GrammarTooComplexError):
         asyncio.run(check.check("json_schema", "{}", 0.05))
     future, _started = check._compiling[("json_schema", "{}")]
@@ -204,3 +204,22 @@ def test_a_compile_that_ended_past_the_limit_is_remembered_as_too_complex(monkey
     with pytest.raises(GrammarTooComplexError, match="longer than the limit"):
         asyncio.run(check.check("json_schema", "{}", 5.0))
     assert time.perf_counter() - started < 0.5
+
+
+def product_of_unions(k: int, n: int) -> dict:
+    """allOf over k anyOfs of n objects: llguidance multiplies it out into n**k alternatives."""
+    return {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {"type": "string"}}}
+                                 for i in range(n)]} for j in range(k)]}
+
+
+@pytest.mark.slow
+def test_the_gateway_compiles_over_the_vocabulary_as_the_workers_do(embedded_model_path):
+    """llguidance's own validation passes this grammar, but its matcher over a real vocabulary fails to build (too
+    many symbols): checked without the vocabulary, the request would reach a worker and fail there."""
+    from prefill_cpu.grammar import GGUFVocabulary
+    source = json.dumps(product_of_unions(5, 5))
+    build_grammar("json_schema", source)  # passes alone
+    check = GatewayCheck(lambda: GGUFVocabulary(embedded_model_path))
+    with pytest.raises(GrammarTooComplexError, match="too complex"):
+        asyncio.run(check.check("json_schema", source, 60.0))
+    asyncio.run(check.check("json_schema", json.dumps(product_of_unions(3, 3)), 60.0))  # a smaller one passes

@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
+from contracts import grammar_compile
 from contracts.grammar import GrammarError, GrammarTooComplexError
-from decode_gpu.sample import structured
-from decode_gpu.sample.structured import Grammars, apply_mask
+from decode_gpu.sample.structured import Grammars
+from sampling.token_mask import apply_mask
 
 SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
                      "additionalProperties": False})
@@ -69,7 +70,7 @@ def test_a_compiled_grammar_is_reused_and_each_sequence_gets_its_own_matcher(gra
 
 def test_a_compile_past_the_time_limit_is_refused_and_does_not_hold_the_engine(tokenizer, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(structured, "compile_matcher", lambda *args: release.wait(30))
+    monkeypatch.setattr(grammar_compile, "compile_matcher", lambda *args: release.wait(30))
     grammars = Grammars(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), timeout_s=0.1)
     with pytest.raises(GrammarTooComplexError, match="longer than the limit of 0.1 s"):
         grammars.matcher("json_schema", SCHEMA)

@@ -1,17 +1,23 @@
 """Structured outputs against the real server on the embedded model, through the official openai client: pydantic
-models parse, json_object is JSON, regex and choice hold, a bad schema is a 400 naming the problem, and
-unconstrained requests batched with constrained ones give the text they give alone."""
+models parse, json_object is JSON, regex and choice hold, a bad schema is a 400 naming the problem, unconstrained
+requests batched with constrained ones give the text they give alone, a sample of JSONSchemaBench's public schemas
+gets only answers that validate (or a clear 400), and a schema built to explode compilation is a 400 within the
+time limit while another client's request keeps its latency."""
 
 import enum
 import json
+import os
 import re
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
-
-import httpx
-import openai
-import pytest
+from pathlib import Path
 from typing import Annotated
 
+import httpx
+import jsonschema
+import openai
+import pytest
 from pydantic import BaseModel, Field
 
 from server_process import ServerProcess
@@ -21,10 +27,12 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # The mixed-batch test compares greedy texts bit for bit, so nothing but the constraint may change them:
 # float32 (on this CPU bfloat16 matrix products round differently at different batch sizes) and no prompt cache
 # (a prompt whose prefix comes from the cache gets its last position computed in another llama.cpp batch shape)
-CONFIG = """
+COMPILE_LIMIT_S = 1.0  # grammar_compile_timeout_s of this server (the default is 5)
+CONFIG = f"""
 max_num_seqs = 32
 dtype = "float32"
 prefix_cache_tokens = 0
+grammar_compile_timeout_s = {COMPILE_LIMIT_S}
 [limits]
 shutdown_grace_s = 1.0
 """
@@ -126,7 +134,7 @@ def test_a_schema_that_does_not_compile_is_a_400_naming_the_problem(server):
     response = httpx.post(server.base + "/v1/chat/completions", json=bad, timeout=60)
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "response_format"
-    assert error["code"] == "invalid_structured_output" and "Type should be a string" in error["message"]
+    assert error["code"] == "invalid_structured_output" and "type must be a string" in error["message"]
     regex = httpx.post(server.base + "/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "x", "guided_regex": "a(b"})
     assert regex.status_code == 400 and regex.json()["error"]["param"] == "guided_regex"
@@ -174,3 +182,101 @@ def test_a_named_tool_choice_returns_a_call_whose_arguments_fit_the_schema(clien
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
     assert WeatherArgs.model_validate_json(calls[0].function.arguments) == args
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_an_unsupported_keyword_is_a_400_naming_it(server):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    response = httpx.post(server.base + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid_structured_output"
+    assert "uniqueItems" in error["message"] and "not enforce" in error["message"]
+
+
+BENCH = Path(os.environ.get("JSONSCHEMABENCH", "/work/shared/jsonschemabench"))
+BENCH_EVERY = 10  # every 10th public schema by name: 103 (tests/contracts/test_jsonschemabench.py's sample)
+BENCH_REFUSED = 4  # of them the engine refuses, as tests/contracts/test_jsonschemabench.py pins
+REFUSAL_CODES = ("invalid_structured_output", "structured_output_too_complex")
+
+
+def _answer(server, name: str, schema: dict) -> tuple[int, dict]:
+    response = httpx.post(server.base + "/v1/chat/completions", timeout=300, json={
+        "model": MODEL, "max_tokens": 48, "temperature": 0,
+        "messages": [{"role": "user", "content": f"Reply with one JSON example of {name}."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    return response.status_code, response.json()
+
+
+def _violations(schema: dict, text: str) -> list[str]:
+    try:
+        instance = json.loads(text)
+    except ValueError as err:
+        return [f"not JSON: {err}"]
+    validator = jsonschema.validators.validator_for(schema)
+    checker = validator(schema, format_checker=validator.FORMAT_CHECKER)
+    return [error.message for error in checker.iter_errors(instance)]
+
+
+@pytest.mark.skipif(not BENCH.is_dir(), reason=f"JSONSchemaBench is not at {BENCH}")
+def test_public_schemas_get_answers_that_validate_or_a_clear_400(server):
+    """An answer the grammar completed (finish_reason stop) must validate against its schema; one cut by max_tokens
+    (length) is incomplete JSON, as with OpenAI, and counted, not validated. No 5xx, whatever the schema."""
+    cases = [(p.stem, json.loads(p.read_text())["schema"]) for p in sorted(BENCH.glob("*.json"))[::BENCH_EVERY]]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda case: _answer(server, *case), cases))
+    refused, finished, cut, violations = 0, 0, 0, []
+    for (name, schema), (status, body) in zip(cases, results):
+        assert status in (200, 400), (name, status, body)
+        if status == 400:
+            refused += 1
+            assert body["error"]["code"] in REFUSAL_CODES and body["error"]["message"], (name, body)
+            continue
+        choice = body["choices"][0]
+        if choice["finish_reason"] == "length":
+            cut += 1
+            continue
+        assert choice["finish_reason"] == "stop", (name, choice)
+        finished += 1
+        violations += [(name, v) for v in _violations(schema, choice["message"]["content"])]
+    print(f"{len(cases)} schemas: {finished} answers finished and validated, {cut} cut by max_tokens, "
+          f"{refused} refused")
+    assert violations == []
+    assert refused == BENCH_REFUSED
+    assert finished >= 10  # enough complete answers for the check to mean something (17 of 99 on the dev box)
+
+
+def _explosive(k: int = 4, n: int = 9) -> dict:
+    """allOf over k anyOfs of n objects, each with a backtracking pattern: the compiler multiplies the unions out
+    (n**k alternatives) before its size limit stops it, seconds of CPU on the dev machine."""
+    return {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {
+        "type": "string", "pattern": f"^(x+x+)+y{{{i},{i + 30}}}$"}}} for i in range(n)]} for j in range(k)]}
+
+
+def test_a_schema_built_to_explode_compilation_is_a_400_in_time_and_others_keep_their_latency(server):
+    def plain() -> float:
+        started = time.perf_counter()
+        response = httpx.post(server.base + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Write one sentence about the sea.", "max_tokens": 16, "temperature": 0})
+        assert response.status_code == 200
+        return time.perf_counter() - started
+
+    def explode() -> tuple[float, httpx.Response]:
+        started = time.perf_counter()
+        response = httpx.post(server.base + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _explosive()}}})
+        return time.perf_counter() - started, response
+
+    alone = statistics.median(plain() for _ in range(3))
+    with ThreadPoolExecutor(2) as pool:
+        exploding = pool.submit(explode)
+        during = pool.submit(plain).result()
+        elapsed, response = exploding.result()
+    print(f"explosive schema answered in {elapsed:.2f} s; a plain request took {during:.2f} s during it, "
+          f"{alone:.2f} s alone")
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "structured_output_too_complex", error
+    assert elapsed < COMPILE_LIMIT_S + 1.0
+    # not queued behind the compile (it goes on for seconds after its 400), only sharing the CPU with it
+    assert during < 2 * alone + 1.0

@@ -142,9 +142,10 @@ def test_the_engine_sees_the_same_vocabulary(prefiller, embedded_model_path):
 def test_compiled_grammars_are_reused(prefiller):
     structured = ("regex", "[a-z]+")
     first(prefiller, PROMPT, temperature=0.0, structured=structured)
-    compiled = prefiller.grammars._compiled[structured]
+    compiled = prefiller.grammars.compiled.prepare(*structured)
     first(prefiller, PROMPT, temperature=0.0, structured=structured)
-    assert prefiller.grammars._compiled[structured] is compiled
+    assert prefiller.grammars.compiled.prepare(*structured) is compiled and compiled.done()
+    assert prefiller.grammars.matcher(structured) is not prefiller.grammars.matcher(structured)  # a copy each
 
 
 def test_an_unsupported_schema_keyword_raises_grammar_error_naming_it(prefiller):

@@ -1,4 +1,4 @@
-"""The chaos soak (checks/soak.py) for 60 s in CI: mixed load, client disconnects, hostile bodies, a killed and
+"""The chaos soak (checks/soak/) for 60 s in CI: mixed load, client disconnects, hostile bodies, a killed and
 a frozen prefill worker, a killed decode engine and a bad policy reload; every check of the soak must hold."""
 
 import sys
@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # checks/ is not an installed package
 
-from checks.soak import run_soak  # noqa: E402
+from checks.soak.harness import run_soak  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,7 @@
-"""The batched sampler: per-row results independent of the batch, exact top-k/top-p sets, seeded and
-distributed as softmax, bad rows flagged, one host read; and the engine's use of it."""
+"""The batched sampler (sampling/): per-row results independent of the batch, exact top-k/top-p sets with their ties,
+seeded and distributed as softmax, bad rows flagged, one host read; and the engine's use of it. What each control
+does to a token, greedy or seeded, is the table of tests/sampling/test_sampling_semantics.py, run through both the
+engine and the prefill worker."""
 
 import dataclasses
 import math
@@ -100,20 +102,6 @@ def test_a_rows_draw_depends_on_neither_its_batch_position_nor_the_other_rows():
     assert tokens(run(others, rows))[3] == reference[3]
 
 
-def test_greedy_rows_take_the_argmax_and_the_lowest_id_of_a_tie():
-    torch.manual_seed(2)
-    logits = torch.randn(6, 300)  # [rows, vocab]
-    logits[0, [3, 7]] = 50.0  # a tie: id 3 wins
-    greedy = [P(temperature=0.0), P(temperature=0.0, top_k=4), P(temperature=0.0, top_p=0.1), P(temperature=1e-6),
-              P(temperature=0.0, seed=3), P(temperature=0.0, top_k=1, top_p=0.5)]
-    expected = logits.argmax(dim=-1).tolist()
-    assert expected[0] == 3
-    assert tokens(run(logits, [SamplingRow(p, 9, 0) for p in greedy])) == expected  # the all-greedy path
-    with_random = torch.cat([logits, torch.randn(1, 300)])  # a sampled row sends greedy rows down the noise path
-    rows = [SamplingRow(p, 9, 0) for p in greedy] + [SamplingRow(P(temperature=1.0, top_k=5), 9, 0)]
-    assert tokens(run(with_random, rows))[:6] == expected
-
-
 # --- exact top-k and top-p sets -----------------------------------------------------------------
 def kept_ids(scores, params):
     batch = SamplingBatch.build([SamplingRow(p, 0, 0) for p in params], CPU)
@@ -189,13 +177,6 @@ def test_a_long_tail_of_rare_tokens_gets_its_mass():
     tail_share = (drawn != 0).float().mean().item()
     assert abs(tail_share - 0.1) < 4 * math.sqrt(0.09 / n)
     assert len(set(drawn.tolist())) > 150  # spread over the tail, not stuck on a few ids
-
-
-def test_masked_tokens_are_never_drawn():
-    logits = torch.full((500, 10), float("-inf"))  # [n, vocab]: a logits processor left ids 2 and 5
-    logits[:, [2, 5]] = 0.0
-    results = run(logits, same_params(P(temperature=1.5, top_p=0.99), 500))
-    assert {r.token for r in results} == {2, 5} and all(r.problem is None for r in results)
 
 
 # --- bad rows ---------------------------------------------------------------------------------------

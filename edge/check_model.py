@@ -138,7 +138,7 @@ class ModelReport:
 def read_model(path: str, memory: int, utilization: float) -> ModelReport:
     import gguf
 
-    from decode_gpu.model.weight_quant import gguf_weight_types  # int4: the lm_head follows the GGUF's
+    from decode_gpu.model.weight_plan import gguf_weight_types  # int4: the lm_head follows the GGUF's
     try:
         check_supported(path)
         identity = read_gguf_identity(path)

@@ -1,6 +1,6 @@
 """The packages' layering, read from the source (ast; no import runs): edge on top, decode_gpu and prefill_cpu side by
-side, contracts and policies at the bottom (contracts/__init__.py). Every import counts, those inside functions too:
-a lazy import still loads its module when the function runs."""
+side, sampling under them, contracts and policies at the bottom (docs/architecture.md, "Components"). Every import
+counts, those inside functions too: a lazy import still loads its module when the function runs."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("contracts", "policies", "edge", "prefill_cpu", "decode_gpu", "bench", "checks")
+OURS = ("contracts", "policies", "sampling", "edge", "prefill_cpu", "decode_gpu", "bench", "checks")
 # package -> the packages of ours it may import (itself always)
 ALLOWED = {
     "contracts": (),
     "policies": (),
-    "decode_gpu": ("contracts",),
-    "prefill_cpu": ("contracts",),
+    "sampling": ("contracts",),  # one sampling semantics for both processes
+    "decode_gpu": ("contracts", "sampling"),
+    "prefill_cpu": ("contracts", "sampling"),
 }
 TORCH_FREE = "decode_gpu.core"  # the scheduler and its bookkeeping: the model runner is the only device owner
 

@@ -12,9 +12,10 @@ import msgspec
 
 from contracts.kv_dtypes import kv_dtype
 
-HANDOFF_VERSION = 6  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias, min_p, ...);
-# 4: n choices (SamplingParams.n, KVHandoff.other_choices); 5: sliding-window layers (KVLayout.swa_layers/swa_start);
-# 6: KVHandoff.resume_index (recompute preemption)
+HANDOFF_VERSION = 7  # 2: num_kv_heads (was n_kv_heads); 3: sampling output controls (penalties, logit_bias,
+# min_p, ...); 4: n choices (SamplingParams.n, KVHandoff.other_choices); 5: sliding-window layers
+# (KVLayout.swa_layers/swa_start); 6: KVHandoff.resume_index (recompute preemption); 7: KVHandoff.cache_salt
+# (prompt caches per tenant)
 
 
 class HandoffFormatError(ValueError):
@@ -108,6 +109,7 @@ class KVHandoff:
     # >= 0: not a new request but the recomputed KV of choice `resume_index` of one that is decoding, preempted by
     # recompute: its prompt and output but the newest token (decode_gpu.core.scheduler, preemption_mode "recompute")
     resume_index: int = -1
+    cache_salt: str = ""  # the engine's prefix cache shares blocks only between handoffs of one salt (PrefillJob)
 
     @property
     def first_tokens(self) -> tuple[FirstToken, ...]:

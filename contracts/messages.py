@@ -61,6 +61,9 @@ class PrefillJob:  # gateway -> prefill worker
     # >= 0: a recompute of choice `resume_index` of a request that is decoding (the engine preempted it): the
     # handoff carries it back (KVHandoff.resume_index), and the gateway's request does not start again
     resume_index: int = -1
+    # which cached prompts this one may reuse: the prompt caches (the worker's and the engine's) share KV only
+    # between requests of one salt, which the gateway derives from the API key (edge.cache_salt); "": unsalted
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

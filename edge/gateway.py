@@ -21,6 +21,7 @@ from contracts.messages import ChatMessage, PrefillDone, PrefillFailed, PrefillJ
 from contracts.tasks import spawn
 from edge.affinity import prefix_key
 from edge.api_errors import decode_error, policy_error, prefill_error
+from edge.cache_salt import CacheSalter
 from edge.config import ServeConfig
 from edge.engine_client import EngineClient
 from edge.gauges import EMPTY_STATS, refresh_gauges
@@ -65,6 +66,7 @@ class Gateway:
         self.pool, self.engine, self.registry, self.metrics = pool, engine, registry, metrics
         self.enforcer = enforcer
         self.ttft_window = TTFTWindow()
+        self.salter = CacheSalter()
         self.shutting_down = False
         self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
         for client in getattr(engine, "clients", {}).values():  # (tests may pass none)
@@ -93,15 +95,17 @@ class Gateway:
             decision = self.enforcer.decide(facts, {self.model_name})
         except PolicyRejection as err:
             raise policy_error(err) from None
+        salt = self.salter.salt(self.enforcer.policy.prefix_cache_scope, key_id(_bearer(http)), tenant,
+                                "")  # CLIENT_SALT_TODO
         try:
-            run = self._queue(request, decision)
+            run = self._queue(request, decision, salt)
         except ApiError:
             self.enforcer.release(decision)
             raise
         run.key_id, run.tenant, run.client = key_id(_bearer(http)), tenant, http.remote or ""
         return run
 
-    def _queue(self, request: GenerateRequest, decision: Decision) -> Run:
+    def _queue(self, request: GenerateRequest, decision: Decision, salt: str) -> Run:
         if not self.ready:
             raise self._not_ready_error()
         stats = self.engine_stats
@@ -116,13 +120,14 @@ class Gateway:
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
-        inflight = InFlight(prefix + uuid.uuid4().hex, priority)
+        inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt)
         messages = tuple(ChatMessage(m["role"], m["content"]) for m in request.messages) if request.messages else None
         job = PrefillJob(inflight.request_id, SamplingParams(**sampling), priority, prompt=request.prompt,
                          messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
-                         max_total_tokens=self._context_tokens())
-        inflight.prefix_key = prefix_key(request.prompt, request.messages, request.prompt_tokens, decision.kv_type)
+                         max_total_tokens=self._context_tokens(), cache_salt=salt)
+        inflight.prefix_key = prefix_key(request.prompt, request.messages, request.prompt_tokens,
+                                         f"{decision.kv_type}/{salt}")
         self.registry.add(inflight)
         try:
             self.pool.submit(job)
@@ -145,7 +150,8 @@ class Gateway:
             return
         job = PrefillJob(ask.request_id, dataclasses.replace(ask.sampling, n=1), ask.priority,
                          prompt_tokens=ask.tokens, max_prompt_tokens=len(ask.tokens), resume_index=ask.index,
-                         engine="" if client is self.engine else client.address)  # one engine: the workers' own
+                         engine="" if client is self.engine else client.address,  # one engine: the workers' own
+                         cache_salt=inflight.cache_salt)
         try:
             self.pool.submit(job)
         except (QueueFullError, UnsendableJobError) as err:

@@ -141,6 +141,10 @@ class AuditFile(Strict):
     log_text: bool = False
 
 
+class PrefixCacheFile(Strict):
+    scope: Literal["key", "shared"] = "key"
+
+
 class TenantsFile(Strict):
     header: str = ""
     classes: dict[str, ClassName] = {}
@@ -190,6 +194,7 @@ class PolicyFile(Strict):
     tenants: TenantsFile = TenantsFile()
     tiers: list[TierFile] = []
     audit: AuditFile = AuditFile()
+    prefix_cache: PrefixCacheFile = PrefixCacheFile()
 
     @field_validator("version")
     @classmethod
@@ -207,7 +212,7 @@ class PolicyFile(Strict):
         return Policy(source, self.filters.build(), classes, self.default_class or next(iter(classes)),
                       {entry.key: entry.build() for entry in self.keys}, self.tenants.header,
                       dict(self.tenants.classes), tiers, tuple(self.allow_weaker_protection),
-                      AuditRules(self.audit.log_text))
+                      AuditRules(self.audit.log_text), self.prefix_cache.scope)
 
 
 # --- checks that relate entries to each other: (key path, message) for each mistake ---

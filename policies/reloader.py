@@ -21,6 +21,7 @@ _IN_FORCE = {
     "keys": lambda policy: bool(policy.keys),
     "blocked_content": lambda policy: bool(policy.filters.blocked_words or policy.filters.blocked_patterns),
     "rate_limits": lambda policy: _limits_in_force(policy),
+    "prefix_cache_isolation": lambda policy: policy.prefix_cache_scope != "shared",
 }
 
 

@@ -22,6 +22,7 @@ PROTECTIONS = {
     "keys": "every API key (authentication would be off)",
     "blocked_content": "every blocked word and pattern",
     "rate_limits": "every requests_per_minute and max_concurrent limit (of classes and keys) and token quota",
+    "prefix_cache_isolation": "the prompt caches' separation by API key (prefix_cache.scope would be \"shared\")",
 }
 
 
@@ -94,3 +95,6 @@ class Policy:
     tiers: tuple[Tier, ...] = ()  # in order of severity: later tiers are heavier
     allow_weaker_protection: tuple[str, ...] = ()  # PROTECTIONS this file may remove on reload
     audit: AuditRules = field(default_factory=AuditRules)
+    # who may reuse whose cached prompts (edge.cache_salt): "key", per API key (per tenant header without keys);
+    # "shared", everyone's, which lets one client time another's prompts: an explicit choice
+    prefix_cache_scope: str = "key"

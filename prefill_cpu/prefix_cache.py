@@ -3,7 +3,9 @@
 After a prompt is prefilled (or preempted part way), its KV stays in the context under a cache sequence
 id. The next prompt that starts with the same tokens (a shared system prompt, a chat's earlier turns, a
 preempted prompt coming back) copies that prefix's cells (llama.cpp shares them, nothing is recomputed)
-and prefills only the rest. This class only decides; the Prefiller moves the cells. The token budget
+and prefills only the rest. Only prompts of one cache salt share (PrefillJob.cache_salt, one per API key
+by default): a prompt never reuses, and so can never time, another tenant's cells. This class only decides;
+the Prefiller moves the cells. The token budget
 counts each entry whole, so cells two entries share are counted twice: conservative, never over.
 """
 
@@ -18,6 +20,7 @@ class CachedPrompt:
     seq_id: int  # the llama.cpp sequence holding this prompt's cells
     tokens: tuple[int, ...]
     last_used: int
+    salt: str = ""  # the request's cache salt: only prompts of the same salt reuse these cells
 
 
 class PrefixCache:
@@ -35,10 +38,13 @@ class PrefixCache:
     def num_tokens(self) -> int:
         return sum(len(e.tokens) for e in self.entries.values())
 
-    def match(self, tokens: tuple[int, ...] | list[int]) -> tuple[int | None, int]:
-        """The entry sharing the longest prefix with tokens: (its seq id, the shared length), or (None, 0)."""
+    def match(self, tokens: tuple[int, ...] | list[int], salt: str = "") -> tuple[int | None, int]:
+        """The entry of this salt sharing the longest prefix with tokens: (its seq id, the shared length), or
+        (None, 0)."""
         best_id, best_len = None, 0
         for entry in self.entries.values():
+            if entry.salt != salt:
+                continue
             n = _common_prefix(entry.tokens, tokens)
             if n > best_len:
                 best_id, best_len = entry.seq_id, n
@@ -46,13 +52,13 @@ class PrefixCache:
             self.entries[best_id].last_used = next(self._clock)
         return best_id, best_len
 
-    def place(self, tokens: tuple[int, ...]) -> tuple[int | None, list[int]]:
+    def place(self, tokens: tuple[int, ...], salt: str = "") -> tuple[int | None, list[int]]:
         """Where to keep this prompt: (seq id to store it under, or None if it does not fit, seq ids whose
         cells must be removed first). An entry this prompt extends is replaced; otherwise the least
         recently used entries go until the budget holds."""
         if not self.enabled or not tokens or len(tokens) > self.max_tokens:
             return None, []
-        evicted = [e.seq_id for e in self.entries.values() if tokens[:len(e.tokens)] == e.tokens]
+        evicted = [e.seq_id for e in self.entries.values() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens]
         for seq_id in evicted:
             self._drop(seq_id)
         while self.entries and (not self.free_ids or self.num_tokens + len(tokens) > self.max_tokens):
@@ -60,7 +66,7 @@ class PrefixCache:
             self._drop(oldest)
             evicted.append(oldest)
         seq_id = self.free_ids.pop()
-        self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock))
+        self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock), salt)
         return seq_id, evicted
 
     def clear(self) -> list[int]:

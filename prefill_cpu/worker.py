@@ -173,7 +173,7 @@ class PrefillWorker:
             request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority)
             outcome = prefiller.prefill(request, should_cancel=should_cancel)
             started = time.perf_counter()
-            data = encode_handoff(replace(outcome.handoff, resume_index=job.resume_index))
+            data = encode_handoff(replace(outcome.handoff, resume_index=job.resume_index, cache_salt=job.cache_salt))
             handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
             return data, PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data), handoff_ms,
                                      cached_tokens=outcome.cached_tokens, resumed=job.resume_index >= 0)

@@ -1,0 +1,34 @@
+"""The cache salt of a request: which earlier prompts its prefill may reuse from the prompt caches.
+
+A prompt that starts like a cached one is served much faster (its prefix is not computed again), so a client
+who may reuse another tenant's cached prompts can time guesses of their text. The prompt caches (the prefill
+worker's and the decode engine's) therefore share KV only between requests of one salt, which the gateway
+derives here, per API key by default. A salt the client sends (`cache_salt`, as vLLM names it) only narrows
+sharing further: it is mixed with the key, so a client who copies another's salt still gets a different one.
+
+The derivation is keyed with a secret drawn at start-up, so the salt of one key cannot be computed from the
+outside, and it changes with each start (the caches are empty then anyway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+SCOPES = ("key", "shared")  # the policy's prefix_cache.scope: per API key (or tenant), or one cache for all
+MAX_CLIENT_SALT_CHARS = 256
+
+
+class CacheSalter:
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret or secrets.token_bytes(32)
+
+    def salt(self, scope: str, key_id: str | None, tenant: str | None, client_salt: str = "") -> str:
+        """The salt of a request. scope "key": one per API key; without keys, one per tenant header value (a
+        header anyone can send, so it separates cooperating tenants, not attackers: use keys for that).
+        scope "shared": every request shares, unless it sends a salt of its own."""
+        owner = "" if scope == "shared" else (f"key\0{key_id}" if key_id else f"tenant\0{tenant or ''}")
+        if not owner and not client_salt:
+            return ""
+        text = f"{owner}\1{client_salt}".encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(text, key=self._secret, digest_size=16).hexdigest()

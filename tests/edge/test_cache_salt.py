@@ -1,0 +1,44 @@
+"""A request's cache salt: per API key by default, a client's own salt only narrows, "shared" is explicit."""
+
+import pytest
+
+from edge.cache_salt import CacheSalter
+from policies.loader import load_policy
+from policies.reloader import removed_protections
+
+
+def test_each_key_has_its_own_salt_and_a_copied_client_salt_does_not_cross_keys():
+    salter = CacheSalter()
+    a, b = salter.salt("key", "sha256:a", None), salter.salt("key", "sha256:b", None)
+    assert a and b and a != b
+    assert salter.salt("key", "sha256:a", None) == a  # stable, so a tenant's own prompts hit
+    assert salter.salt("key", "sha256:a", None, "mine") not in (a, salter.salt("key", "sha256:b", None, "mine"))
+
+
+def test_without_keys_the_tenant_separates_and_shared_scope_shares():
+    salter = CacheSalter()
+    assert salter.salt("key", None, "x") != salter.salt("key", None, "y")
+    assert salter.salt("shared", "sha256:a", "x") == salter.salt("shared", "sha256:b", "y") == ""
+    assert salter.salt("shared", "sha256:a", None, "s") == salter.salt("shared", "sha256:b", None, "s") != ""
+
+
+def test_salts_cannot_be_computed_without_the_servers_secret():
+    assert CacheSalter().salt("key", "sha256:a", None) != CacheSalter().salt("key", "sha256:a", None)
+
+
+@pytest.mark.parametrize("text, scope", [("", "key"), ('[prefix_cache]\nscope = "shared"\n', "shared")])
+def test_the_policy_names_the_scope(tmp_path, text, scope):
+    path = tmp_path / "policy.toml"
+    path.write_text("version = 1\n" + text)
+    assert load_policy(path).prefix_cache_scope == scope
+
+
+def test_a_reload_may_not_silently_share_the_prompt_caches(tmp_path):
+    path = tmp_path / "policy.toml"
+    path.write_text("version = 1\n")
+    isolated = load_policy(path)
+    path.write_text('version = 1\n[prefix_cache]\nscope = "shared"\n')
+    assert removed_protections(isolated, load_policy(path)) == ["prefix_cache_isolation"]
+    path.write_text('version = 1\nallow_weaker_protection = ["prefix_cache_isolation"]\n'
+                    '[prefix_cache]\nscope = "shared"\n')
+    assert removed_protections(isolated, load_policy(path)) == []

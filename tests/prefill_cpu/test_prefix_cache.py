@@ -1,0 +1,23 @@
+"""The prefill worker's prompt cache shares cells only between prompts of one cache salt."""
+
+from prefill_cpu.prefix_cache import PrefixCache
+
+PROMPT = tuple(range(100, 160))
+
+
+def test_a_prompt_reuses_a_cached_prefix_of_its_own_salt_only():
+    cache = PrefixCache([1, 2, 3], max_tokens=1000)
+    seq_id, _ = cache.place(PROMPT, salt="tenant-a")
+    assert cache.match(PROMPT + (7, 8), salt="tenant-a") == (seq_id, len(PROMPT))
+    assert cache.match(PROMPT + (7, 8), salt="tenant-b") == (None, 0)
+    assert cache.match(PROMPT + (7, 8)) == (None, 0)  # unsalted is a salt of its own too
+
+
+def test_an_extending_prompt_replaces_only_its_own_salts_entry():
+    cache = PrefixCache([1, 2, 3], max_tokens=1000)
+    a, _ = cache.place(PROMPT, salt="a")
+    b, evicted = cache.place(PROMPT + (1, 2, 3), salt="b")
+    assert evicted == [] and {a, b} == set(cache.entries)
+    c, evicted = cache.place(PROMPT + (4,), salt="a")
+    assert evicted == [a] and cache.match(PROMPT, salt="a") == (c, len(PROMPT))
+    assert cache.match(PROMPT, salt="b") == (b, len(PROMPT))

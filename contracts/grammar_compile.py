@@ -9,6 +9,7 @@ rather than queued behind them. llguidance's own work limits (contracts.grammar.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -35,6 +36,11 @@ DOWNSTREAM_MARGIN = 2.0
 
 def downstream_timeout_s(timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> float:
     return timeout_s * DOWNSTREAM_MARGIN
+
+
+def constraint_key(kind: str, source: str) -> tuple[str, bytes]:
+    """What caches keep a constraint by: its digest, not its text (up to 256 KiB each)."""
+    return kind, hashlib.sha256(source.encode("utf-8", "surrogatepass")).digest()
 
 
 def compile_timeout_s(*sources) -> float:
@@ -98,34 +104,35 @@ class CompiledGrammars:
         self.timeout_s = timeout_s
         self._pool, self._entries = pool, entries
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[tuple[str, str], tuple[Future, threading.Event]] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, bytes], tuple[Future, threading.Event]] = OrderedDict()
 
     def prepare(self, kind: str, source: str) -> Future:
         """The compile's future (its result: a Matcher at the grammar's start); GrammarBusyError if the pool is full."""
-        return self._running((kind, source))[0]
+        return self._running(kind, source)[0]
 
     def matcher(self, kind: str, source: str) -> Matcher:
         """A fresh matcher of the constraint: GrammarError when it does not compile, GrammarTooComplexError past the
         time limit, GrammarBusyError when no compile slot is free."""
-        future, started = self._running((kind, source))
+        future, started = self._running(kind, source)
         try:
             return future.result(self.timeout_s).copy()
         except FutureTimeout:
             raise timed_out(future, started, self.timeout_s, cancel=False) from None
 
-    def _running(self, key: tuple[str, str]) -> tuple[Future, threading.Event]:
+    def _running(self, kind: str, source: str) -> tuple[Future, threading.Event]:
+        key = constraint_key(kind, source)
         with self._lock:
             running = self._compiled.get(key)
             if running is None or running[0].cancelled():
-                running = self._pool.submit(self._compile, key)
+                running = self._pool.submit(self._compile, kind, source)
                 self._compiled[key] = running
                 if len(self._compiled) > self._entries:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
             return running
 
-    def _compile(self, key: tuple[str, str]) -> Matcher:
-        return compile_matcher(self._tokenizer(), *key, self._stops)
+    def _compile(self, kind: str, source: str) -> Matcher:
+        return compile_matcher(self._tokenizer(), kind, source, self._stops)
 
 
 class GatewayCheck:
@@ -144,14 +151,14 @@ class GatewayCheck:
         self._pool = pool or CompilePool(workers=1, capacity=4, name="gateway-grammar")
         self._entries = entries
         self._lock = threading.RLock()  # the outcomes are written by pool threads
-        self._outcomes: OrderedDict[tuple[str, str], GrammarError | None] = OrderedDict()
-        self._compiling: dict[tuple[str, str], tuple[Future, threading.Event]] = {}
+        self._outcomes: OrderedDict[tuple[str, bytes], GrammarError | None] = OrderedDict()
+        self._compiling: dict[tuple[str, bytes], tuple[Future, threading.Event]] = {}
         self._vocabulary_source = vocabulary
         self._vocabulary: Future | None = None  # what vocabulary() gave, or None; loaded on the first check
 
     async def check(self, kind: str, source: str, timeout_s: float) -> None:
         """Return if the constraint compiles; raise GrammarError (or its subclasses) saying why not."""
-        key = (kind, source)
+        key = constraint_key(kind, source)
         if self._known(key):
             return
         vocabulary = await asyncio.wrap_future(self._loaded())
@@ -160,7 +167,7 @@ class GatewayCheck:
                 return
             running = self._compiling.get(key)
             if running is None:
-                running = self._pool.submit(self._compile, key, timeout_s, vocabulary)
+                running = self._pool.submit(self._compile, key, source, timeout_s, vocabulary)
                 self._compiling[key] = running
         future, started = running
         try:
@@ -170,7 +177,7 @@ class GatewayCheck:
         if outcome is not None:
             raise outcome
 
-    def _known(self, key: tuple[str, str]) -> bool:
+    def _known(self, key: tuple[str, bytes]) -> bool:
         """True if the constraint was checked before and compiles; raises its error if it did not."""
         with self._lock:
             if key not in self._outcomes:
@@ -198,13 +205,13 @@ class GatewayCheck:
                               "constraints without it")
         self._vocabulary.set_result(vocabulary)
 
-    def _compile(self, key: tuple[str, str], timeout_s: float, vocabulary) -> GrammarError | None:
+    def _compile(self, key: tuple[str, bytes], source: str, timeout_s: float, vocabulary) -> GrammarError | None:
         started = time.perf_counter()
         try:
             if vocabulary is None:
-                build_grammar(*key)
+                build_grammar(key[0], source)
             else:  # what a worker will do (and more than llguidance's validation checks)
-                compile_matcher(vocabulary.tokenizer, *key, vocabulary.stop_token_ids)
+                compile_matcher(vocabulary.tokenizer, key[0], source, vocabulary.stop_token_ids)
             outcome = None
         except GrammarError as err:
             outcome = err

@@ -14,9 +14,10 @@ from contracts.grammar import (
     GrammarError,
     GrammarTooComplexError,
     build_grammar,
+    compile_matcher,
     grammar_text,
 )
-from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s
+from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s, constraint_key
 from edge import openai_api
 from edge.openai_api import ApiError, GenerateRequest, check_structured
 
@@ -197,7 +198,7 @@ def test_a_compile_that_ended_past_the_limit_is_remembered_as_too_complex(monkey
     check = GatewayCheck(pool=CompilePool(workers=1, capacity=1))
     with pytest.raises(GrammarTooComplexError):
         asyncio.run(check.check("json_schema", "{}", 0.05))
-    future, _started = check._compiling[("json_schema", "{}")]
+    future, _started = check._compiling[constraint_key("json_schema", "{}")]
     gate.release.set()
     future.result(10)  # the compile ends, past the limit, and leaves its outcome
     started = time.perf_counter()
@@ -214,12 +215,14 @@ def product_of_unions(k: int, n: int) -> dict:
 
 @pytest.mark.slow
 def test_the_gateway_compiles_over_the_vocabulary_as_the_workers_do(embedded_model_path):
-    """llguidance's own validation passes this grammar, but its matcher over a real vocabulary fails to build (too
-    many symbols): checked without the vocabulary, the request would reach a worker and fail there."""
+    """The gateway's check builds the very matcher a worker will (llguidance's validation alone has passed grammars
+    whose matcher then failed to build): what it passes, a worker compiles; what the worker cannot, it refuses."""
     from prefill_cpu.grammar import GGUFVocabulary
-    source = json.dumps(product_of_unions(5, 5))
-    build_grammar("json_schema", source)  # passes alone
     check = GatewayCheck(lambda: GGUFVocabulary(embedded_model_path))
     with pytest.raises(GrammarTooComplexError, match="too complex"):
-        asyncio.run(check.check("json_schema", source, 60.0))
-    asyncio.run(check.check("json_schema", json.dumps(product_of_unions(3, 3)), 60.0))  # a smaller one passes
+        asyncio.run(check.check("json_schema", json.dumps(product_of_unions(5, 5)), 60.0))
+    passing = json.dumps(product_of_unions(3, 3))
+    asyncio.run(check.check("json_schema", passing, 60.0))
+    vocabulary = check._vocabulary.result()
+    assert isinstance(vocabulary, GGUFVocabulary)
+    assert compile_matcher(vocabulary.tokenizer, "json_schema", passing, vocabulary.stop_token_ids)

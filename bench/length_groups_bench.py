@@ -1,4 +1,4 @@
-"""CPU decode step ms with the rows attended in groups of similar context length (decode_gpu.attention.paged_attention.
+"""CPU decode step ms with the rows attended in groups of similar context length (decode_gpu.attention.length_groups.
 length_groups) and all together, padded to the longest, side by side in one process (in turns, so that a busy
 neighbour slows both alike).
 
@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from decode_gpu.attention import paged_attention
+    from decode_gpu.attention import length_groups as grouping
     from decode_gpu.model.weight_quant import load_weights
     from decode_gpu.runner.device import resolve_dtype
     from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig, _Probe
@@ -53,7 +53,7 @@ def main() -> None:
     print(f"\nCPU decode step ms ({torch.get_num_threads()} threads), median of {args.reps}")
     print("| weights | rows (context lengths) | groups | one group ms | in groups ms | in groups / one |")
     print("|---|---|---|---|---|---|")
-    grouped_max = paged_attention.MAX_GROUPS
+    grouped_max = grouping.MAX_GROUPS
     for weight_dtype in args.weights.split(","):
         model, report = load_weights(identity, cpu, resolve_dtype("auto", cpu), weight_dtype, 32)
         runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=16384, max_num_seqs=32), cpu)
@@ -71,14 +71,14 @@ def main() -> None:
             times: dict[int, list[float]] = {1: [], grouped_max: []}
             for rep in range(args.reps + 1):
                 for groups in times:
-                    paged_attention.MAX_GROUPS = groups
+                    grouping.MAX_GROUPS = groups
                     started = time.perf_counter()
                     step()
                     if rep:  # the first round warms up
                         times[groups].append((time.perf_counter() - started) * 1e3)
-            paged_attention.MAX_GROUPS = grouped_max
+            grouping.MAX_GROUPS = grouped_max
             one, grouped = (sorted(t)[len(t) // 2] for t in times.values())
-            print(f"| {report.weight_dtype} | {name} | {len(paged_attention.length_groups(contexts, bs))} | {one:.1f} "
+            print(f"| {report.weight_dtype} | {name} | {len(grouping.length_groups(contexts, bs))} | {one:.1f} "
                   f"| {grouped:.1f} | {grouped / one:.2f}x |", flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The one-command GPU check (issue 11): gpu tests, then a decode benchmark against transformers, as one table.
+"""The one-command GPU check: gpu tests, then a decode benchmark against transformers, as one table.
 
     make gpu-check                        # python3 -m checks.gpu_check: budgeted to end within 8 minutes on an H200
     python3 -m checks.gpu_check --quick    # the 1B shape at batch 1 and 32, context 1k
@@ -15,7 +15,6 @@ would not fit, and a watchdog writes what was measured and exits if a stage hang
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import importlib.metadata
 import os
@@ -24,8 +23,10 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
+
+from checks.gpu_benchmarks import run_benchmarks
+from checks.gpu_report import Deadline, Report
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 STARTED = time.monotonic()  # main() resets it; the wheels re-exec carries it over, so the budget counts the install
@@ -34,100 +35,7 @@ PRESETS = {  # models, batch sizes, contexts
     "quick": (["llama-3.2-1b"], [1, 32], [1024]),
     "tiny": (["tiny"], [1, 2], [32, 64]),
 }
-CB_FIRST = (64, 1)  # generate_batch runs these batch sizes first: the target compares batch 64, and 1 is cheap
 NEEDED = {"msgspec": None, "gguf": None, "transformers": "5.24.0"}  # the GPU image lacks the first two
-BEGIN, END = "<!-- gpu-check:begin", "<!-- gpu-check:end -->"
-COLUMNS = ["model", "batch", "context", "ours ms/step", "ours tok/s", "GB read/step", "floor ms", "% of floor",
-           "generate ms/step", "generate_batch ms/step", "generate_batch ÷ ours"]
-
-
-class Deadline:
-    def __init__(self, budget_s: float) -> None:
-        self.end = STARTED + budget_s
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-class Report:
-    """What the run measured so far; `finish` renders it once (from the main thread or the watchdog)."""
-
-    def __init__(self, command: str, out: str | None) -> None:
-        self.command, self.out = command, out
-        self.environment: list[str] = []
-        self.stages: list[tuple[str, str, float]] = []  # (name, result, seconds)
-        self.rows: dict[tuple[int, str, int, int], dict[str, str]] = {}  # (model index, model, context, batch) -> cells
-        self.notes: list[str] = []
-        self.bandwidth = 0.0  # bytes/s, read + written
-        self.all_ok = True
-        self.running: list[str] = []  # the stages in progress, outermost first
-        self._lock = threading.Lock()
-        self._done = False
-
-    def stage(self, name: str, fn, *args):
-        """Run one stage; its failure is recorded, printed and swallowed. Returns fn's value, or None."""
-        print(f"\n== {name}", flush=True)
-        started = time.monotonic()
-        self.running.append(name)
-        try:
-            value = fn(*args)
-        except Exception as err:  # one stage's failure must not stop the others or the table
-            self.running.pop()
-            traceback.print_exc()
-            self.all_ok = False
-            self.stages.append((name, f"FAILED: {type(err).__name__}: {' '.join(str(err).split())[:300]}",
-                                time.monotonic() - started))
-            return None
-        self.running.pop()
-        self.stages.append((name, value if isinstance(value, str) else "ok", time.monotonic() - started))
-        print(f"   {self.stages[-1][1]} ({self.stages[-1][2]:.1f} s)", flush=True)
-        return value
-
-    def skip(self, name: str, why: str) -> None:
-        print(f"\n== {name}: skipped, {why}", flush=True)
-        self.stages.append((name, f"skipped: {why}", 0.0))
-
-    def cell(self, key: tuple[int, str, int, int], column: str, value: str) -> None:
-        _, model, context, batch = key
-        self.rows.setdefault(key, {"model": model, "batch": str(batch), "context": str(context)})[column] = value
-
-    def finish(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            text = self.render()
-            print("\n" + text, flush=True)
-            if self.out:
-                write_block(self.out, text)
-                print(f"written to {self.out}", flush=True)
-
-    def render(self) -> str:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        lines = [f"{BEGIN} (written by checks/gpu_check.py; replaced up to gpu-check:end on each run) -->",
-                 "## Results", "", f"`{self.command}` on {now}, {time.monotonic() - STARTED:.0f} s in all.", ""]
-        lines += [f"- {item}" for item in self.environment]
-        lines += ["", "| stage | result | s |", "|---|---|---|"]
-        lines += [f"| {name} | {result} | {secs:.1f} |" for name, result, secs in self.stages]
-        lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        for key in sorted(self.rows):
-            cells = self.rows[key]
-            lines.append("| " + " | ".join(cells.get(c, "—") for c in COLUMNS) + " |")
-        lines += ["", *[f"- {note}" for note in self.notes], END]
-        return "\n".join(lines)
-
-
-def write_block(path: str, block: str) -> None:
-    """Replace the result block of `path`, keeping the prose around it; append one if there is none."""
-    text = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write(text)
 
 
 def ensure_packages(wheel_dir: str, argv: list[str]) -> str:
@@ -159,8 +67,9 @@ def _version(name: str) -> str | None:
 def describe_device(name: str, report: Report):
     """The device, the versions, and the copy bandwidth that the floor is measured against."""
     import torch
+
+    from decode_gpu.attention.backend import resolve_backend
     from decode_gpu.runner.device import resolve_device
-    from decode_gpu.attention.paged_attention import resolve_backend
     device = resolve_device(name)
     triton = _version("triton") or "not installed"
     versions = (f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton}, "
@@ -226,146 +135,6 @@ def run_gpu_tests(timeout_s: float) -> str:
         raise AssertionError(f"{summary}, pytest exit {done.returncode} (the failures are in the log above)")
     return summary
 
-
-def run_benchmarks(args, device, report: Report, deadline: Deadline) -> None:
-    import torch
-    from checks import gpu_models as gm
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    models = {}
-    for name in args.models:
-        if deadline.left() < 40:
-            report.skip(f"build {name}", "time budget")
-            continue
-        report.stage(f"build {name}", _build, gm, name, device, dtype, models)
-    report.notes.append(f"random weights, {str(dtype).split('.')[-1]}, KV pool in the model's dtype, greedy; "
-                        f"ours: ms/step is the median of {args.steps} steps after {args.warmup} warm-up step(s), "
-                        f"the engine's whole step (schedule, forward, sampling, the host copy); generate: the median gap between tokens "
-                        f"reaching a streamer, after a warm-up call; generate_batch: the median gap between a "
-                        f"request's tokens once every request has its first token (prefill excluded)")
-    for context in args.contexts:
-        for name, model in models.items():
-            if deadline.left() < 30 + _import_bytes(gm.SHAPES[name], context, max(args.batches)) / 1e9:
-                report.skip(f"ours {name} context {context}", "time budget")
-                continue
-            if report.stage(f"ours {name} context {context}", _ours, gm, args, report, deadline, name, model, device,
-                            context) is None:
-                for batch in args.batches:
-                    report.cell(_key(args, name, context, batch), "ours ms/step", "error (see stages)")
-    if models and deadline.left() > 120:
-        from checks.gpu_weights import weight_stage
-        name = list(models)[-1]  # the largest shape: where the weights' bytes matter
-        report.stage(f"weights {name}", weight_stage, gm, report, name, models[name], device, args.contexts[0],
-                     [b for b in args.batches if b in (1, 32)] or args.batches[:1], args.warmup, args.steps,
-                     lambda: deadline.left() - 60)
-    if args.skip_baselines:
-        return
-    for context in args.contexts:
-        for name, model in models.items():
-            report.stage(f"generate {name} context {context}", _generate, gm, args, report, deadline, name, model,
-                         device, context)
-    cb_order = [(c, b) for c in args.contexts for b in [*CB_FIRST, *args.batches] if b in args.batches]
-    for context, batch in dict.fromkeys(cb_order):
-        for name, model in models.items():
-            _generate_batch(gm, args, report, deadline, name, model, device, context, batch)
-
-
-def _build(gm, name: str, device, dtype, models: dict) -> str:
-    model, seconds = gm.build_model(gm.SHAPES[name], device, dtype)
-    models[name] = model
-    params = sum(p.numel() for p in model.parameters())
-    read = gm.weight_bytes_read_per_step(model)
-    return f"{params / 1e9:.2f} B parameters, {read / 1e9:.1f} GB of weights read per step, built in {seconds:.1f} s"
-
-
-def _import_bytes(shape, context: int, batch: int) -> int:
-    return batch * context * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2  # f16 K and V
-
-
-def _key(args, name: str, context: int, batch: int) -> tuple[int, str, int, int]:
-    return args.models.index(name), name, context, batch
-
-
-def _ours(gm, args, report: Report, deadline: Deadline, name: str, model, device, context: int) -> str:
-    shape = gm.SHAPES[name]
-    first_s, results = gm.time_ours(model, shape, device, context, args.batches, args.warmup, args.steps,
-                                    lambda: deadline.left() - 20)
-    weights = gm.weight_bytes_read_per_step(model)
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * model.dtype.itemsize
-    for batch, result in results.items():
-        key = _key(args, name, context, batch)
-        if isinstance(result, str):
-            report.cell(key, "ours ms/step", result)
-            continue
-        read = weights + result.kv_tokens * per_token
-        floor_ms = 1e3 * read / report.bandwidth
-        report.cell(key, "ours ms/step", f"{result.ms:.2f}")
-        report.rows[key].update({"ours tok/s": f"{batch * 1e3 / result.ms:.0f}",
-                                 "GB read/step": f"{read / 1e9:.3g}", "floor ms": f"{floor_ms:.2f}",
-                                 "% of floor": f"{100 * floor_ms / result.ms:.3g}%"})
-    done = sum(not isinstance(r, str) for r in results.values())
-    return (f"{max(args.batches)} handoffs of {context} tokens imported + first step {first_s:.1f} s; "
-            f"{done} batch sizes timed")
-
-
-def _ours_ms(report: Report, key) -> float | None:
-    try:
-        return float(report.rows.get(key, {}).get("ours ms/step", ""))
-    except ValueError:
-        return None
-
-
-def _generate(gm, args, report: Report, deadline: Deadline, name: str, model, device, context: int) -> str:
-    done = []
-    for batch in args.batches:
-        key = _key(args, name, context, batch)
-        estimate = (args.steps + 2) * 4 * (_ours_ms(report, key) or 1000) / 1e3 + 2  # transformers: a few x slower
-        if deadline.left() < estimate + 20:
-            report.cell(key, "generate ms/step", "skipped: time budget")
-            continue
-        try:
-            ms = gm.time_generate(model, gm.SHAPES[name], device, context, batch, args.steps)
-        except Exception as err:  # one batch size's failure (out of memory, say) is its own cell
-            traceback.print_exc()
-            report.cell(key, "generate ms/step", f"error: {type(err).__name__}: {str(err)[:80]}")
-            report.all_ok = False
-            gm._free(device)
-            continue
-        report.cell(key, "generate ms/step", f"{ms:.2f}")
-        done.append(batch)
-    return f"timed at batch {done}"
-
-
-def _generate_batch(gm, args, report: Report, deadline: Deadline, name: str, model, device, context: int, batch: int):
-    key = _key(args, name, context, batch)
-    shape = gm.SHAPES[name]
-    prefill_s = 2 * batch * context * shape.num_layers * 12 * shape.hidden_size ** 2 / 2e14  # rough, H200 bf16
-    decode_s = (args.steps + 4 + batch * context / 8192) * 4 * (_ours_ms(report, key) or 50) / 1e3
-    estimate = getattr(report, "cb_setup_s", 20.0) + prefill_s + decode_s  # set-up: 20 s until a call measures it
-    title = f"generate_batch {name} context {context} batch {batch}"
-    if getattr(report, "cb_hung", False) or deadline.left() < estimate + 15:
-        report.cell(key, "generate_batch ms/step", "skipped: time budget")
-        report.skip(title, "a generate_batch call hung" if getattr(report, "cb_hung", False) else "time budget")
-        return
-    value = report.stage(title, _cb_cell, gm, report, key, model, shape, device, context, batch, args.steps,
-                         max(30.0, min(deadline.left() - 15, 3 * estimate)), prefill_s)
-    if value is None:
-        report.cell(key, "generate_batch ms/step", "error (see stages)")
-
-
-def _cb_cell(gm, report: Report, key, model, shape, device, context, batch, steps, timeout_s, prefill_s) -> str:
-    try:
-        ms, wall, note = gm.time_generate_batch(model, shape, device, context, batch, steps, timeout_s)
-    except TimeoutError:
-        report.cb_hung = True  # its thread still holds the GPU: later generate_batch calls would be meaningless
-        raise
-    report.cb_setup_s = max(5.0, wall - prefill_s - 1e-3 * ms * (steps + 4 + batch * context / 8192))
-    report.cell(key, "generate_batch ms/step", f"{ms:.2f}" + (f" ({note})" if note else ""))
-    ours = _ours_ms(report, key)
-    if ours:
-        report.cell(key, "generate_batch ÷ ours", f"{ms / ours:.1f}x")
-    return f"{ms:.2f} ms/step, the whole call {wall:.1f} s"
-
-
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the 1B shape, batch 1 and 32, context 1k")
@@ -394,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     STARTED = float(os.environ.pop("EDGE_GPU_CHECK_STARTED", time.monotonic()))
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    report = Report(" ".join(["python3 -m checks.gpu_check", *argv]), args.out)
+    report = Report(" ".join(["python3 -m checks.gpu_check", *argv]), args.out, STARTED)
     try:
         report.environment.append(ensure_packages(args.wheels, argv))
     except Exception as err:  # a broken wheel: run with what is installed, and say so
@@ -404,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = threading.Timer(max(1.0, STARTED + args.budget_s + 25 - time.monotonic()), _fire, args=(report,))
     watchdog.daemon = True
     watchdog.start()
-    deadline = Deadline(args.budget_s)
+    deadline = Deadline(STARTED, args.budget_s)
     device = report.stage("device", describe_device, args.device, report)
     if device is not None and not args.skip_tests:
         timeout_s = min(args.tests_timeout_s, max(10, deadline.left() - 120))  # leave the benchmark two minutes

@@ -24,7 +24,9 @@ from transformers import PreTrainedModel
 
 from contracts.handoff import SamplingParams
 from contracts.identity import GGUFIdentity
-from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch, resolve_backend
+from decode_gpu.attention.backend import resolve_backend
+from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION
+from decode_gpu.attention.paged_batch import build_paged_batch
 from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.core.scheduler import ScheduledStep
 from decode_gpu.core.sequence import Sequence

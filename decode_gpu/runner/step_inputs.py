@@ -17,7 +17,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from decode_gpu.attention.paged_attention import PagedBatch, choose_num_splits, length_groups
+from decode_gpu.attention.length_groups import length_groups
+from decode_gpu.attention.paged_batch import PagedBatch, choose_num_splits
 from decode_gpu.core.sequence import Sequence
 from decode_gpu.kv.pool import KVPool
 

@@ -4,15 +4,15 @@ table instead of stopping the run, and the result block of the output file is re
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 import torch
 
-from checks import gpu_check, gpu_models
+from checks import gpu_check, gpu_models, gpu_report
 
 PROSE = "# GPU check\n\nWhat it does.\n\n"
-OLD_BLOCK = f"{gpu_check.BEGIN} -->\nNOT run on a GPU yet.\n{gpu_check.END}\n\n## After\n"
+OLD_BLOCK = f"{gpu_report.BEGIN} -->\nNOT run on a GPU yet.\n{gpu_report.END}\n\n## After\n"
 
 
 def _rows(text: str) -> dict[tuple[int, int], list[str]]:
@@ -47,7 +47,7 @@ def test_tiny_cpu_run_fills_the_table_and_reports_a_failing_stage(tmp_path, monk
     assert text.startswith(PROSE) and text.endswith("\n\n## After\n") and "NOT run on a GPU yet" not in text
     rows = _rows(text)
     assert sorted(rows) == [(1, 32), (1, 64), (2, 32), (2, 64)]
-    column = {name: i for i, name in enumerate(gpu_check.COLUMNS)}
+    column = {name: i for i, name in enumerate(gpu_report.COLUMNS)}
     for (batch, _), cells in rows.items():
         ms = _number(cells[column["ours ms/step"]])
         assert ms > 0 and _close(_number(cells[column["ours tok/s"]]), batch * 1e3 / ms)
@@ -67,7 +67,7 @@ def test_no_cuda_device_is_a_failed_stage_and_the_report_is_still_written(tmp_pa
     assert gpu_check.main(["--device", "cuda", "--out", str(out), "--wheels", str(tmp_path)]) == 1
     text = out.read_text()
     assert "| device | FAILED: RuntimeError: --device cuda was asked for" in text
-    assert text.startswith(gpu_check.BEGIN) and text.rstrip().endswith(gpu_check.END)
+    assert text.startswith(gpu_report.BEGIN) and text.rstrip().endswith(gpu_report.END)
 
 
 def test_the_gpu_test_files_collect_without_llama_cpp():

@@ -10,7 +10,8 @@ import torch
 
 from decode_gpu.kv.pool import (INT4_GROUP, KVPool, PoolShape, STORAGE_DTYPES, bytes_per_token, pack_int4,
                                 storage_fits, unpack_int4)
-from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION, build_paged_batch
+from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION
+from decode_gpu.attention.paged_batch import build_paged_batch
 from embedded_continuations import POSITIONS, PROMPTS, greedy_continuations
 from tiny_llama import greedy_tokens
 

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
+from decode_gpu.attention.paged_attention import paged_attention
+from decode_gpu.attention.paged_batch import build_paged_batch
 from decode_gpu.kv.pool import KVPool, PoolShape
-from decode_gpu.attention.paged_attention import build_paged_batch, paged_attention
 
 N_HEADS, N_KV, D, BS = 4, 2, 64, 16
 CASES = {  # storage: relative error bound against fp32 dense attention
@@ -61,7 +62,7 @@ def test_paged_equals_dense(storage, query_lens):
 def test_grouped_attention_equals_gqa(dtype, n_heads, n_kv, window):
     """The query heads of a KV head stacked as rows under an additive mask (the CPU path's layout) give what
     SDPA's own GQA gives under the boolean mask, sliding windows and padded query rows included."""
-    from decode_gpu.attention.paged_attention import _attend, _attend_grouped, _mask
+    from decode_gpu.attention.torch_attention import _attend, _attend_grouped, _mask
     torch.manual_seed(0)
     context_lens, query_lens = [16, 17, 33, 5], [3, 1, 5, 2]
     pool = KVPool(PoolShape(1, num_blocks=16, block_size=BS, num_kv_heads=n_kv, head_dim=D, storage="float32"),
@@ -82,15 +83,16 @@ def test_grouped_attention_equals_gqa(dtype, n_heads, n_kv, window):
 def test_multi_token_queries_of_different_lengths_attend_in_groups_with_the_same_result(storage, window, monkeypatch):
     """A ragged multi-token batch (speculative verification) whose contexts differ a lot is attended in groups of
     similar length on the CPU, each padded to its own longest context: the same result as one group."""
-    from decode_gpu.attention import paged_attention as paged_attention_module
-    from decode_gpu.attention.paged_attention import length_groups
+    from decode_gpu.attention import length_groups as length_groups_module
+    from decode_gpu.attention.length_groups import length_groups
     dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
     torch.manual_seed(0)
     context_lens, query_lens = [20, 300, 17, 5, 290, 33], [3, 5, 1, 2, 4, 1]
     num_blocks = 48
     pool = KVPool(PoolShape(1, num_blocks=num_blocks, block_size=BS, num_kv_heads=N_KV, head_dim=D, storage=storage),
                   torch.device("cpu"))
-    pool.write(0, torch.arange(num_blocks * BS), torch.randn(num_blocks * BS, N_KV, D), torch.randn(num_blocks * BS, N_KV, D))
+    pool.write(0, torch.arange(num_blocks * BS), torch.randn(num_blocks * BS, N_KV, D),
+               torch.randn(num_blocks * BS, N_KV, D))
     free = list(reversed(range(num_blocks)))
     tables = [[free.pop() for _ in range(-(-n // BS))] for n in context_lens]
     batch = build_paged_batch(pool, tables, context_lens, query_lens, torch.device("cpu"), backend="torch")
@@ -99,7 +101,7 @@ def test_multi_token_queries_of_different_lengths_attend_in_groups_with_the_same
     q = torch.randn(1, N_HEADS, n_new, D).to(dtype)
     new_k, new_v = (torch.randn(1, N_KV, n_new, D).to(dtype) for _ in range(2))
     got, _ = paged_attention(_Layer(), q, new_k, new_v, None, scaling=D ** -0.5, paged=batch, sliding_window=window)
-    monkeypatch.setattr(paged_attention_module, "MAX_GROUPS", 1)  # the same sequences as one group
+    monkeypatch.setattr(length_groups_module, "MAX_GROUPS", 1)  # the same sequences as one group
     together = build_paged_batch(pool, tables, context_lens, query_lens, torch.device("cpu"), backend="torch")
     assert not together.groups
     want, _ = paged_attention(_Layer(), q, new_k, new_v, None, scaling=D ** -0.5, paged=together,

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from contracts.handoff import SamplingParams
-from decode_gpu.runner.cuda_graphs import graph_buckets
-from decode_gpu.kv.pool import KVPool, PoolShape
-from decode_gpu.runner.kv_sizing import GIB, MemoryProfile, kv_budget_bytes
-from decode_gpu.attention.paged_attention import build_paged_batch, paged_attention
+from decode_gpu.attention.paged_attention import paged_attention
+from decode_gpu.attention.paged_batch import build_paged_batch
 from decode_gpu.core.sequence import Sequence
+from decode_gpu.kv.pool import KVPool, PoolShape
+from decode_gpu.runner.cuda_graphs import graph_buckets
+from decode_gpu.runner.kv_sizing import GIB, MemoryProfile, kv_budget_bytes
 from decode_gpu.runner.step_inputs import StepInputs
 from tiny_llama import greedy_tokens, tiny_engine_setup
 
@@ -76,8 +77,8 @@ def test_block_gather_decode_equals_the_dense_path_and_pad_rows_touch_only_the_s
 def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage, window, monkeypatch):
     """Short contexts beside a long one: the CPU path attends them in groups of similar length, each padded to
     its own longest context, and gets what one group padded to the longest gets (sliding windows too)."""
-    from decode_gpu.attention import paged_attention as paged_attention_module
-    from decode_gpu.attention.paged_attention import length_groups
+    from decode_gpu.attention import length_groups as length_groups_module
+    from decode_gpu.attention.length_groups import length_groups
     dtype = torch.bfloat16 if storage == "bfloat16" else torch.float32
     contexts = [20, 290, 17, 33, 1, 20, 31]
     num_blocks = 48
@@ -99,7 +100,7 @@ def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage
     q, new_k, new_v = (torch.randn(1, heads, len(seqs), HEAD_DIM, generator=generator).to(dtype)
                        for heads in (N_HEADS, N_KV, N_KV))
     got, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=grouped, sliding_window=window)
-    monkeypatch.setattr(paged_attention_module, "MAX_GROUPS", 1)  # the same rows as one group
+    monkeypatch.setattr(length_groups_module, "MAX_GROUPS", 1)  # the same rows as one group
     together = inputs.batch(len(seqs), longest)
     assert not together.groups
     want, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=together, sliding_window=window)
@@ -107,7 +108,7 @@ def test_rows_of_different_lengths_attend_in_groups_with_the_same_result(storage
 
 
 def test_length_groups_split_only_where_padding_costs_more_than_a_group():
-    from decode_gpu.attention.paged_attention import GROUP_COST_TOKENS, MAX_GROUPS, length_groups
+    from decode_gpu.attention.length_groups import GROUP_COST_TOKENS, MAX_GROUPS, length_groups
     assert length_groups([256] * 16, 16) == [list(range(16))]  # equal lengths: one group
     assert length_groups([300] * 15 + [1100], 16) == [list(range(15)), [15]]
     assert length_groups([5, 40], 16) == [[0, 1]]  # padding 32 tokens costs less than a group
@@ -147,8 +148,8 @@ def test_kv_budget_is_a_share_of_total_memory_minus_weights_peak_and_others():
 
 
 def test_cpu_decode_uses_half_its_threads_while_a_prompt_is_in_prefill():
-    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     from decode_gpu.core.priority_gate import PriorityGate
+    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     model, identity, _ = tiny_engine_setup("cpu")
     before = torch.get_num_threads()
     torch.set_num_threads(4)

@@ -17,8 +17,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from decode_gpu.attention.backend import configured_backend  # noqa: E402
+from decode_gpu.attention.paged_attention import paged_attention  # noqa: E402
+from decode_gpu.attention.paged_batch import build_paged_batch  # noqa: E402
 from decode_gpu.kv.pool import KVPool, PoolShape  # noqa: E402
-from decode_gpu.attention.paged_attention import build_paged_batch, configured_backend, paged_attention  # noqa: E402
 from tiny_llama import greedy_tokens, tiny_engine_setup  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -59,14 +61,17 @@ def run_both(storage: str, n_heads: int, num_kv_heads: int, head_dim: int, seqs,
     pools = {backend: _pool(storage, num_kv_heads, head_dim, device) for backend in ("torch", "triton")}
     prior = [n_ctx - n_q for n_ctx, n_q in seqs]
     old = build_paged_batch(pools["torch"], tables, prior, prior, torch.device(device), backend="torch")
-    old_k = torch.randn(sum(prior), num_kv_heads, head_dim, generator=gen).to(device)  # [n_prior, num_kv_heads, head_dim]
+    # [n_prior, num_kv_heads, head_dim]
+    old_k = torch.randn(sum(prior), num_kv_heads, head_dim, generator=gen).to(device)
     old_v = torch.randn(sum(prior), num_kv_heads, head_dim, generator=gen).to(device)
     for pool in pools.values():
         pool.write(0, old.slot_mapping, old_k, old_v)
     n_new = sum(q_lens)
     # transformers' layouts: a transposed view of [1, n_new, heads, head_dim]
-    q = torch.randn(1, n_new, n_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)  # [1, n_heads, n_new, head_dim]
-    k = torch.randn(1, n_new, num_kv_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)  # [1, num_kv_heads, n_new, head_dim]
+    # [1, n_heads, n_new, head_dim]
+    q = torch.randn(1, n_new, n_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    # [1, num_kv_heads, n_new, head_dim]
+    k = torch.randn(1, n_new, num_kv_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
     v = torch.randn(1, n_new, num_kv_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
     outs = {}
     for backend, pool in pools.items():
@@ -126,7 +131,8 @@ def test_sliding_window_and_soft_capping_match_torch(device, storage, head_dim, 
     assert_same_pools(pools["triton"], pools["torch"])
     for extras in (dict(sliding_window=20), dict(softcap=1.0)):
         other, _ = run_both(storage, 4, 2, head_dim, RAGGED, device, splits, **extras)
-        assert float((other["triton"].float() - outs["triton"].float()).norm()) > 0.1 * float(outs["torch"].float().norm())
+        difference = float((other["triton"].float() - outs["triton"].float()).norm())
+        assert difference > 0.1 * float(outs["torch"].float().norm())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -165,7 +171,8 @@ def test_store_matches_kv_pool_write_and_skips_negative_slots(device, storage):
     n_kv, head_dim = 3, 64
     ours, want = _pool(storage, n_kv, head_dim, device), _pool(storage, n_kv, head_dim, device)
     slots = torch.tensor([5, -1, 17, 300, -1, 0], dtype=torch.int32, device=device)  # [n]
-    keys = 4 * torch.randn(n_kv, len(slots), head_dim, generator=gen).to(device).transpose(0, 1)  # [n, n_kv, head_dim], strided
+    # [n, n_kv, head_dim], strided
+    keys = 4 * torch.randn(n_kv, len(slots), head_dim, generator=gen).to(device).transpose(0, 1)
     values = torch.randn(len(slots), n_kv, head_dim, generator=gen).to(device)  # [n, n_kv, head_dim]
     keys[2, 1] = 0.0  # an all-zero group: the scale's floor, not a division by zero
     scales = (ours.k_scale[0], ours.v_scale[0]) if ours.k_scale else (None, None)
@@ -221,6 +228,7 @@ def _compile(fn, arch: int, pointers: dict, constexprs: dict, options: dict) -> 
     """Compile one kernel specialization; returns cuobjdump's resource line (registers, stack)."""
     import subprocess
     import tempfile
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -237,7 +245,8 @@ def _compile(fn, arch: int, pointers: dict, constexprs: dict, options: dict) -> 
 
 
 def _compile_all() -> None:
-    from decode_gpu.attention import triton_attention as ta, triton_store as ts
+    from decode_gpu.attention import triton_attention as ta
+    from decode_gpu.attention import triton_store as ts
     for arch, qd, pd, group, head_dim, max_q, splits, softcap in COMPILED:
         tiles = ta._tiles(group, max_q, head_dim, None)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[qd]
@@ -263,7 +272,8 @@ def test_kernels_compile_for_the_gpu_without_spills():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     usage = [line for line in done.stdout.splitlines() if "REG:" in line]

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from contracts.handoff import SamplingParams
-from decode_gpu.attention.paged_attention import build_paged_batch
+from decode_gpu.attention.paged_batch import build_paged_batch
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.kv.pool import bytes_per_token
 from decode_gpu.model.loader import load_decode_model
@@ -109,7 +109,7 @@ def run_cb(model, requests) -> dict:
 
 
 def legacy_forward(runner, seqs, block_tables):
-    """The step as it was before the static step (issue 11), kept to measure against: metadata built per step in
+    """The step as it was before the static step, kept to measure against: metadata built per step in
     Python loops (build_paged_batch) and copied as fresh tensors, the torch path gathering every token's slot.
     # [len(seqs), vocab]"""
     paged = build_paged_batch(runner.pool, [block_tables[s.seq_id] for s in seqs], [s.num_cached + 1 for s in seqs],
@@ -236,8 +236,8 @@ def main() -> None:
 
 
 def print_step_times(rows) -> None:
-    print("\nDecode step time at context 256 (median of 9); before: the step before issue 11 (per-step metadata, "
-          "per-token gather)")
+    print("\nDecode step time at context 256 (median of 9); before: the step before the static step "
+          "(per-step metadata, per-token gather)")
     print("| batch | ours before ms | ours ms | after / before | transformers DynamicCache ms | ours / transformers |")
     print("|---|---|---|---|---|---|")
     for batch, before, ours, plain in rows:

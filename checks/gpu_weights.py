@@ -1,7 +1,7 @@
 """The GPU check's weight_dtype stage: one model shape in the float dtype against int8 and int4 weight-only
 quantization (decode_gpu.model.weight_quant), weight bytes and our engine's tok/s at each batch size.
 
-Issue 13's target: int4 at batch 1 at least 1.8x the bfloat16 tok/s (it reads a quarter of the bytes).
+The target: int4 at batch 1 at least 1.8x the bfloat16 tok/s (it reads a quarter of the bytes).
 """
 
 from __future__ import annotations

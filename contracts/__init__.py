@@ -5,9 +5,16 @@
 - `handoff`: the versioned KV handoff and `SamplingParams`.
 - `events`: token events and engine stats (engine -> gateway), finish reasons.
 - `identity`, `kv_dtypes`: what both sides must agree on about a GGUF and its KV storage types.
+- `grammar`, `grammar_compile`: structured-output constraints and their grammars, and where their compiles run.
+- `options`: every setting's allowed values, defined once; `process_config`: the typed config the launcher hands
+  each child process.
+- `reconnect`: the one reconnect loop of the three control links.
+- `cpu_share`: the file through which a CPU decode engine and local prefill workers split the cores.
+- `cache`: where what is built once is kept (converted weights, weight copies, the benchmark's llama-server).
+- `tasks`: fire-and-forget tasks whose exceptions are logged, never lost.
 
-Layering: edge on top; decode_gpu and prefill_cpu side by side, neither importing the other; contracts and
-policies at the bottom.
+Layering: edge on top; decode_gpu and prefill_cpu side by side, neither importing the other; sampling just above
+contracts (it imports only contracts), under both; contracts and policies at the bottom.
 """
 
 # Bumped whenever a frame's fields change; checked at the handshake, so a skewed peer is refused by name.

@@ -7,8 +7,8 @@ prefill, from the priority signal it already gets.
 
 Two thread pools on the same cores slow each other far more than splitting the cores costs. On the 2-core
 development machine (`python -m bench.cpu_share_bench`, docs/decode.md), a batch-8 decode step next to a
-prefill loop: 2 torch + 2 llama.cpp threads, 134 ms per step and 92 prefill tok/s; 1 + 2, 83 ms and 124;
-1 + 1, 83 ms and 194. Alone, each runs best on every core (49 ms; 371 tok/s).
+prefill loop: 2 torch + 2 llama.cpp threads, 141 ms per step and 186 prefill tok/s; 1 + 1, 74 ms and 194.
+Alone, each runs best on every core (44 ms; 375 tok/s).
 
 A file, not a control frame: it is only meaningful where both processes share a machine, which is exactly
 where they share a run directory. A missing file (remote engine, engine not started) reads as idle.

@@ -2,11 +2,13 @@
 
 A worker gets one job at a time; when it answers, the best waiting job goes to it. When every worker
 is busy with lower-priority prompts, a higher-priority arrival preempts the worst of them: the worker
-stops at once (within a llama.cpp chunk) and that job goes back to the queue in its old place, to resume
-from the worker's prompt cache. Whenever the best priority among queued and prefilling prompts changes,
-`on_best_priority` hears it (the gateway passes it on to the engine, whose lower-priority decode then
-yields the CPU on a CPU-only box); `on_backlog` hears whether prompts wait for a busy worker (an engine
-decoding on the same cores may then pace its steps, `cpu_decode_pace_ms`).
+stops at once (within a llama.cpp graph node, through its abort callback) and that job goes back to the queue
+in its old place. It resumes from the prompt cache only if the same worker takes it back: the queue has no
+worker affinity, and another worker prefills it anew (less what its own cache holds). Whenever the best
+priority among queued and prefilling prompts changes, `on_best_priority` hears it (the gateway passes it on to
+the engine, whose lower-priority decode then yields the CPU on a CPU-only box); `on_backlog` hears whether
+prompts wait for a busy worker (an engine decoding on the same cores may then pace its steps,
+`cpu_decode_pace_ms`).
 
 Nothing a worker does can stall the queue: a job is encoded when it is submitted (a value that cannot
 travel is refused then, for that request alone); a worker whose connection drops or sends a bad frame

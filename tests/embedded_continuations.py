@@ -1,5 +1,5 @@
 """Prompts for teacher-forced fidelity checks on the embedded model, each followed by the tokens the float32 model
-decodes greedily after it (tests/test_weight_quant.py, tests/test_kv_pool_int4.py)."""
+decodes greedily after it (tests/decode_gpu/test_weight_quant.py, tests/decode_gpu/test_kv_pool_int4.py)."""
 
 import torch
 

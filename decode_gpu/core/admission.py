@@ -69,7 +69,9 @@ class Admission:
         return events
 
     def open(self, handoff: KVHandoff) -> tuple[Sequence | None, list[TokenEvent]]:
-        """Check a handoff and report each choice's first token, without touching the engine's state. Returns the
+        """Check a handoff and report each choice's first token. Runs on the asyncio thread while the engine thread
+        steps, which is safe: of the engine's state it touches only the arrival counter (`next` on an
+        itertools.count is atomic under the GIL) and the backlog (which reserves under its own lock). Returns the
         sequence for `admit` (the first choice that goes on; the others that do are its `forks`), or None when the
         first tokens already ended every choice (a stop token, or max_tokens 1). It holds the KV bytes in the
         backlog until imported; a full backlog refuses the handoff."""

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from decode_gpu.core.block_manager import BlockCopy, BlockManager, prefix_hashes
 from decode_gpu.core.sequence import SeqState, Sequence
 
-
 PREEMPTION_MODES = ("swap", "recompute")
 OUT_OF_KV = "out of KV memory"  # how a sequence failed for want of blocks begins (load, not a fault)
 
@@ -33,7 +32,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, not {self.preemption_mode!r}")
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"not {self.preemption_mode!r}")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Weight-only int8/int4 decode weights: the layers compute their dequantized weight's product, a tied embedding
 shares the int8 head, the engine decodes with them as transformers does, and fidelity on the embedded model
-against float32 (teacher-forced) meets the issue's bar for int8 and is stated for int4."""
+against float32 (teacher-forced) meets the bar for int8 and is stated for int4."""
 
 import copy
 
@@ -116,7 +116,7 @@ def fidelity(candidate: nn.Module, runs) -> tuple[float, float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights, activations, head_int8, top1, kl", [
-    ("int8", torch.float32, False, 0.97, 0.02),  # the issue's bar, for what int8 weights alone change
+    ("int8", torch.float32, False, 0.97, 0.02),  # the bar, for what int8 weights alone change
     # int4 as the engine holds the embedded GGUF: its Q4_1 layers in int4 (their own codes), its Q8_0 head in int8
     ("int4", torch.float32, True, 0.97, 0.02),
     ("int4", torch.bfloat16, True, 0.95, 0.01),

@@ -158,7 +158,7 @@ def test_tls_mistakes_stop_serve_with_one_clear_line(pki, run_app, flags, messag
     assert not run_app  # refused before anything starts
 
 
-# tests/test_config.py checks each message of load_config; this checks `edge serve` stops with it
+# tests/edge/test_config.py checks each message of load_config; this checks `edge serve` stops with it
 BAD_CONFIGS = [
     ("port = \n", "serve.toml:1: (syntax): not valid TOML"),
     ("colour = 1\n", "serve.toml:1: colour: unknown key"),

@@ -74,6 +74,7 @@ class PrefillRequest:
     prompt_tokens: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     priority: int = 0
+    cache_salt: str = ""  # only cached prompts of this salt are reused, and this one is kept under it
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class Prefiller:
         grammar = self.grammars.matcher(request.sampling.structured)  # likewise: a bad constraint fails first
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
-        cached = self._reuse_cached_prefix(memory, tokens)
+        cached = self._reuse_cached_prefix(memory, tokens, request.cache_salt)
         self._should_cancel = should_cancel
         self._priority = request.priority
         try:
@@ -207,10 +208,10 @@ class Prefiller:
             first_tokens = self._sample_first(request.sampling, tokens, grammar)  # one per choice
             exported = time.perf_counter()
             state = self._export_state()
-            self._remember(memory, tokens)
+            self._remember(memory, tokens, request.cache_salt)
         except PrefillCancelledError:
             done = llama_cpp.llama_memory_seq_pos_max(memory, SEQ) + 1  # the chunks finished before the cancel
-            self._remember(memory, tokens[:done])  # so the requeued prompt resumes from here
+            self._remember(memory, tokens[:done], request.cache_salt)  # so the requeued prompt resumes from here
             raise
         finally:
             self._should_cancel = _never
@@ -219,18 +220,18 @@ class Prefiller:
         done = time.perf_counter()
         return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached)
 
-    def _reuse_cached_prefix(self, memory, tokens: list[int]) -> int:
+    def _reuse_cached_prefix(self, memory, tokens: list[int], salt: str) -> int:
         """Share the cells of the longest cached prefix into SEQ; returns how many prompt tokens that covers.
         The last prompt token is always computed again: its logits give the first token."""
-        seq_id, shared = self.cache.match(tokens)
+        seq_id, shared = self.cache.match(tokens, salt)
         shared = min(shared, len(tokens) - 1)
         if seq_id is None or shared <= 0:
             return 0
         llama_cpp.llama_memory_seq_cp(memory, seq_id, SEQ, 0, shared)
         return shared
 
-    def _remember(self, memory, tokens: list[int]) -> None:
-        seq_id, evicted = self.cache.place(tuple(tokens))
+    def _remember(self, memory, tokens: list[int], salt: str) -> None:
+        seq_id, evicted = self.cache.place(tuple(tokens), salt)
         _free_sequences(memory, evicted)
         if seq_id is not None:
             llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)

@@ -170,7 +170,7 @@ class PrefillWorker:
             failed = _check_lengths(job, tokens, prefiller.config.n_ctx)
             if failed is not None:
                 return failed
-            request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority)
+            request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority, job.cache_salt)
             outcome = prefiller.prefill(request, should_cancel=should_cancel)
             started = time.perf_counter()
             data = encode_handoff(replace(outcome.handoff, resume_index=job.resume_index, cache_salt=job.cache_salt))

@@ -196,7 +196,8 @@ class Scheduler:
         if seq.state is not SeqState.WAITING or not self.config.prefix_caching or handoff is None \
                 or handoff.layout.swa_layers:
             return []
-        salt = f"{handoff.layout.k_dtype}/{handoff.layout.v_dtype}"  # the KV values depend on the handoff's types
+        # the KV values depend on the handoff's types, and only prompts of one cache salt (one tenant) may share
+        salt = f"{handoff.layout.k_dtype}/{handoff.layout.v_dtype}/{handoff.cache_salt}"
         # keyed by what names the tokens (a recompute's handoff holds more of the sequence's tokens than its prompt),
         # not by the handoff itself, which must not outlive its import
         key = (handoff.n_tokens, salt)

@@ -177,3 +177,19 @@ def test_outranked_sequences_sit_out_steps_while_a_more_important_prompt_is_pref
     for rid, more in run_to_completion(engine).items():
         outputs[rid].extend(more)
     assert outputs == {rid: expected_tokens(prompt, 8) for rid, prompt in prompts.items()}
+
+
+def test_prompt_blocks_are_shared_only_between_handoffs_of_one_cache_salt():
+    """One tenant's cached prompt never spares another's import (nor can be timed through it)."""
+    import dataclasses
+    engine, _ = make_engine(num_blocks=64, block_size=4)
+    prompt = list(range(10, 22))  # three full blocks
+    outputs, hits = {}, []
+    for rid, salt in [("a1", "tenant-a"), ("b1", "tenant-b"), ("a2", "tenant-a")]:
+        handoff = dataclasses.replace(fake_handoff(rid, prompt, max_tokens=30), cache_salt=salt)
+        add_events = engine.add(handoff)
+        outputs.setdefault(rid, []).extend(t for e in add_events for t in e.token_ids)
+        step(engine, outputs)
+        hits.append(engine.stats().prefix_cache_hits)
+    assert hits[0] == hits[1] == 0  # b1's prompt is a1's, but another tenant's: imported in full
+    assert hits[2] >= 8  # a2 finds a1's full blocks

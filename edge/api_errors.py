@@ -18,6 +18,10 @@ PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, 
     "internal": (500, "server_error", "prefill_failed"),
     "cancelled": (499, "server_error", "cancelled"),
     "recompute_failed": (503, "server_error", "kv_cache_full"),  # a preempted request could not be prefilled again
+    # a structured output the worker could not compile (contracts.grammar's codes)
+    "invalid_structured_output": (400, "invalid_request_error", "invalid_structured_output"),
+    "structured_output_too_complex": (400, "invalid_request_error", "structured_output_too_complex"),
+    "structured_output_busy": (503, "server_error", "structured_output_busy"),
 }
 
 
@@ -27,7 +31,8 @@ def prefill_error(failed: PrefillFailed) -> ApiError:
     if failed.kind == "prompt_too_long":
         message = (f"the prompt has {failed.num_prompt_tokens} tokens, more than the limit of {failed.limit}")
     param = {"prompt_too_long": "messages", "context_exceeded": "max_tokens"}.get(failed.kind)
-    return ApiError(status, message, param, code, error_type)
+    headers = {"Retry-After": "2"} if status == 503 else {}  # a worker or a compile pool is busy or restarting
+    return ApiError(status, message, param, code, error_type, headers)
 
 
 def decode_error(event: TokenEvent) -> ApiError:

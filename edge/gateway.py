@@ -96,7 +96,7 @@ class Gateway:
         except PolicyRejection as err:
             raise policy_error(err) from None
         salt = self.salter.salt(self.enforcer.policy.prefix_cache_scope, key_id(_bearer(http)), tenant,
-                                "")  # CLIENT_SALT_TODO
+                                request.cache_salt)
         try:
             run = self._queue(request, decision, salt)
         except ApiError:

@@ -1,13 +1,12 @@
-"""Validation of OpenAI request bodies into one internal request, and OpenAI-style error bodies."""
+"""Validation of OpenAI request bodies into one internal request (its field checks: edge.request_fields)."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
-from aiohttp import web
-
+from edge.request_fields import ApiError, checked_text, get_field, get_int, get_number, show
+from edge.structured_request import structured_constraint
 from edge.tools import ToolError, ToolSpec, parse_tools, with_tools
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
@@ -17,21 +16,9 @@ MAX_TOKENS_LIMIT = (1 << 31) - 1  # llama.cpp counts tokens in int32; any real c
 MAX_MESSAGES = 4096
 MAX_STOP_TOKEN_IDS = 256
 MAX_N = 128  # choices per request, OpenAI's limit (the engine also needs n <= its max_num_seqs)
+MAX_CACHE_SALT_CHARS = 256
+MIN_REPETITION_PENALTY = 0.01
 MAX_LOGIT_BIAS = 1024  # entries in logit_bias (OpenAI documents no limit; this keeps a body's work bounded)
-
-
-class ApiError(Exception):
-    """An error answered to the client with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error", headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.error_type, self.headers = error_type, headers or {}
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status, headers=self.headers)
 
 
 @dataclass(frozen=True)
@@ -50,6 +37,7 @@ class GenerateRequest:
     structured_param: str | None = None  # the field a structured-output constraint came from (for errors)
     tools: ToolSpec | None = None  # chat: the tools and tool_choice
     user_text: str = ""  # every piece of client text, for content filters
+    cache_salt: str = ""  # the client's own cache salt (vLLM's field); the gateway mixes it with the key's
 
 
 def parse_request(body, kind: str, *, vocab_size: int | None = None) -> GenerateRequest:
@@ -58,10 +46,10 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
     never meet one they cannot take. vocab_size: the model's, once known (None skips that token id check)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = _text(_field(body, "model", str, required=True), "model")
+    model = checked_text(get_field(body, "model", str, required=True), "model")
     _refuse_unsupported(body)
-    stream = _field(body, "stream", bool, default=False)
-    stream_options = _field(body, "stream_options", dict, default=None) or {}
+    stream = get_field(body, "stream", bool, default=False)
+    stream_options = get_field(body, "stream_options", dict, default=None) or {}
     include_usage = bool(stream_options.get("include_usage", False))
     tools = None
     if kind == "chat":
@@ -70,18 +58,18 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
         except ToolError as err:
             raise ApiError(400, str(err), err.param, "invalid_value") from None
         messages, prompt, prompt_tokens = tuple(with_tools(list(_messages(body)), tools)), None, None
-        chat_logprobs = _field(body, "logprobs", bool, default=False)
-        top = _int(body, "top_logprobs", 0, 20, default=0)
+        chat_logprobs = get_field(body, "logprobs", bool, default=False)
+        top = get_int(body, "top_logprobs", 0, 20, default=0)
         logprobs = top if chat_logprobs else None
         text = "\n".join(m["content"] for m in messages)
     else:
         messages, chat_logprobs = None, False
         prompt, prompt_tokens = _prompt(body, vocab_size)
-        logprobs = _int(body, "logprobs", 0, 20, default=None)
+        logprobs = get_int(body, "logprobs", 0, 20, default=None)
         text = prompt or ""
     echo = _echo(body, kind, prompt, logprobs)
     sampling = _sampling(body, kind, logprobs, vocab_size)
-    param, sampling["structured"] = _structured(body)
+    param, sampling["structured"] = structured_constraint(body)
     if tools is not None and tools.constrained:
         if sampling["structured"] is not None:
             raise ApiError(400, f"tool_choice {tools.choice!r} and {param} both constrain the answer; use one",
@@ -92,97 +80,22 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
     if sampling["structured"] is not None and sampling["ignore_eos"]:
         raise ApiError(400, "'ignore_eos' cannot be combined with a structured output: the grammar ends the answer",
                        "ignore_eos", "invalid_value")
-    priority = _int(body, "priority", -1_000_000, 1_000_000, default=None)
+    priority = get_int(body, "priority", -1_000_000, 1_000_000, default=None)
     return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
-                           prompt_tokens, messages, chat_logprobs, echo, param, tools, text)
+                           prompt_tokens, messages, chat_logprobs, echo, param, tools, text, _cache_salt(body))
 
 
-_GRAMMAR_CHECKS: dict = {}  # model path -> contracts.grammar_compile.GatewayCheck, made on its first constraint
-
-
-async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
-                           model_path: str | None = None) -> None:
-    """A constraint the engine cannot enforce is the client's 400 naming the problem (code
-    invalid_structured_output), one too large or too slow to compile a 400 too (code structured_output_too_complex),
-    and a full compile pool a 503. The constraint is compiled as the prefill workers will compile it, over the
-    model's vocabulary (the GGUF at model_path, its tokenizer only), in a bounded pool off the event loop, and
-    awaited at most timeout_s (grammar_compile_timeout_s)."""
-    constraint = request.sampling.get("structured")
-    if constraint is None:
-        return
-    from contracts.grammar import GrammarBusyError, GrammarError
-    from contracts.grammar_compile import GatewayCheck, compile_timeout_s
-    check = _GRAMMAR_CHECKS.get(model_path)
-    if check is None:
-        check = _GRAMMAR_CHECKS[model_path] = GatewayCheck(_vocabulary(model_path) if model_path else None)
-    try:
-        await check.check(*constraint, timeout_s or compile_timeout_s())
-    except GrammarBusyError as err:
-        raise ApiError(503, str(err), request.structured_param, err.code, "server_error",
-                       {"Retry-After": "1"}) from None
-    except GrammarError as err:
-        raise ApiError(400, str(err), request.structured_param, err.code) from None
-
-
-def _vocabulary(model_path: str):
-    def load():
-        from prefill_cpu.grammar import GGUFVocabulary
-        return GGUFVocabulary(model_path)
-    return load
-
-
-def _structured(body: dict) -> tuple[str | None, tuple[str, str] | None]:
-    """(the field it came from, (kind, source)) of a structured-output constraint, or (None, None). OpenAI's
-    response_format, vLLM's guided_* fields and its structured_outputs object; at most one constraint. Whether
-    it compiles is checked by the caller (check_structured, off the event loop)."""
-    found: list[tuple[str, tuple[str, str]]] = []
-    response_format = _field(body, "response_format", dict, default=None)
-    if response_format is not None:
-        kind = response_format.get("type")
-        if kind == "json_object":
-            found.append(("response_format", ("json_object", "")))
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
-                               "response_format", "invalid_value")
-            found.append(("response_format", ("json_schema", json.dumps(schema))))
-        elif kind != "text":
-            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not "
-                                f"{_show(kind)}", "response_format", "invalid_value")
-    sources = {f"guided_{name}": body.get(f"guided_{name}") for name in ("json", "regex", "choice", "grammar")}
-    outputs = _field(body, "structured_outputs", dict, default={})
-    sources.update({f"structured_outputs.{name}": outputs.get(name) for name in ("json", "regex", "choice", "grammar")})
-    for param, value in sources.items():
-        if value is not None:
-            found.append((param, _guided(param, value)))
-    if len(found) > 1:
-        raise ApiError(400, f"one structured output per request, got {', '.join(p for p, _ in found)}", found[1][0],
-                       "invalid_value")
-    return found[0] if found else (None, None)
-
-
-def _guided(param: str, value) -> tuple[str, str]:
-    kind = param.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
-    if kind == "json":
-        if isinstance(value, str):
-            return "json_schema", value
-        if isinstance(value, dict):
-            return "json_schema", json.dumps(value)
-        raise ApiError(400, f"{param} must be a JSON schema (an object or its JSON text)", param, "invalid_type")
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise ApiError(400, f"{param} must be a non-empty list of non-empty strings", param, "invalid_value")
-        return "choice", json.dumps(value)
-    if not isinstance(value, str) or not value:
-        raise ApiError(400, f"{param} must be a non-empty string", param, "invalid_type")
-    return kind, _text(value, param)
+def _cache_salt(body: dict) -> str:
+    salt = checked_text(get_field(body, "cache_salt", str, default=""), "cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"'cache_salt' may hold at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+                       "cache_salt", "invalid_value")
+    return salt
 
 
 def _echo(body: dict, kind: str, prompt: str | None, logprobs: int | None) -> bool:
     """Completions may echo a text prompt; what this server cannot echo is refused, not ignored."""
-    echo = _field(body, "echo", bool, default=False)
+    echo = get_field(body, "echo", bool, default=False)
     if not echo:
         return False
     if kind == "chat":
@@ -199,42 +112,43 @@ def _echo(body: dict, kind: str, prompt: str | None, logprobs: int | None) -> bo
 
 def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | None) -> dict:
     return {
-        "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
-        "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, open_low=True),
-        "top_k": max(0, _int(body, "top_k", -1, 1_000_000, default=0)),
-        "seed": _int(body, "seed", -2**63, 2**63 - 1, default=None),
+        "temperature": get_number(body, "temperature", 0.0, 2.0, default=1.0),
+        "top_p": get_number(body, "top_p", 0.0, 1.0, default=1.0, open_low=True),
+        "top_k": max(0, get_int(body, "top_k", -1, 1_000_000, default=0)),
+        "seed": get_int(body, "seed", -2**63, 2**63 - 1, default=None),
         "max_tokens": _max_tokens(body, kind),
         "stop": _stop(body),
-        "stop_token_ids": _token_ids(_field(body, "stop_token_ids", list, default=[]), "stop_token_ids",
+        "stop_token_ids": _token_ids(get_field(body, "stop_token_ids", list, default=[]), "stop_token_ids",
                                      vocab_size, MAX_STOP_TOKEN_IDS),
         "logprobs": logprobs,
         "logit_bias": _logit_bias(body, vocab_size),
-        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0, default=0.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 100.0, default=1.0, open_low=True),
-        "min_p": _number(body, "min_p", 0.0, 1.0, default=0.0),
-        "min_tokens": _int(body, "min_tokens", 0, MAX_TOKENS_LIMIT, default=0),
-        "ignore_eos": _field(body, "ignore_eos", bool, default=False),
-        "n": _int(body, "n", 1, MAX_N, default=1),
+        "presence_penalty": get_number(body, "presence_penalty", -2.0, 2.0, default=0.0),
+        "frequency_penalty": get_number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
+        # bounded away from 0: dividing a logit by 1e-300 overflows to inf, a failed decode rather than a 400
+        "repetition_penalty": get_number(body, "repetition_penalty", MIN_REPETITION_PENALTY, 100.0, default=1.0),
+        "min_p": get_number(body, "min_p", 0.0, 1.0, default=0.0),
+        "min_tokens": get_int(body, "min_tokens", 0, MAX_TOKENS_LIMIT, default=0),
+        "ignore_eos": get_field(body, "ignore_eos", bool, default=False),
+        "n": get_int(body, "n", 1, MAX_N, default=1),
     }
 
 
 def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias}: keys are token ids written as strings, biases in [-100, 100]."""
-    bias = _field(body, "logit_bias", dict, default={})
+    bias = get_field(body, "logit_bias", dict, default={})
     if len(bias) > MAX_LOGIT_BIAS:
         raise ApiError(400, f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
                        "logit_bias", "invalid_value")
     pairs = []
     for key, value in bias.items():
-        param = f"logit_bias[{_show(key)}]"
+        param = f"logit_bias[{show(key)}]"
         try:
             token = int(key)
         except ValueError:
             raise ApiError(400, f"{param}: the keys of 'logit_bias' must be token ids (integers as strings)", param,
                            "invalid_value") from None
         _check_token_id(token, param, vocab_size)
-        pairs.append((token, _number({param: value}, param, -100.0, 100.0, default=0.0)))
+        pairs.append((token, get_number({param: value}, param, -100.0, 100.0, default=0.0)))
     return tuple(pairs)
 
 
@@ -244,67 +158,17 @@ def _refuse_unsupported(body: dict) -> None:
         if name == "best_of" and value == body.get("n", 1):
             continue  # best_of = n keeps every candidate: what n alone does
         if value not in (neutral, None):
-            raise ApiError(400, f"{name}={_show(value)} is not supported by this server (leave it out"
+            raise ApiError(400, f"{name}={show(value)} is not supported by this server (leave it out"
                                 f"{'' if neutral is None else f' or set it to {neutral!r}'})", name,
                            "unsupported_parameter")
-
-
-def _show(value) -> str:
-    """A short rendering of a client value for an error message: never the repr of a whole nested body."""
-    if isinstance(value, (list, dict)):
-        return f"<a JSON {'array' if isinstance(value, list) else 'object'}>"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _text(value: str, param: str) -> str:
-    """msgpack sends str as UTF-8, which has no encoding for a lone surrogate (JSON's "\\ud800"): the send to
-    a prefill worker would fail and stall it, so such text stops here."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ApiError(400, f"{param} must be valid Unicode text: it holds a lone surrogate "
-                            f"U+{ord(value[err.start]):04X} at character {err.start}", param, "invalid_value") from None
-    return value
-
-
-def _field(body: dict, name: str, kind, required: bool = False, default=None):
-    if name not in body or body[name] is None:
-        if required:
-            raise ApiError(400, f"{name!r} is required", name, "missing_required_parameter")
-        return default
-    value = body[name]
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        expected = kind.__name__ if isinstance(kind, type) else "number"
-        raise ApiError(400, f"{name!r} must be of type {expected}, not {type(value).__name__}", name, "invalid_type")
-    return value
-
-
-def _int(body: dict, name: str, low: int, high: int, default):
-    value = _field(body, name, int, default=default)
-    if value is not default and not low <= value <= high:
-        raise ApiError(400, f"{name!r} must be between {low} and {high}, got {_show(value)}", name, "invalid_value")
-    return value
-
-
-def _number(body: dict, name: str, low: float, high: float, default: float, open_low: bool = False) -> float:
-    value = _field(body, name, (int, float), default=default)
-    try:
-        value = float(value)
-    except OverflowError:  # an integer beyond any float: refused below like infinity
-        value = math.inf
-    if not math.isfinite(value) or value > high or value < low or (open_low and value == low):
-        bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
-        raise ApiError(400, f"{name!r} must be in {bound}, got {value}", name, "invalid_value")
-    return value
 
 
 def _max_tokens(body: dict, kind: str) -> int | None:
     name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    value = _field(body, name, int, default=None)
+    value = get_field(body, name, int, default=None)
     if value is not None and not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise ApiError(400, f"{name!r} must be between 1 and {MAX_TOKENS_LIMIT}, got {_show(value)}", name,
+        raise ApiError(400, f"{name!r} must be between 1 and {MAX_TOKENS_LIMIT}, got {show(value)}", name,
                        "invalid_value")
     return value  # None: the policy's default applies
 
@@ -318,7 +182,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 non-empty strings", "stop",
                        "invalid_value")
     names = ["stop"] if isinstance(value, str) else [f"stop[{i}]" for i in range(len(stops))]
-    return tuple(_text(s, name) for s, name in zip(stops, names))
+    return tuple(checked_text(s, name) for s, name in zip(stops, names))
 
 
 def _token_ids(values: list, name: str, vocab_size: int | None, max_count: int | None = None) -> tuple[int, ...]:
@@ -337,7 +201,7 @@ def _check_token_id(token: int, param: str, vocab_size: int | None) -> None:
     limit = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
     if not 0 <= token < limit:
         known = f"the vocabulary has {vocab_size} tokens" if vocab_size is not None else "token ids are 32-bit"
-        raise ApiError(400, f"{param} is {_show(token)}, not a token id: ids run from 0 to {limit - 1} ({known})",
+        raise ApiError(400, f"{param} is {show(token)}, not a token id: ids run from 0 to {limit - 1} ({known})",
                        param, "invalid_value")
 
 
@@ -358,11 +222,11 @@ def _prompt(body: dict, vocab_size: int | None) -> tuple[str | None, tuple[int, 
 def _prompt_text(prompt: str, param: str) -> str:
     if not prompt:
         raise ApiError(400, "'prompt' must not be empty", param, "invalid_value")
-    return _text(prompt, param)
+    return checked_text(prompt, param)
 
 
 def _messages(body: dict) -> tuple[dict, ...]:
-    messages = _field(body, "messages", list, required=True)
+    messages = get_field(body, "messages", list, required=True)
     if not 1 <= len(messages) <= MAX_MESSAGES:
         raise ApiError(400, f"'messages' must hold 1 to {MAX_MESSAGES} messages, got {len(messages)}", "messages",
                        "invalid_value")
@@ -398,7 +262,7 @@ def _tool_calls(calls, index: int) -> tuple[dict, ...]:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             pass  # kept as the text the client sent
-        out.append({"name": _text(function["name"], f"{param}[{j}].function.name"), "arguments": arguments})
+        out.append({"name": checked_text(function["name"], f"{param}[{j}].function.name"), "arguments": arguments})
     return tuple(out)
 
 
@@ -406,9 +270,9 @@ def _content_text(content, index: int) -> str:
     """A string, or a flat list of text parts; nothing deeper is looked into."""
     param = f"messages[{index}].content"
     if isinstance(content, str):
-        return _text(content, param)
+        return checked_text(content, param)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(_text(p["text"], f"{param}[{j}].text") for j, p in enumerate(content))
+        return "".join(checked_text(p["text"], f"{param}[{j}].text") for j, p in enumerate(content))
     raise ApiError(400, f"{param} must be a string or a list of text parts ({{\"type\": \"text\", \"text\": ...}})",
                    param, "invalid_type")

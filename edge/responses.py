@@ -11,7 +11,6 @@ from edge.openai_api import GenerateRequest
 from edge.tools import may_be_a_call, parse_calls
 
 
-
 @dataclass
 class Choice:
     """One of a request's n answers, as far as it has come."""
@@ -156,4 +155,4 @@ def completion_logprobs(entries) -> dict:
 
 def sse(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n".encode("utf-8")
+    return f"data: {payload}\n\n".encode()

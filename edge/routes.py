@@ -15,10 +15,11 @@ from edge.engine_group import EngineGroup
 from edge.gateway import Gateway, Run
 from edge.lifecycle import RequestStatus
 from edge.middleware import error_middleware
-from edge.openai_api import ApiError, check_structured, parse_request
+from edge.openai_api import ApiError, parse_request
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
 from edge.status import STATUS, StatusBoard, page
+from edge.structured_request import check_structured
 
 log = logging.getLogger("edge.routes")
 NO_STORE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}  # the status page may carry its key

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from contracts.cpu_share import CpuShare, split_threads
 from contracts.framing import ProtocolError, accept_peer, control_secret, read_message, send_message, start_server
+from contracts.grammar import GrammarError
 from contracts.handoff import encode_handoff
 from contracts.messages import (
     HEARTBEAT_INTERVAL_S,
@@ -181,6 +182,8 @@ class PrefillWorker:
             return PrefillFailed(job.request_id, "cancelled", str(err))
         except (BadPromptError, PromptTooLongError) as err:
             return PrefillFailed(job.request_id, "bad_prompt", str(err))
+        except GrammarError as err:  # the gateway compiled it, so rare: a busy pool, or a compile past its limit here
+            return PrefillFailed(job.request_id, err.code, str(err))
         except Exception as err:  # the gateway must hear of every failure, whatever it is
             log.exception("prefill of %s failed", job.request_id)
             return PrefillFailed(job.request_id, "internal", f"prefill failed: {err}")

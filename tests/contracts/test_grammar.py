@@ -18,8 +18,9 @@ from contracts.grammar import (
     grammar_text,
 )
 from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s, constraint_key
-from edge import openai_api
-from edge.openai_api import ApiError, GenerateRequest, check_structured
+from edge import structured_request
+from edge.openai_api import ApiError, GenerateRequest
+from edge.structured_request import check_structured
 
 
 def refusal(kind: str, source: str) -> str:
@@ -157,7 +158,7 @@ async def refused(schema, timeout_s=5.0) -> ApiError:
 
 
 def test_the_gateway_answers_400_naming_the_keyword(monkeypatch):
-    monkeypatch.setitem(openai_api._GRAMMAR_CHECKS, None, GatewayCheck())
+    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, GatewayCheck())
     error = asyncio.run(refused({"type": "array", "uniqueItems": True}))
     assert (error.status, error.code, error.param) == (400, "invalid_structured_output", "response_format")
     assert "uniqueItems" in error.message
@@ -170,7 +171,7 @@ def test_a_slow_compile_is_a_400_in_time_and_other_requests_keep_their_latency(m
     slow = {"title": "slow"}
     monkeypatch.setattr(grammar_compile, "build_grammar", lambda kind, source: gate() if "slow" in source
                         else real(kind, source))
-    monkeypatch.setitem(openai_api._GRAMMAR_CHECKS, None, GatewayCheck(pool=CompilePool(workers=2, capacity=2)))
+    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, GatewayCheck(pool=CompilePool(workers=2, capacity=2)))
 
     async def scenario():
         started = time.perf_counter()

@@ -298,6 +298,28 @@ def test_a_shared_prompt_prefix_comes_from_the_prompt_cache(server, client):
     assert wait_for(lambda: hits()["pool"] - before["pool"] >= 160, 5)  # its full 16-token blocks, but the last
 
 
+def test_one_keys_cached_prompt_is_never_reused_for_another_key(server, client):
+    """The prompt caches are per API key: a prompt another key sent first is prefilled in full (so its timing
+    tells nothing), while the same key's own prompt still hits. prefill-0 takes prompts one at a time, so once
+    the third prompt's hits are counted, the second's are too."""
+    def worker_hits():
+        try:
+            return server.metric("vllm:prefix_cache_hits_total", where="worker")
+        except KeyError:
+            return 0.0
+
+    text = fresh_text("tenant", 120)  # ~360 tokens no other test sends
+    client.completions.create(model=MODEL, prompt=text + " First?", max_tokens=1, temperature=0)
+    assert wait_for(lambda: worker_hits() is not None, 5)
+    before = worker_hits()
+    other = post(server, "/v1/completions", {"model": MODEL, "prompt": text + " Second?", "max_tokens": 1,
+                                             "temperature": 0}, key=LIMITED_KEY)
+    assert other.status_code == 200, other.text
+    client.completions.create(model=MODEL, prompt=text + " Third?", max_tokens=1, temperature=0)
+    assert wait_for(lambda: worker_hits() - before >= 300, 10)  # the third found the first's prompt
+    assert worker_hits() - before < 600  # and the other key's prompt found nothing
+
+
 def prompt_in_prefill(server, tag: str) -> tuple[int, list, threading.Thread]:
     """Start a ~800-token prompt (seconds of prefill on two cores) and return once prefill-0 holds it:
     the worker's pid, the list its response will land in, and the thread to join."""

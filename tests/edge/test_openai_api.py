@@ -129,6 +129,10 @@ def test_output_controls_are_parsed_into_sampling_params():
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # dividing a logit by it overflows
+    ({"cache_salt": 5}, "cache_salt"),
+    ({"cache_salt": "x" * 257}, "cache_salt"),
+    ({"cache_salt": "\ud800"}, "cache_salt"),
     ({"min_p": 1.5}, "min_p"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
@@ -140,6 +144,11 @@ def test_output_controls_are_parsed_into_sampling_params():
 def test_bad_output_controls_are_refused_naming_the_field(fields, param):
     err = _refused(_chat(**fields), "chat", vocab_size=VOCAB)
     assert err.param == param, err.message
+
+
+def test_a_cache_salt_is_kept_for_the_gateway():
+    assert parse_request(_chat(cache_salt="team-secret"), "chat").cache_salt == "team-secret"
+    assert parse_request(_chat(), "chat").cache_salt == ""
 
 
 def test_echo_takes_a_text_prompt_without_logprobs():

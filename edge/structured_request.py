@@ -1,0 +1,94 @@
+"""Structured-output constraints in a request: which field asked for one (OpenAI's response_format, vLLM's
+guided_* fields and structured_outputs object), and the gateway's check that the engine can enforce it."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from edge.request_fields import ApiError, checked_text, get_field, show
+
+if TYPE_CHECKING:  # openai_api imports this module
+    from edge.openai_api import GenerateRequest
+
+_GRAMMAR_CHECKS: dict = {}  # model path -> contracts.grammar_compile.GatewayCheck, made on its first constraint
+
+
+async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
+                           model_path: str | None = None) -> None:
+    """A constraint the engine cannot enforce is the client's 400 naming the problem (code
+    invalid_structured_output), one too large or too slow to compile a 400 too (code structured_output_too_complex),
+    and a full compile pool a 503. The constraint is compiled as the prefill workers will compile it, over the
+    model's vocabulary (the GGUF at model_path, its tokenizer only), in a bounded pool off the event loop, and
+    awaited at most timeout_s (grammar_compile_timeout_s)."""
+    constraint = request.sampling.get("structured")
+    if constraint is None:
+        return
+    from contracts.grammar import GrammarBusyError, GrammarError
+    from contracts.grammar_compile import GatewayCheck, compile_timeout_s
+    check = _GRAMMAR_CHECKS.get(model_path)
+    if check is None:
+        check = _GRAMMAR_CHECKS[model_path] = GatewayCheck(_vocabulary(model_path) if model_path else None)
+    try:
+        await check.check(*constraint, timeout_s or compile_timeout_s())
+    except GrammarBusyError as err:
+        raise ApiError(503, str(err), request.structured_param, err.code, "server_error",
+                       {"Retry-After": "1"}) from None
+    except GrammarError as err:
+        raise ApiError(400, str(err), request.structured_param, err.code) from None
+
+
+def _vocabulary(model_path: str):
+    def load():
+        from prefill_cpu.grammar import GGUFVocabulary
+        return GGUFVocabulary(model_path)
+    return load
+
+
+def structured_constraint(body: dict) -> tuple[str | None, tuple[str, str] | None]:
+    """(the field it came from, (kind, source)) of a structured-output constraint, or (None, None). OpenAI's
+    response_format, vLLM's guided_* fields and its structured_outputs object; at most one constraint. Whether
+    it compiles is checked by the caller (check_structured, off the event loop)."""
+    found: list[tuple[str, tuple[str, str]]] = []
+    response_format = get_field(body, "response_format", dict, default=None)
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            found.append(("response_format", ("json_object", "")))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                               "response_format", "invalid_value")
+            found.append(("response_format", ("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not "
+                                f"{show(kind)}", "response_format", "invalid_value")
+    sources = {f"guided_{name}": body.get(f"guided_{name}") for name in ("json", "regex", "choice", "grammar")}
+    outputs = get_field(body, "structured_outputs", dict, default={})
+    sources.update({f"structured_outputs.{name}": outputs.get(name) for name in ("json", "regex", "choice", "grammar")})
+    for param, value in sources.items():
+        if value is not None:
+            found.append((param, _guided(param, value)))
+    if len(found) > 1:
+        raise ApiError(400, f"one structured output per request, got {', '.join(p for p, _ in found)}", found[1][0],
+                       "invalid_value")
+    return found[0] if found else (None, None)
+
+
+def _guided(param: str, value) -> tuple[str, str]:
+    kind = param.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
+    if kind == "json":
+        if isinstance(value, str):
+            return "json_schema", value
+        if isinstance(value, dict):
+            return "json_schema", json.dumps(value)
+        raise ApiError(400, f"{param} must be a JSON schema (an object or its JSON text)", param, "invalid_type")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ApiError(400, f"{param} must be a non-empty list of non-empty strings", param, "invalid_value")
+        return "choice", json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{param} must be a non-empty string", param, "invalid_type")
+    return kind, checked_text(value, param)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from edge.request_record import RequestRecord
 from policies.enforcer import PolicyEnforcer
@@ -79,7 +79,7 @@ class AuditLog:
 def audit_entry(record: RequestRecord, key_name: str | None, log_text: bool) -> dict:
     text = record.prompt_text
     entry = {
-        "time": datetime.fromtimestamp(record.time, timezone.utc).isoformat(timespec="milliseconds")
+        "time": datetime.fromtimestamp(record.time, UTC).isoformat(timespec="milliseconds")
         .replace("+00:00", "Z"),
         "request_id": record.request_id, "key_id": key_name, "class": record.client_class,
         "tenant": record.tenant, "model": record.model, "kind": record.kind,

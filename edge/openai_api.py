@@ -257,11 +257,14 @@ def _tool_calls(calls, index: int) -> tuple[dict, ...]:
                 or not isinstance(function.get("arguments", "{}"), str):
             raise ApiError(400, f"{param}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                                 f"\"arguments\": <JSON text>}}}}", f"{param}[{j}]", "invalid_value")
-        arguments = function.get("arguments", "{}")
+        arguments = checked_text(function.get("arguments", "{}"), f"{param}[{j}].function.arguments")
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             pass  # kept as the text the client sent
+        except RecursionError:  # nested past the decoder's stack: the body's own depth check does not see inside
+            raise ApiError(400, f"{param}[{j}].function.arguments is JSON nested too deeply",
+                           f"{param}[{j}].function.arguments", "invalid_value") from None
         out.append({"name": checked_text(function["name"], f"{param}[{j}].function.name"), "arguments": arguments})
     return tuple(out)
 

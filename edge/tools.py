@@ -90,6 +90,11 @@ def _tool(tool, param: str) -> dict:
     if not isinstance(description, str) or not isinstance(parameters, dict):
         raise ToolError(f"{param}.function: description must be a string and parameters a JSON schema object",
                         f"{param}.function")
+    try:  # the tool is rendered into the prompt, which travels as UTF-8: a lone surrogate cannot
+        json.dumps([description, parameters], ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ToolError(f"{param}.function must be valid Unicode text: it holds a lone surrogate",
+                        f"{param}.function") from None
     return {"name": name, "description": description, "parameters": parameters}
 
 

@@ -68,3 +68,21 @@ def test_calls_are_found_in_hermes_blocks_and_llama_json():
     single = ToolSpec(spec.tools, "auto", None, parallel=False)
     assert len(parse_calls('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 2, single)[0]) == 1
     assert with_tools([{"role": "user", "content": "hi", "tool_calls": ()}], None) == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("messages, tools, param", [
+    ([], [{"type": "function", "function": {"name": "f", "description": "x\ud800"}}], "tools[0].function"),
+    ([], [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "description": "\udfff"}}}],
+     "tools[0].function"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "id": "c", "function": {"name": "f", "arguments": '{"x": "\ud800"}'}}]}], None,
+     "messages[1].tool_calls[0].function.arguments"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "id": "c", "function": {"name": "f", "arguments": '{"a":' * 5000 + "1" + "}" * 5000}}]}],
+     None, "messages[1].tool_calls[0].function.arguments"),
+])
+def test_tool_text_that_cannot_travel_is_a_400_not_a_500(messages, tools, param):
+    body = _chat(messages=[{"role": "user", "content": "hi"}, *messages], **({"tools": tools} if tools else {}))
+    with pytest.raises(ApiError) as info:
+        parse_request(body, "chat")
+    assert (info.value.status, info.value.param) == (400, param), info.value.message

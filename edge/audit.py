@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from edge.request_record import RequestRecord
 from policies.enforcer import PolicyEnforcer
 
+MAX_FIELD_CHARS = 256  # of a client-chosen string in an entry
+
 
 class RotatingFile:
     """Appends lines to path. Before a line would take the file past max_bytes, path becomes path.1 (path.1
@@ -82,11 +84,11 @@ def audit_entry(record: RequestRecord, key_name: str | None, log_text: bool) -> 
         "time": datetime.fromtimestamp(record.time, UTC).isoformat(timespec="milliseconds")
         .replace("+00:00", "Z"),
         "request_id": record.request_id, "key_id": key_name, "class": record.client_class,
-        "tenant": record.tenant, "model": record.model, "kind": record.kind,
+        "tenant": _capped(record.tenant), "model": _capped(record.model), "kind": record.kind,
         "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
         "status": record.status, "finish_reason": record.finish_reason, "http_status": record.http_status,
         "degradation": list(record.degradation), "tier": record.tier, "priority": record.priority,
-        "client": record.client, "ttft_s": _seconds(record.ttft_s), "tpot_s": _seconds(record.tpot_s),
+        "client": _capped(record.client), "ttft_s": _seconds(record.ttft_s), "tpot_s": _seconds(record.tpot_s),
         "e2e_s": _seconds(record.e2e_s),
         # surrogatepass: a JSON body may carry a lone surrogate ("\ud800"), which strict UTF-8 cannot encode
         "prompt_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest() if text else None,
@@ -100,6 +102,14 @@ def audit_line(entry: dict) -> bytes:
     """One line whatever the strings hold: ensure_ascii escapes newlines, NULs, U+2028 and lone surrogates,
     so the line is plain ASCII with a single newline, at its end."""
     return (json.dumps(entry, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
+
+
+def _capped(value: str | None) -> str | None:
+    """A client-chosen string (model, tenant header) cut to MAX_FIELD_CHARS: refused requests with megabyte
+    model names must not rotate the log's earlier lines (a wrong-key attempt among them) out of reach."""
+    if value is None or len(value) <= MAX_FIELD_CHARS:
+        return value
+    return f"{value[:MAX_FIELD_CHARS]}...({len(value)} chars)"
 
 
 def _seconds(value: float | None) -> float | None:

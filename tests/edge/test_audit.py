@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edge.app import _enforcer
-from edge.audit import AuditLog, RotatingFile, quota_state_path
+from edge.audit import AuditLog, RotatingFile, _capped, quota_state_path
 from edge.config import ServeConfig
 from edge.gateway import Gateway, key_id
 from edge.openai_api import ApiError, parse_request
@@ -112,7 +112,7 @@ def test_any_prompt_makes_exactly_one_valid_line(tmp_path, prompt, tenant, model
     raw = path.read_bytes()
     assert raw.count(b"\n") == before + 1 and raw.endswith(b"\n")
     last = json.loads(raw.splitlines()[-1])
-    assert (last["prompt_text"], last["tenant"], last["model"]) == (prompt, tenant, model)
+    assert (last["prompt_text"], last["tenant"], last["model"]) == (prompt, _capped(tenant), _capped(model))
     expected = hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest() if prompt else None
     assert last["prompt_sha256"] == expected
 
@@ -124,6 +124,16 @@ def test_a_huge_prompt_is_one_line(tmp_path):
     audit(record(text=prompt))
     assert [entry["prompt_text"] for entry in lines(tmp_path / "audit.log")] == [prompt]  # a file of its own
     assert [entry["prompt_text"] for entry in lines(tmp_path / "audit.log.1")] == ["small"]
+
+
+def test_huge_model_names_cannot_rotate_a_wrong_key_attempt_out_of_the_log(tmp_path):
+    audit = AuditLog(str(tmp_path / "audit.log"), 64 * 1024, 1, enforcer_for())
+    audit(record(api_key="wrong", status="failed", http_status=401))
+    for _ in range(4):
+        audit(record(model="m" * 800_000, status="failed", http_status=400))
+    kept = lines(tmp_path / "audit.log")
+    assert [entry["http_status"] for entry in kept] == [401, 400, 400, 400, 400]
+    assert kept[-1]["model"].endswith("...(800000 chars)") and len(kept[-1]["model"]) < 300
 
 
 # --- rotation ---

@@ -69,16 +69,8 @@ async def _remove_run_dir(run_dir: str) -> None:
 def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
     """One shared secret for every control connection: the operator's file (required for TCP peers), or one
     made for this launch; the children inherit it through the environment."""
-    secret_file = config.control_secret_file
-    if secret_file:
-        try:
-            value = Path(secret_file).read_text().strip()
-        except OSError as err:
-            raise ValueError(f"control_secret_file {secret_file}: {err.strerror}") from None
-        if len(value) < 16:
-            raise ValueError(f"control_secret_file {secret_file}: the secret is shorter than 16 "
-                             f"characters")
-        os.environ[SECRET_ENV] = value
+    if config.control_secret_file:
+        os.environ[SECRET_ENV] = _read_secret_file(config.control_secret_file)
     elif config.launch and not os.environ.get(SECRET_ENV):
         os.environ[SECRET_ENV] = new_secret()
     for address in addresses:
@@ -89,14 +81,22 @@ def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
 def _ray_secret(config: ServeConfig) -> str:
     """The control secret of a Ray deployment: the operator's file, or one made for this launch. It reaches the
     actors as an argument (through Ray), never through a port."""
-    if not config.control_secret_file:
-        return new_secret()
+    return _read_secret_file(config.control_secret_file) if config.control_secret_file else new_secret()
+
+
+def _read_secret_file(path: str) -> str:
+    """The secret in the operator's file; a warning when others than its owner may read it (anyone who can
+    read it can join the control plane)."""
     try:
-        value = Path(config.control_secret_file).read_text().strip()
+        value = Path(path).read_text().strip()
+        mode = os.stat(path).st_mode
     except OSError as err:
-        raise ValueError(f"control_secret_file {config.control_secret_file}: {err.strerror}") from None
+        raise ValueError(f"control_secret_file {path}: {err.strerror}") from None
     if len(value) < 16:
-        raise ValueError(f"control_secret_file {config.control_secret_file}: the secret is shorter than 16 characters")
+        raise ValueError(f"control_secret_file {path}: the secret is shorter than 16 characters")
+    if mode & 0o077:
+        log.warning("control_secret_file %s can be read by others than its owner (mode %o): chmod 600 it",
+                    path, mode & 0o777)
     return value
 
 

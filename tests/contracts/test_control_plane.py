@@ -292,3 +292,20 @@ def test_a_worker_without_its_engine_gets_no_jobs_until_it_is_back(tmp_path):
             task.cancel()
     run(scenario())
     assert jobs[0] is False and isinstance(jobs[1], PrefillJob) and jobs[1].request_id == "r1"
+
+
+def test_a_secret_file_others_may_read_is_taken_with_a_warning(tmp_path, caplog):
+    from edge.app import _read_secret_file
+    path = tmp_path / "secret"
+    path.write_text("s" * 32 + "\n")
+    path.chmod(0o600)
+    with caplog.at_level("WARNING", logger="edge.app"):
+        assert _read_secret_file(str(path)) == "s" * 32
+    assert not caplog.records
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="edge.app"):
+        _read_secret_file(str(path))
+    assert "can be read by others" in caplog.text and "644" in caplog.text
+    path.write_text("short")
+    with pytest.raises(ValueError, match="shorter than 16"):
+        _read_secret_file(str(path))

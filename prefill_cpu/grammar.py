@@ -1,5 +1,6 @@
-"""The first output token's grammar mask in the prefill worker, over llama.cpp's own vocabulary, and that
-vocabulary for the gateway's check (GGUFVocabulary: the tokenizer alone, no weights).
+"""The first output token's grammar matcher in the prefill worker, over llama.cpp's own vocabulary (its bitmask is
+applied by the shared sampler, sampling.token_mask), and that vocabulary for the gateway's check (GGUFVocabulary:
+the tokenizer alone, no weights).
 
 The decode engine masks every later token with the same constraint (decode_gpu.sample.structured); both build
 llguidance's view of the vocabulary from the same GGUF (here through llama.cpp, there through the converted
@@ -15,8 +16,6 @@ import logging
 import threading
 import time
 import warnings
-
-import numpy as np
 
 from contracts.grammar import Matcher
 from contracts.grammar_compile import CompiledGrammars, CompilePool, downstream_timeout_s
@@ -86,13 +85,3 @@ class FirstTokenGrammars:
         """A fresh matcher of a request's constraint (None without one); GrammarError when it does not compile,
         GrammarTooComplexError past the time limit."""
         return None if structured is None else self.compiled.matcher(*structured)
-
-
-def apply_first_mask(logits: np.ndarray, matcher: Matcher) -> None:
-    """-inf on every token the grammar does not allow first, in place. # logits: [vocab] float32
-    GrammarError if the matcher errs (the request fails rather than go on unconstrained)."""
-    n_vocab = logits.shape[0]
-    mask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)  # [words]: bit j of word w allows token 32w + j
-    matcher.fill_bitmask(mask.ctypes.data, mask.nbytes)
-    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)  # [vocab]
-    logits[~allowed] = -np.inf

@@ -8,9 +8,9 @@ prefills only the rest, and a preempted prompt resumes where it stopped.
 A context's KV type is fixed; `with_kv_type` builds another context on the same loaded weights.
 A cancel is seen between chunks and also inside one: llama.cpp's abort callback asks after every graph
 node, so a preempted prompt gives the CPU back within milliseconds, not after a whole chunk.
-The first token gets the request's output controls (min_tokens, logit_bias, repetition penalty, min_p) as the
-decode engine applies them to the later tokens, and a structured output's grammar (llguidance, prefill_cpu.grammar)
-masks it as the engine masks the rest; its logprobs stay those of the model's raw distribution.
+Each choice's first token is drawn by the decode engine's own sampler (sampling/, through prefill_cpu.first_token) on a
+view of llama.cpp's logits: the same controls, grammar mask (llguidance, prefill_cpu.grammar) and seeded noise as
+every later token; its logprobs stay those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaContext
 
-from contracts.grammar import Matcher
-from contracts.handoff import GREEDY_BELOW, FirstToken, KVHandoff, KVLayout, SamplingParams, choice_seed
+from contracts.handoff import FirstToken, KVHandoff, KVLayout, SamplingParams
 from contracts.identity import GGUFIdentity, read_gguf_identity
 from contracts.kv_dtypes import kv_dtype
-from prefill_cpu.grammar import FirstTokenGrammars, apply_first_mask
+from prefill_cpu.first_token import sample_first
+from prefill_cpu.grammar import FirstTokenGrammars
 from prefill_cpu.kv_rotation import rotations_from_log
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
@@ -128,9 +128,8 @@ class Prefiller:
                                "this llama-cpp-python is not the pinned 0.3.36")
         self.k_rotation, self.v_rotation = rotations
         self.cache = PrefixCache(list(range(1, 1 + cache_entries)), config.prefix_cache_tokens)
-        self._eog_ids = _eog_ids(self.llm._model.vocab)  # [n_eog] int64: what min_tokens bans
-        self.grammars = FirstTokenGrammars(self.llm._model.vocab, tuple(int(t) for t in self._eog_ids),
-                                           config.grammar_compile_timeout_s)
+        self._eog_ids = _eog_ids(self.llm._model.vocab)  # what min_tokens bans
+        self.grammars = FirstTokenGrammars(self.llm._model.vocab, self._eog_ids, config.grammar_compile_timeout_s)
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
         self._should_cancel = _never
         # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
@@ -203,9 +202,8 @@ class Prefiller:
             started = time.perf_counter()
             self._decode_prompt(tokens, should_cancel, cached)
             self._should_cancel = _never  # sampling and export are short; finish them
-            # logprobs report the model's own distribution: copied before the output controls change the buffer
-            raw = self._last_logits().copy() if request.sampling.logprobs is not None else None  # [vocab]
-            first_tokens = self._sample_first(request.sampling, tokens, grammar)  # one per choice
+            # one per choice; llama.cpp's logits are read, not changed
+            first = sample_first(self._last_logits(), request.sampling, tokens, self._eog_ids, grammar)
             exported = time.perf_counter()
             state = self._export_state()
             self._remember(memory, tokens, request.cache_salt)
@@ -216,7 +214,7 @@ class Prefiller:
         finally:
             self._should_cancel = _never
             llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty sequence
-        handoff = self._handoff(request, state, [self._first(token, request.sampling, raw) for token in first_tokens])
+        handoff = self._handoff(request, state, first)
         done = time.perf_counter()
         return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached)
 
@@ -270,7 +268,7 @@ class Prefiller:
             self._threads_in_use = threads
 
     def _last_logits(self) -> np.ndarray:
-        """The last prompt token's logits, as a view of llama.cpp's own buffer (what its samplers read)."""
+        """The last prompt token's logits, as a view of llama.cpp's own buffer. # [vocab] float32"""
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(self.vocab_size,))
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
@@ -281,62 +279,6 @@ class Prefiller:
             if not 0 <= token < n_vocab:
                 raise ValueError(f"logit_bias names token {token}, outside this model's vocabulary of {n_vocab}")
 
-    def _sample_first(self, params: SamplingParams, prompt_tokens: list[int], grammar: Matcher | None) -> list[int]:
-        """Each choice's first output token (params.n of them, from one prompt): the output controls and the grammar
-        (a fresh Matcher, or None) change the logits in llama.cpp's buffer, then a llama.cpp sampler
-        chain draws (temperature, min_p, top-k, top-p, the draw; greedy takes the argmax), choice i with
-        choice_seed(seed, i). The grammar masks last, so no control can bring a forbidden token back."""
-        logits = self._last_logits()  # [vocab]
-        self._apply_controls(logits, params, prompt_tokens)
-        if grammar is not None:
-            apply_first_mask(logits, grammar)
-        controlled = logits.copy() if params.n > 1 else None  # the chain scales the buffer in place
-        tokens = []
-        for index in range(params.n):
-            if index:
-                logits[:] = controlled
-            tokens.append(self._draw(params, choice_seed(params.seed, index)))
-        return tokens
-
-    def _draw(self, params: SamplingParams, seed: int | None) -> int:
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        try:
-            if params.temperature < GREEDY_BELOW:
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-            else:
-                # the temperature sampler divides the logits in place and min_p keeps logit >= max + log(min_p):
-                # after temperature, so min_p compares the probabilities of the scaled distribution
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
-                if params.min_p > 0:
-                    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-                if params.top_k > 0:
-                    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-                seed = seed % (1 << 32) if seed is not None else llama_cpp.LLAMA_DEFAULT_SEED  # a uint32 here
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
-            return int(llama_cpp.llama_sampler_sample(chain, self.ctx, -1))
-        finally:
-            llama_cpp.llama_sampler_free(chain)
-
-    def _apply_controls(self, logits: np.ndarray, params: SamplingParams, prompt_tokens: list[int]) -> None:
-        """The output controls that act before temperature, in place, in the order SamplingParams lists them:
-        the min_tokens ban, logit_bias, the penalties. # logits: [vocab] float32
-        Presence and frequency penalties count generated tokens only, and none is out yet: they do nothing here."""
-        n_vocab = logits.shape[0]
-        if params.min_tokens >= 1:  # no token is out yet: the end tokens and the stop tokens may not come first
-            stops = np.array([t for t in params.stop_token_ids if 0 <= t < n_vocab], dtype=np.int64)  # [n_stop]
-            # with ignore_eos the end tokens do not end the request, so they need no ban (as in the decode engine)
-            ends = stops if params.ignore_eos else np.concatenate([self._eog_ids, stops])
-            logits[ends] = -np.inf  # a stop id past the vocab cannot be drawn
-        if params.logit_bias:
-            ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)  # [n_bias], checked by prefill()
-            np.add.at(logits, ids, np.array([b for _, b in params.logit_bias], dtype=np.float32))
-        if params.repetition_penalty != 1.0:
-            seen = np.unique(np.asarray(prompt_tokens, dtype=np.int64))  # [n_distinct]: each penalized once
-            picked = logits[seen]
-            r = np.float32(params.repetition_penalty)
-            logits[seen] = np.where(picked > 0, picked / r, picked * r)
-
     def _export_state(self) -> SeqKVState:
         size = llama_cpp.llama_state_seq_get_size(self.ctx, SEQ)
         buf = (ctypes.c_uint8 * size)()
@@ -345,16 +287,6 @@ class Prefiller:
             raise PrefillError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         ident = self.identity
         return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v, ident.swa_layers)
-
-    @staticmethod
-    def _first(token: int, params: SamplingParams, logits: np.ndarray | None) -> FirstToken:
-        """A choice's first token with its log-probabilities, of the raw logits (before the output controls), as
-        OpenAI reports them. # logits: [vocab]"""
-        if params.logprobs is None:
-            return FirstToken(token)
-        logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
-        top = np.argsort(-logprobs)[: params.logprobs]
-        return FirstToken(token, float(logprobs[token]), tuple((int(t), float(logprobs[t])) for t in top))
 
     def _handoff(self, request: PrefillRequest, state: SeqKVState, first: list[FirstToken]) -> KVHandoff:
         ident = self.identity
@@ -375,11 +307,11 @@ def _free_sequences(memory, seq_ids: list[int]) -> None:
         llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
 
 
-def _eog_ids(vocab) -> np.ndarray:
+def _eog_ids(vocab) -> tuple[int, ...]:
     """Every token llama.cpp ends generation at (EOS, EOT, ...: a model may have several), once per context
-    rather than per request. # [n_eog] int64"""
+    rather than per request."""
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-    return np.array([t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)], dtype=np.int64)
+    return tuple(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
 
 
 def _never() -> bool:

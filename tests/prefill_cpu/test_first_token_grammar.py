@@ -1,4 +1,4 @@
-"""Structured outputs on the first token, which the prefill worker samples with llama.cpp.
+"""Structured outputs on the first token, which the prefill worker samples (prefill_cpu.first_token).
 
 The constraint must hold from the first token on: a first token outside the grammar would be a reply the decode
 engine can no longer complete. The embedded SmolLM2 is used because a random tiny GGUF's vocabulary means nothing
@@ -14,6 +14,7 @@ import pytest
 from contracts.grammar import GrammarError
 from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
+from sampling.token_mask import matcher_bitmask
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
@@ -45,10 +46,10 @@ def greedy_and_sampled(prefiller: Prefiller, text: str, structured: tuple[str, s
 
 
 def allowed_texts(prefiller: Prefiller, structured: tuple[str, str]) -> list[str]:
-    """Every token the grammar admits first, read from the mask it puts on llama.cpp's logits."""
-    first(prefiller, PROMPT, temperature=0.0, structured=structured)
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(prefiller.ctx, -1), shape=(prefiller.vocab_size,))
-    return [text_of(prefiller, int(t)) for t in np.flatnonzero(np.isfinite(logits))]
+    """Every token the grammar admits first: the bitmask the worker's sampler masks the first token with."""
+    mask = matcher_bitmask(prefiller.grammars.matcher(structured), prefiller.vocab_size)[0].numpy()  # [words] int32
+    allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:prefiller.vocab_size]  # [vocab]
+    return [text_of(prefiller, int(t)) for t in np.flatnonzero(allowed)]
 
 
 def test_unconstrained_favourite_is_forbidden(prefiller):

@@ -5,13 +5,18 @@ fall back to plain HTTP, and OpenSSL's own errors ("PEM lib") do not say which f
 
 from __future__ import annotations
 
+import logging
 import ssl
+import time
 from pathlib import Path
 
 from edge.config import ServeConfig
 
 CERTIFICATE = "-----BEGIN CERTIFICATE-----"
 PRIVATE_KEY = "PRIVATE KEY-----"  # PKCS#8, RSA, EC and encrypted keys all end their BEGIN line so
+EXPIRY_WARNING_DAYS = 14
+
+log = logging.getLogger("edge.tls")
 
 
 class TLSError(ValueError):
@@ -51,6 +56,25 @@ def _load_identity(context: ssl.SSLContext, cert: str, key: str) -> None:
                            f"{cert}") from None
         raise TLSError(f"ssl_certfile {cert} and ssl_keyfile {key}: OpenSSL cannot load them "
                        f"({err.reason or err})") from None
+    warn_if_expiring(cert)
+
+
+def warn_if_expiring(cert: str, now: float | None = None) -> str | None:
+    """Log (and return) a warning when the certificate has expired or expires within EXPIRY_WARNING_DAYS:
+    clients refuse an expired one, so the service would be up and unreachable. Read with the ssl module's own
+    certificate decoder; where that is missing, nothing is checked."""
+    try:
+        not_after = ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(cert)["notAfter"])
+    except (AttributeError, KeyError, ValueError, ssl.SSLError):
+        return None
+    days = (not_after - (time.time() if now is None else now)) / 86400
+    if days >= EXPIRY_WARNING_DAYS:
+        return None
+    ends = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(not_after))
+    message = (f"ssl_certfile {cert} expired on {ends}: TLS clients will refuse this server" if days < 0 else
+               f"ssl_certfile {cert} expires on {ends}, in {days:.1f} days: renew it")
+    log.warning(message)
+    return message
 
 
 def _require_client_certificates(context: ssl.SSLContext, ca: str) -> None:

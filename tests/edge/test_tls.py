@@ -4,6 +4,7 @@ anything starts. Certificates are made here with the openssl binary, as docs/tls
 
 import ssl
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -175,3 +176,13 @@ def test_a_bad_config_stops_serve_with_one_clear_line(tmp_path, run_app, text, m
     text = str(exit_.value.code)
     assert text.startswith(f"edge: {tmp_path}/{message}") and "\n" not in text
     assert not run_app
+
+
+def test_an_expired_or_expiring_certificate_is_warned_about_at_start(pki, caplog):
+    from edge.tls import warn_if_expiring
+    cert = str(pki / "server.pem")  # valid for 2 days from now
+    assert warn_if_expiring(cert, now=time.time() - 30 * 86400) is None
+    with caplog.at_level("WARNING", logger="edge.tls"):
+        assert "in 2.0 days: renew it" in warn_if_expiring(cert)
+        assert "expired on" in warn_if_expiring(cert, now=time.time() + 5 * 86400)
+    assert len(caplog.records) == 2

@@ -230,6 +230,7 @@ class Gateway:
         if inflight.prefill_started_at is not None:
             m.label(m.queue_time).observe(inflight.prefill_started_at - inflight.created)
             m.label(m.prefill_time).observe(inflight.handed_off_at - inflight.prefill_started_at)
+        inflight.num_prompt_tokens = done.num_prompt_tokens
         m.label(m.prompt_tokens).inc(done.num_prompt_tokens)
         m.label(m.prefix_cache_queries, where="worker").inc(done.num_prompt_tokens)
         m.label(m.prefix_cache_hits, where="worker").inc(done.cached_tokens)

@@ -35,6 +35,7 @@ class InFlight:
     engine: str = ""  # the decode engine chosen for it when it went to a worker (its KV goes there)
     prefix_key: bytes | None = None  # its prompt's leading text, hashed: requests sharing it go to one engine
     cache_salt: str = ""  # whose cached prompts it may reuse (edge.cache_salt); its recomputes keep it
+    num_prompt_tokens: int = 0  # prefilled, as its worker reported: counted against a quota even if it ends early
     prefill_started_at: float | None = None  # the last dispatch to a worker (a preempted prompt is dispatched again)
     handed_off_at: float | None = None  # the worker reported its handoff sent (or the first token came, if sooner)
     first_token_at: float | None = None

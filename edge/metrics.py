@@ -16,7 +16,8 @@ class Metrics:
         self.running = Gauge("vllm:num_requests_running", "Requests decoding in the engine", labels, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (prefill queue and engine queue)",
                              labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", labels,
+                              registry=r)
         self.kv_blocks_used = Gauge("edge:kv_cache_blocks_used", "KV cache blocks in use", labels, registry=r)
         self.kv_blocks_total = Gauge("edge:kv_cache_blocks_total", "KV cache blocks in the pool", labels, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted in the decode engine", labels,
@@ -79,7 +80,8 @@ class Metrics:
                                     engine, registry=r)
         self.engine_kv_usage = Gauge("edge:engine_kv_cache_usage_perc", "Fraction of this engine's KV blocks in use",
                                      engine, registry=r)
-        self.engine_requests = Counter("edge:engine_requests", "Requests ended that were routed to this engine (through the prefill worker that hands off to it)", engine,
+        self.engine_requests = Counter("edge:engine_requests", "Requests ended that were routed to this engine "
+                                       "(through the prefill worker that hands off to it)", engine,
                                        registry=r)
 
     def label(self, metric, **extra):

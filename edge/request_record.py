@@ -57,6 +57,6 @@ def ended_record(run: Run, status: RequestStatus, reason: str, usage: dict, erro
         ("handed_off", inflight.handed_off_at), ("first_token", inflight.first_token_at)) if at is not None)
     return RequestRecord(wall, inflight.request_id, run.key_id, run.decision.client_class, run.tenant,
                          run.request.model, run.request.kind, run.client, status.name.lower(), reason,
-                         http_status, usage.get("prompt_tokens", 0), completion, run.decision.notes,
-                         run.decision.tier, inflight.priority, ttft, tpot, now - inflight.created,
+                         http_status, max(usage.get("prompt_tokens", 0), inflight.num_prompt_tokens), completion,
+                         run.decision.notes, run.decision.tier, inflight.priority, ttft, tpot, now - inflight.created,
                          run.request.user_text, marks)

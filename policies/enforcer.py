@@ -47,6 +47,7 @@ class Decision:
     tier: str
     notes: tuple[str, ...]  # what degradation changed, for the client's X-Edge-Degraded header
     ticket: tuple[str, str]  # (key, class) holding a concurrency slot until released
+    quota_hold: tuple[str, int] = ("", 0)  # (key hash, tokens) held from the key's quotas until released
 
 
 class PolicyEnforcer:
@@ -108,12 +109,42 @@ class PolicyEnforcer:
                                   f"{cls.name!r}{'' if n == 1 else ', counting every choice'}, got {got}",
                                   param="max_tokens")
         decision = self._degrade(cls, requested, facts.logprobs, filters.max_prompt_tokens, n)
-        return dataclasses.replace(decision, ticket=self._admit(key_rule, cls))
+        decision = dataclasses.replace(decision, ticket=self._admit(key_rule, cls))
+        try:
+            return self._hold_quota(key_rule, decision, facts)
+        except PolicyRejection:
+            self.release(decision)
+            raise
 
     def release(self, decision: Decision) -> None:
         for slot in decision.ticket:
             if slot and self.active[slot] > 0:
                 self.active[slot] -= 1
+        if decision.quota_hold[1]:
+            self.quotas.unhold(*decision.quota_hold)
+
+    def _hold_quota(self, rule: ApiKeyRule | None, decision: Decision, facts: RequestFacts) -> Decision:
+        """Hold what the request may use from its key's quotas until it ends: its prompt, estimated at 4 bytes a
+        token (the end counts the real number), and n x max_tokens. A max_tokens the client left out is lowered
+        to what is left; one it asked for that does not fit is a 429 saying how much is left."""
+        tightest = self.quotas.tightest(key_id(rule.key), rule.tokens_per_day, rule.tokens_per_month) \
+            if rule is not None else None
+        if tightest is None:
+            return decision
+        prompt = min(decision.max_prompt_tokens, len(facts.text.encode("utf-8", "surrogatepass")) // 4)
+        left, n, max_tokens, notes = tightest.limit - tightest.used - prompt, facts.n, decision.max_tokens, ()
+        if n * max_tokens > left:
+            if facts.max_tokens is not None or left < n:
+                who = f"key {rule.id!r}" if rule.id else "this key"
+                raise PolicyRejection(429, "quota_exceeded", f"this request may use {prompt + n * max_tokens} tokens "
+                                      f"(its prompt and n x max_tokens); {who} has {max(0, left + prompt)} left of "
+                                      f"its {tightest.quota} quota of {tightest.limit} until "
+                                      f"{tightest.resets_at:%Y-%m-%dT%H:%M:%SZ}: ask for fewer tokens",
+                                      tightest.retry_after_s, "max_tokens")
+            notes, max_tokens = (f"max_tokens {max_tokens}->{left // n} (quota)",), left // n
+        hold = (key_id(rule.key), prompt + n * max_tokens)
+        self.quotas.hold(*hold)
+        return dataclasses.replace(decision, max_tokens=max_tokens, notes=decision.notes + notes, quota_hold=hold)
 
     def _authenticate(self, api_key: str | None) -> ApiKeyRule | None:
         if not self.policy.keys:

@@ -1,6 +1,8 @@
 """Per-key token quotas: prompt + completion tokens per UTC day and per UTC calendar month, counted from the
-requests that ended. The counts live in memory and, when given a path, in a small JSON state file rewritten
-after each counted request, so a restart of the service keeps the day's and the month's usage."""
+requests that ended. A request in flight holds what it may still use (its prompt's estimate and n x max_tokens)
+from admission to its end, so concurrent requests and many choices cannot overrun a quota. The counts live in
+memory and, when given a path, in a small JSON state file rewritten after each counted request, so a restart of
+the service keeps the day's and the month's usage."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class Usage:
 
 
 @dataclass(frozen=True)
-class QuotaExceeded:
+class QuotaExceeded:  # a quota's state: exceeded once used >= limit
     quota: str  # "tokens_per_day" or "tokens_per_month"
     used: int
     limit: int
@@ -42,6 +44,7 @@ class TokenQuotas:
         self.state_path = state_path  # "": counts in memory only
         self.clock = clock  # wall clock (epoch seconds): the periods are calendar days and months
         self.usage: dict[str, Usage] = {}  # key hash -> its counts
+        self.held: dict[str, int] = {}  # key hash -> tokens its requests in flight may still use (not saved)
         if state_path:
             self._load()
 
@@ -62,17 +65,38 @@ class TokenQuotas:
         if self.state_path:
             self.save()
 
+    def hold(self, key: str, tokens: int) -> None:
+        self.held[key] = self.held.get(key, 0) + tokens
+
+    def unhold(self, key: str, tokens: int) -> None:
+        left = self.held.get(key, 0) - tokens
+        if left > 0:
+            self.held[key] = left
+        else:
+            self.held.pop(key, None)
+
     def exceeded(self, key: str, per_day: int, per_month: int) -> QuotaExceeded | None:
-        """The quota key has used up (0: unlimited), or None. The month is checked first: when both are used
-        up, its reset is the later one, the one worth waiting for."""
-        usage, now = self.current(key), self._now()
-        if per_month and usage.month_tokens >= per_month:
+        """The quota key has used up, counting what its requests in flight hold (0: unlimited), or None. The
+        month is checked first: when both are used up, its reset is the later one, the one worth waiting for."""
+        return next((q for q in self.quotas(key, per_day, per_month) if q.used >= q.limit), None)
+
+    def tightest(self, key: str, per_day: int, per_month: int) -> QuotaExceeded | None:
+        """The quota with the fewest tokens left, None without quotas."""
+        return min(self.quotas(key, per_day, per_month), key=lambda q: q.limit - q.used, default=None)
+
+    def quotas(self, key: str, per_day: int, per_month: int) -> list[QuotaExceeded]:
+        """The state of each of key's quotas (0: none), month first; used counts what its requests hold."""
+        usage, now, held = self.current(key), self._now(), self.held.get(key, 0)
+        found = []
+        if per_month:
             reset = datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=UTC)
-            return QuotaExceeded("tokens_per_month", usage.month_tokens, per_month, reset, _seconds(now, reset))
-        if per_day and usage.day_tokens >= per_day:
+            found.append(QuotaExceeded("tokens_per_month", usage.month_tokens + held, per_month, reset,
+                                       _seconds(now, reset)))
+        if per_day:
             reset = datetime.fromordinal(now.toordinal() + 1).replace(tzinfo=UTC)
-            return QuotaExceeded("tokens_per_day", usage.day_tokens, per_day, reset, _seconds(now, reset))
-        return None
+            found.append(QuotaExceeded("tokens_per_day", usage.day_tokens + held, per_day, reset,
+                                       _seconds(now, reset)))
+        return found
 
     def save(self) -> None:
         """Write the counts to the state file: a temporary file renamed over it, so a crash mid-write leaves

@@ -4,7 +4,7 @@ and restarts)."""
 
 import hashlib
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -40,7 +40,7 @@ class = "default"
 FIELDS = {"time", "request_id", "key_id", "class", "tenant", "model", "kind", "prompt_tokens", "completion_tokens",
           "status", "finish_reason", "http_status", "degradation", "tier", "priority", "client", "ttft_s", "tpot_s",
           "e2e_s", "prompt_sha256"}
-JAN_30_23H = datetime(2025, 1, 30, 23, 0, tzinfo=timezone.utc).timestamp()
+JAN_30_23H = datetime(2025, 1, 30, 23, 0, tzinfo=UTC).timestamp()
 
 
 class Clock:
@@ -52,7 +52,7 @@ class Clock:
 
 
 def record(api_key="k-team", prompt_tokens=0, completion_tokens=0, text="hello", **changes) -> RequestRecord:
-    fields = dict(time=datetime(2025, 3, 4, 5, 6, 7, 890000, tzinfo=timezone.utc).timestamp(), request_id="chatcmpl-1",
+    fields = dict(time=datetime(2025, 3, 4, 5, 6, 7, 890000, tzinfo=UTC).timestamp(), request_id="chatcmpl-1",
                   key_id=key_id(api_key), client_class="default", tenant=None, model=MODEL, kind="chat",
                   client="127.0.0.1", status="finished", finish_reason="stop", http_status=200,
                   prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, degradation=("max_tokens 9->4",),
@@ -212,6 +212,29 @@ def test_the_day_quota_refuses_until_utc_midnight_then_the_month_until_the_first
     assert enforcer.quotas.current(key_id("k-team")).month_tokens == 0
 
 
+def test_requests_in_flight_hold_their_tokens_so_neither_n_nor_concurrency_overruns_a_quota():
+    enforcer = enforcer_for()  # k-team: 100 tokens a day
+
+    def ask(max_tokens, n=1, text="hi" * 20):  # 40 bytes: a 10-token prompt estimate
+        return enforcer.decide(RequestFacts("k-team", None, MODEL, text, max_tokens, None, n), {MODEL})
+
+    with pytest.raises(PolicyRejection) as refused:
+        ask(8, n=32)  # 256 tokens of choices
+    assert (refused.value.status, refused.value.param) == (429, "max_tokens")
+    assert "may use 266 tokens" in refused.value.message and "has 100 left" in refused.value.message
+    first, second = ask(30), ask(30)  # 40 + 40 held
+    assert enforcer.quotas.held[key_id("k-team")] == 80
+    with pytest.raises(PolicyRejection):
+        ask(30)  # a third would take it past 100 while the two are in flight
+    third = ask(None)  # no max_tokens asked for: lowered to what is left
+    assert third.max_tokens == 10 and "max_tokens 256->10 (quota)" in third.notes
+    for decision in (first, second, third):
+        enforcer.release(decision)
+    assert key_id("k-team") not in enforcer.quotas.held
+    enforcer.count_tokens(record(prompt_tokens=12, completion_tokens=30))  # the real counts settle the day
+    assert enforcer.quotas.current(key_id("k-team")).day_tokens == 42
+
+
 def test_a_quota_is_per_key_and_a_key_without_one_is_never_refused():
     enforcer = enforcer_for()
     enforcer.count_tokens(record(api_key="k-open", prompt_tokens=10 ** 9))
@@ -222,9 +245,9 @@ def test_a_quota_is_per_key_and_a_key_without_one_is_never_refused():
 
 
 def test_december_resets_on_the_first_of_january():
-    quotas = TokenQuotas(clock=Clock(datetime(2025, 12, 31, 12, tzinfo=timezone.utc).timestamp()))
+    quotas = TokenQuotas(clock=Clock(datetime(2025, 12, 31, 12, tzinfo=UTC).timestamp()))
     quotas.add("k", 5)
-    assert quotas.exceeded("k", 0, 5).resets_at == datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert quotas.exceeded("k", 0, 5).resets_at == datetime(2026, 1, 1, tzinfo=UTC)
     assert quotas.exceeded("k", 5, 0).retry_after_s == 12 * 3600
 
 
@@ -284,7 +307,7 @@ def test_counts_survive_a_restart_and_a_bad_state_file_stops_the_start(tmp_path)
 def test_a_new_month_drops_the_old_counts_from_the_state_file(tmp_path):
     path = str(tmp_path / "quotas.json")
     TokenQuotas(path, Clock(JAN_30_23H)).add("sha256:aa", 5)
-    february = TokenQuotas(path, Clock(datetime(2025, 2, 1, tzinfo=timezone.utc).timestamp()))
+    february = TokenQuotas(path, Clock(datetime(2025, 2, 1, tzinfo=UTC).timestamp()))
     assert february.usage == {}
 
 

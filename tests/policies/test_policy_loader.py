@@ -55,7 +55,7 @@ INVALID = [
     ("lookahead", GOOD + "[filters]\nblocked_patterns = ['x(?=y)']\n", "filters.blocked_patterns[0]", 12,
      "not a valid regular expression for RE2"),
     ("unknown protection", 'allow_weaker_protection = ["everything"]\n' + GOOD, "allow_weaker_protection[0]", 1,
-     "expected one of ['keys', 'blocked_content', 'rate_limits']"),
+     "expected one of ['keys', 'blocked_content', 'rate_limits', 'prefix_cache_isolation']"),
     ("nan threshold", GOOD.replace("enter = { kv_cache_usage = 0.7 }", "enter = { kv_cache_usage = nan }"),
      "tiers[0].enter.kv_cache_usage", 7, "expected a finite number"),
     ("string for a list", GOOD + '[filters]\nblocked_words = "bad"\n', "filters.blocked_words", 12,

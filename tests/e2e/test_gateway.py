@@ -112,8 +112,12 @@ def test_streaming_with_the_openai_client(client):
 
 
 def test_greedy_output_is_reproducible_and_seeded_sampling_too(client):
+    """Between calls in the same prompt-cache state. A miss and a hit do not always agree: with the f16 prefill
+    copy on an AVX2 CPU, llama.cpp computes the last prompt token alone (hit) with other rounding than inside
+    the whole prompt (miss), and greedy text can part after a few tokens. So the first call warms the cache."""
     def ask(**kw):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, **kw).choices[0].text
+    ask(temperature=0)
     assert ask(temperature=0) == ask(temperature=0)
     assert ask(temperature=0.9, seed=7) == ask(temperature=0.9, seed=7)
 

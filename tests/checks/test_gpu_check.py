@@ -29,6 +29,7 @@ def _number(cell: str) -> float:
     return float(re.match(r"[0-9.]+", cell).group())
 
 
+@pytest.mark.slow
 def test_tiny_cpu_run_fills_the_table_and_reports_a_failing_stage(tmp_path, monkeypatch):
     real = gpu_models.time_generate
 
@@ -70,6 +71,7 @@ def test_no_cuda_device_is_a_failed_stage_and_the_report_is_still_written(tmp_pa
     assert text.startswith(gpu_report.BEGIN) and text.rstrip().endswith(gpu_report.END)
 
 
+@pytest.mark.slow
 def test_the_gpu_test_files_collect_without_llama_cpp():
     """The GPU machines have no llama.cpp: the files the check hands to pytest must not import it."""
     files = gpu_check.gpu_test_files()

@@ -13,6 +13,7 @@ from contracts.grammar import GrammarError, GrammarTooComplexError
 from decode_gpu.sample.structured import Grammars
 from sampling.token_mask import apply_mask
 
+pytestmark = pytest.mark.slow  # the embedded model's tokenizer, converted once per session
 SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
                      "additionalProperties": False})
 

@@ -68,6 +68,7 @@ def test_configs_are_frozen():
 
 @pytest.mark.parametrize("module,flag", [("decode_gpu.service.server", "--max-num-seqs"),
                                          ("prefill_cpu.worker", "--prefix-cache-tokens")])
+@pytest.mark.slow
 def test_the_child_processes_list_their_flags(module, flag):
     """Started by hand for debugging: `python -m <child> --help` names every setting and the launcher's form."""
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)

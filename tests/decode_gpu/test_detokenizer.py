@@ -7,6 +7,7 @@ from decode_gpu.core.detokenizer import IncrementalText
 from decode_gpu.model.loader import load_tokenizer
 from contracts.identity import read_gguf_identity
 
+pytestmark = pytest.mark.slow  # the embedded model's tokenizer, converted once per session
 
 @pytest.fixture(scope="module")
 def tokenizer(embedded_model_path, conversion_cache):

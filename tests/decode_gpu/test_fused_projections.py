@@ -82,6 +82,7 @@ def test_a_slice_handed_another_input_computes_it_rather_than_reuse_a_product():
     assert attention.q_proj._group.output is None
 
 
+@pytest.mark.slow
 def test_the_engine_decodes_the_same_tokens_with_stacked_projections():
     model, identity, handoffs = tiny_engine_setup("cpu")
     expected = greedy_tokens(copy.deepcopy(model), identity, handoffs, "cpu", "float32")

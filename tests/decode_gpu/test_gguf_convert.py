@@ -126,6 +126,7 @@ def _write_llama_hparams(writer: gguf.GGUFWriter) -> None:
     writer.add_vocab_size(N_VOCAB)
 
 
+@pytest.mark.slow
 def test_peak_memory_is_a_few_tensors_not_the_model(tiny_gguf, tmp_path):
     """transformers' own loader grows by 1.2x the float32 size here; the streamed conversion by about 0.25x."""
     model_bytes = write_q4_0_llama(tmp_path / "big.gguf")

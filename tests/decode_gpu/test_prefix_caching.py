@@ -17,6 +17,7 @@ from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from prefill_cpu.prefiller import PrefillConfig, Prefiller
 
+pytestmark = pytest.mark.slow  # the embedded model end to end
 CPU = torch.device("cpu")
 
 

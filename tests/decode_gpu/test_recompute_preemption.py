@@ -63,6 +63,7 @@ def _run(engine: DecodeEngine, prefiller: Prefiller, background, interactive) ->
     return outputs
 
 
+@pytest.mark.slow
 def test_a_sequence_preempted_by_recompute_decodes_what_it_decodes_without_preemption(tiny):
     identity, model, prefiller = tiny
     long_prompt, short_prompt = prompts()[2], prompts()[1]  # 75 and 40 tokens
@@ -111,6 +112,7 @@ version = 1
 """
 
 
+@pytest.mark.slow
 def test_edge_serve_recomputes_a_preempted_request_on_a_worker_and_it_finishes_with_its_own_text(tmp_path):
     """Through the gateway: a background stream holds most of a 12-block pool; a more important request preempts it
     by recompute; a worker prefills the background's prompt and output again, and both finish with every token.

@@ -168,6 +168,7 @@ def test_draws_follow_the_tempered_filtered_softmax(params, expected):
     assert chi2 < CHI2_P001[sum(p > 0 for p in expected) - 1], (chi2, counts.tolist())
 
 
+@pytest.mark.slow
 def test_a_long_tail_of_rare_tokens_gets_its_mass():
     """5000 tokens of probability 2e-5 each: together they get their 10% of the draws."""
     n, tail = 2000, 5000

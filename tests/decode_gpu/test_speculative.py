@@ -154,6 +154,7 @@ def test_acceptance_falls_with_rejections_and_recovers_while_a_sequence_rests():
     assert rested == sorted(rested) and rested[-1] > 0.9  # back towards the optimistic start: tried again
 
 
+@pytest.mark.slow
 def test_a_plan_drafts_only_where_the_cost_model_says_it_pays(tiny):
     """Through the engine: with every row as dear as a plain step's, nothing is drafted; with verification free,
     every step of a repetitive prompt drafts. The tokens are the same either way."""
@@ -166,6 +167,7 @@ def test_a_plan_drafts_only_where_the_cost_model_says_it_pays(tiny):
         assert (engine.stats().num_spec_drafts > 0) == drafts
 
 
+@pytest.mark.slow
 def test_the_engine_measures_its_cost_model_at_start_and_its_output_is_unchanged(tiny):
     """The measurement writes dummy K/V into blocks nothing owns yet: the requests after it decode as before."""
     request = _with(tiny[3], max_tokens=40)
@@ -227,6 +229,7 @@ def test_greedy_output_is_unchanged_on_non_repetitive_prompts_batched_together(t
     dict(temperature=0.1, seed=13, frequency_penalty=0.01, repetition_penalty=1.05, logit_bias=((343, 1.0),)),
     dict(temperature=0.1, seed=14, min_tokens=30, stop_token_ids=(343,)),
 ], ids=["temperature", "top-p-top-k-logprobs", "penalties-and-bias", "min-tokens"])
+@pytest.mark.slow
 def test_seeded_sampling_gives_the_same_tokens_as_without_speculation(tiny, sampling):
     """The accepted draft tokens are the draws the plain step makes at their positions, so a seeded request's
     output (and its distribution over seeds) is unchanged; penalties see the draft tokens ahead as context."""

@@ -196,6 +196,7 @@ def attention_backend(monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("storage", ["float32", "int8", "int4"])
+@pytest.mark.slow
 def test_engine_greedy_tokens_same_on_both_paths(device, storage, attention_backend, monkeypatch):
     import decode_gpu.attention.paged_attention as attention
     calls = []  # layers run through the Triton kernels
@@ -268,6 +269,7 @@ def _compile_all() -> None:
                                             GROUP_SIZE=32), {}))
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_the_gpu_without_spills():
     import subprocess
     import sys
@@ -287,6 +289,7 @@ if __name__ == "__main__":  # the compile check's subprocess: kernels defined wi
 
 @pytest.mark.skipif(not INTERPRETED, reason="needs llama.cpp for the handoffs, which a GPU check machine lacks")
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.slow
 def test_gemma_engine_greedy_tokens_same_on_both_paths(arch, attention_backend, tiny_gguf, conversion_cache):
     """Sliding windows and soft-capping through the whole engine: the Triton path decodes the torch path's tokens
     from a llama.cpp handoff of a prompt longer than the window."""

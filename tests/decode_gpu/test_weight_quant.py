@@ -174,6 +174,7 @@ def test_an_int4_model_with_an_int8_head_shares_it_with_the_embedding():
     assert held_weight_dtype(model) == "int4 (lm_head int8)"
 
 
+@pytest.mark.slow
 def test_without_a_packed_int8_kernel_an_int4_model_keeps_its_head_int4(monkeypatch, caplog, embedded_model_path):
     """The embedded GGUF's Q8_0 head goes int8 beside int4 layers only where a packed int8 kernel exists: without
     one it would be cast every step, so it stays int4, with a warning."""

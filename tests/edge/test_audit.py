@@ -168,6 +168,7 @@ def test_a_reopened_log_appends_and_counts_what_was_there(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["missing/audit.log", "."])
+@pytest.mark.slow
 def test_an_audit_log_that_cannot_be_opened_stops_edge_serve(tmp_path, where, monkeypatch):
     from edge import cli
     path = tmp_path / where

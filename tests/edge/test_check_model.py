@@ -70,6 +70,7 @@ def embedded_table(embedded_model_path):
     return done.returncode, done.stdout, done.stderr
 
 
+@pytest.mark.slow
 def test_the_embedded_model_passes_with_every_row(embedded_table):
     status, out, err = embedded_table
     assert status == 0, out + err
@@ -88,6 +89,7 @@ def test_the_embedded_model_passes_with_every_row(embedded_table):
     assert "loading the decode model" in err  # the slow step says so
 
 
+@pytest.mark.slow
 def test_the_numbers_match_arithmetic(capsys, embedded_model_path):
     status, out, _ = check_model(capsys, embedded_model_path, "--json", "--no-fidelity", "--memory", "8GiB")
     assert status == 0
@@ -126,6 +128,7 @@ def test_the_numbers_match_arithmetic(capsys, embedded_model_path):
             assert model["pool_tokens"][weight_dtype][storage] == (budget - held) // per_token
 
 
+@pytest.mark.slow
 def test_it_says_which_weights_the_prefill_workers_load(capsys, embedded_model_path, tmp_path, monkeypatch):
     """prefill_weights = auto: what the first start will do, then the decision an earlier start recorded; reading
     it converts and measures nothing."""

@@ -117,6 +117,7 @@ def run_app(monkeypatch) -> dict:
     return given
 
 
+@pytest.mark.slow
 def test_serve_wires_the_tls_context(pki, run_app):
     cli.main(["serve", "--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key")])
     context = run_app["ssl_context"]

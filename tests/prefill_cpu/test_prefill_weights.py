@@ -40,6 +40,7 @@ def _prefiller(path: str, weights: str) -> Prefiller:
     return Prefiller(PrefillConfig(path, n_ctx=256, n_batch=128, n_threads=2, kv_type="f16", weights=weights))
 
 
+@pytest.mark.slow
 def test_the_f16_copy_computes_the_model_the_given_file_holds(embedded_model_path, cache, tmp_path):
     """The Q4_1 file's own CPU path rounds activations to 8 bits; its f16 copy computes what float32 weights do, and
     the handoff still names the given file."""
@@ -65,6 +66,7 @@ def test_the_f16_copy_computes_the_model_the_given_file_holds(embedded_model_pat
         assert _kl(f32, given) > _kl(f32, f16)  # the given file's path: 0.002-0.0035
 
 
+@pytest.mark.slow
 def test_auto_measures_once_and_keeps_the_faster_file(embedded_model_path, cache, monkeypatch):
     calls = []
 
@@ -84,6 +86,7 @@ def test_auto_measures_once_and_keeps_the_faster_file(embedded_model_path, cache
     assert len(calls) == 2
 
 
+@pytest.mark.slow
 def test_auto_keeps_the_given_file_when_the_copy_is_not_faster_enough(embedded_model_path, cache, monkeypatch):
     monkeypatch.setattr(prefill_weights, "measure_prefill", lambda paths, threads, n_batch, rounds=3: [300.0, 330.0])
     identity = read_gguf_identity(embedded_model_path)

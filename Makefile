@@ -51,7 +51,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
-# the tests not marked slow (no embedded model end to end, no servers, nothing over a few seconds): ~4 min on 2 cores
+# the tests not marked slow (no embedded model end to end, no servers, nothing over a few seconds): ~2.5 min on 2 cores
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 

@@ -129,14 +129,15 @@ def time_ours(model, shape: ModelShape, device: torch.device, context: int, batc
               steps: int, time_left) -> tuple[float, dict[int, StepTiming | str]]:
     """Our engine on `max(batches)` synthetic handoffs of `context` tokens, then each smaller batch by aborting
     the extra sequences. Returns (seconds for the import and first step, {batch: timing or why skipped})."""
+    from decode_gpu.core.scheduler import SchedulerConfig
     from decode_gpu.engine import DecodeEngine, EngineConfig
     from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-    from decode_gpu.core.scheduler import SchedulerConfig
     identity, top, warmup = identity_for(shape), max(batches), max(1, warmup)
     max_tokens = len(batches) * (warmup + steps) + 8  # no sequence ends before the last timed step
     handoffs = synthetic_handoffs(identity, context, top, max_tokens, shape.vocab_size)
-    runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=top * (context + max_tokens + 16), max_num_seqs=top,
-                                                       max_model_len=context + max_tokens + 1), device)
+    config = RunnerConfig(kv_cache_tokens=top * (context + max_tokens + 16), max_num_seqs=top,
+                          max_model_len=context + max_tokens + 1)
+    runner = ModelRunner(model, identity, config, device)
     engine = DecodeEngine(runner, EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=top, max_import_tokens=top * context),
         max_model_len=context + max_tokens + 1, max_backlog_bytes=sum(h.payload_bytes for h in handoffs) + 1))

@@ -48,7 +48,7 @@ class TokenEvent:
 
     @classmethod
     def ending(cls, request_id: str, reason: FinishReason, error: str | None = None,
-               num_prompt_tokens: int = 0, error_code: str = "") -> "TokenEvent":
+               num_prompt_tokens: int = 0, error_code: str = "") -> TokenEvent:
         """A terminal event with no tokens (abort, failure)."""
         return cls(request_id, (), "", reason, error, num_prompt_tokens=num_prompt_tokens, error_code=error_code)
 

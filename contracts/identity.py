@@ -72,7 +72,8 @@ def _read_identity(path: str, size: int, mtime_ns: int) -> GGUFIdentity:
 def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
     arch = _field(reader, "general.architecture", path)
     if arch not in ROPE_LAYOUTS:
-        raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported; supported: {sorted(ROPE_LAYOUTS)}")
+        raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported; "
+                                    f"supported: {sorted(ROPE_LAYOUTS)}")
     n_layer = int(_field(reader, f"{arch}.block_count", path))
     n_head = int(_field(reader, f"{arch}.attention.head_count", path))
     n_embd = int(_field(reader, f"{arch}.embedding_length", path))
@@ -94,7 +95,8 @@ def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
         head_dim_k=head_dim_k,
         head_dim_v=head_dim_v,
         rope_layout=ROPE_LAYOUTS[arch],
-        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", path, default=DEFAULT_WINDOWS.get(arch, 0))),
+        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", path,
+                                  default=DEFAULT_WINDOWS.get(arch, 0))),
         swa_layers=tuple(il for il, swa in enumerate(sliding_layers(reader, arch, n_layer)) if swa),
     )
 

@@ -43,4 +43,5 @@ def kv_dtype_for_ggml_type(ggml_type: int) -> KVDType:
         return _BY_GGML_TYPE[ggml_type]
     except KeyError:
         known = {d.name: d.ggml_type for d in KV_DTYPES.values()}
-        raise ValueError(f"llama.cpp KV uses ggml type {ggml_type}, which the handoff does not carry; known: {known}") from None
+        raise ValueError(f"llama.cpp KV uses ggml type {ggml_type}, which the handoff does not carry; "
+                         f"known: {known}") from None

@@ -113,7 +113,8 @@ def _merge_window(base: SeqKVState, window: SeqKVState, n_layer: int, swa_layers
     """The model's layers in order: the global ones from the base cache, the sliding ones from the window's."""
     if (window.k_dtype, window.v_dtype, window.v_transposed) != (base.k_dtype, base.v_dtype, base.v_transposed):
         raise KVStateFormatError("the sliding-window cache's types or V layout differ from the base cache's")
-    k_base, v_base, k_window, v_window = (iter(x) for x in (base.k_layers, base.v_layers, window.k_layers, window.v_layers))
+    layers = (base.k_layers, base.v_layers, window.k_layers, window.v_layers)
+    k_base, v_base, k_window, v_window = (iter(x) for x in layers)
     k_layers = tuple(next(k_window if il in swa_layers else k_base) for il in range(n_layer))
     v_layers = tuple(next(v_window if il in swa_layers else v_base) for il in range(n_layer))
     return SeqKVState(base.seq_id, base.positions, base.v_transposed, base.k_dtype, base.v_dtype, k_layers, v_layers,

@@ -25,13 +25,6 @@ class StopRules:
     eos_token_ids: frozenset[int]
     max_model_len: int  # prompt + output tokens of one request
 
-    def banned(self, seq: Sequence, position: int) -> tuple[int, ...]:
-        """Before min_tokens are out, the tokens that would end the request may not be drawn."""
-        params = seq.sampling
-        if position - seq.prompt_len >= params.min_tokens:
-            return ()
-        return tuple({*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)})
-
     def finish_reason_and_text(self, seq: Sequence) -> tuple[str | None, str]:
         """Whether the newest token ends the request, and the text it releases."""
         token = seq.tokens[-1]

@@ -10,11 +10,19 @@ import pytest
 
 from contracts import PROTOCOL_VERSION
 from contracts.events import FinishReason
-from contracts.framing import (HANDSHAKE_FRAME_BYTES, PeerRefusedError, ProtocolError, accept_peer,
-                               connect_when_listening, pack, read_message, send_message, start_server)
+from contracts.framing import (
+    HANDSHAKE_FRAME_BYTES,
+    PeerRefusedError,
+    ProtocolError,
+    accept_peer,
+    connect_when_listening,
+    pack,
+    read_message,
+    send_message,
+    start_server,
+)
 from contracts.handoff import SamplingParams
-from contracts.messages import (Challenge, ChatMessage, Heartbeat, Hello, PrefillFailed, PrefillJob,
-                                WorkerStatus)
+from contracts.messages import Challenge, ChatMessage, Heartbeat, Hello, PrefillFailed, PrefillJob, WorkerStatus
 from edge.engine_client import EngineClient
 from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
 from edge.prefill_pool import PrefillPool, UnsendableJobError
@@ -233,9 +241,9 @@ def test_heartbeats_keep_a_busy_worker_alive(tmp_path):
 
 def test_engine_stats_are_read_only_on_the_engine_thread():
     """The asyncio side publishes a snapshot; it never iterates the engine's dicts itself."""
+    from decode_gpu.engine import DecodeEngine
     from decode_gpu.service.server import EngineService
     from fake_runner import FakeRunner
-    from decode_gpu.engine import DecodeEngine
     runner = FakeRunner(num_blocks=16, block_size=4)
     runner.gate = None  # no priority gate in this test
     engine = DecodeEngine(runner)

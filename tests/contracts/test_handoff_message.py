@@ -5,10 +5,9 @@ import dataclasses
 import msgspec
 import pytest
 
-from decode_gpu.kv.importer import HandoffMismatchError, check_handoff_matches
+from contracts.handoff import HandoffFormatError, KVHandoff, KVLayout, SamplingParams, decode_handoff, encode_handoff
 from contracts.identity import GGUFIdentity
-from contracts.handoff import (HandoffFormatError, KVHandoff, KVLayout, SamplingParams, decode_handoff,
-                                 encode_handoff)
+from decode_gpu.kv.importer import HandoffMismatchError, check_handoff_matches
 
 LAYOUT = KVLayout(n_layer=2, num_kv_heads=2, head_dim_k=64, head_dim_v=64, k_dtype="q8_0", v_dtype="q8_0",
                   v_transposed=False, k_rotation=64, v_rotation=64, rope_layout="interleaved")

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from contracts.identity import read_gguf_identity
 from decode_gpu.core.detokenizer import IncrementalText
 from decode_gpu.model.loader import load_tokenizer
-from contracts.identity import read_gguf_identity
 
 pytestmark = pytest.mark.slow  # the embedded model's tokenizer, converted once per session
 
@@ -44,6 +44,7 @@ def test_a_stop_string_cuts_the_text_even_across_tokens(tokenizer):
 
 def test_the_end_tokens_come_from_the_tokenizer_and_the_generation_config(tokenizer):
     from types import SimpleNamespace
+
     from decode_gpu.model.loader import eos_token_ids
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # SmolLM2-Instruct's end of a chat turn
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))

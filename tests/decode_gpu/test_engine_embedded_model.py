@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from contracts.handoff import SamplingParams
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from contracts.handoff import SamplingParams
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 pytestmark = pytest.mark.slow

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from decode_gpu.engine import DecodeEngine, HandoffRejectedError
-from decode_gpu.service.server import EngineService
 from contracts.events import FinishReason, TokenEvent
 from contracts.framing import connect_when_listening, read_message, send_message, start_server
 from contracts.handoff import encode_handoff
 from contracts.messages import Abort, DecodeYield, Handoff, Token
+from decode_gpu.engine import DecodeEngine, HandoffRejectedError
+from decode_gpu.service.server import EngineService
 from fake_runner import FakeRunner, expected_tokens, fake_handoff, make_engine
 
 SECRET = b"engine-server-test"

@@ -8,10 +8,18 @@ high one, one float16 (scale, minimum) pair per 32 elements, value = code * scal
 import pytest
 import torch
 
-from decode_gpu.kv.pool import (INT4_GROUP, KVPool, PoolShape, STORAGE_DTYPES, bytes_per_token, pack_int4,
-                                storage_fits, unpack_int4)
 from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION
 from decode_gpu.attention.paged_batch import build_paged_batch
+from decode_gpu.kv.pool import (
+    INT4_GROUP,
+    STORAGE_DTYPES,
+    KVPool,
+    PoolShape,
+    bytes_per_token,
+    pack_int4,
+    storage_fits,
+    unpack_int4,
+)
 from embedded_continuations import POSITIONS, PROMPTS, greedy_continuations
 from tiny_llama import greedy_tokens
 

@@ -16,10 +16,10 @@ import torch
 from contracts.events import FinishReason
 from contracts.handoff import FirstToken, SamplingParams, choice_seed
 from decode_gpu.core.block_manager import BlockManager
-from decode_gpu.engine import DecodeEngine, HandoffRejectedError
-from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.core.scheduler import Scheduler, SchedulerConfig
 from decode_gpu.core.sequence import Sequence
+from decode_gpu.engine import DecodeEngine, HandoffRejectedError
+from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from tiny_llama import tiny_engine_setup
 
 SAMPLED = SamplingParams(temperature=1.0, seed=7, max_tokens=12)

@@ -13,11 +13,11 @@ import torch
 
 from contracts.handoff import SamplingParams
 from contracts.identity import read_gguf_identity
+from decode_gpu.core.scheduler import SchedulerConfig
+from decode_gpu.core.sequence import SeqState
 from decode_gpu.engine import DecodeEngine, EngineConfig, HandoffRejectedError
 from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
-from decode_gpu.core.scheduler import SchedulerConfig
-from decode_gpu.core.sequence import SeqState
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 from tiny_gguf import prompts
 

@@ -41,7 +41,7 @@ async def _broken(request: web.Request) -> web.Response:
 
 
 async def _timing_out(request: web.Request) -> web.Response:
-    raise asyncio.TimeoutError
+    raise TimeoutError
 
 
 async def _read_body(request: web.Request) -> web.Response:

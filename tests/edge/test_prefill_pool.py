@@ -2,10 +2,10 @@
 
 import asyncio
 
-from edge.lifecycle import InFlight, InFlightRegistry
-from edge.prefill_pool import PrefillPool
 from contracts.handoff import SamplingParams
 from contracts.messages import PrefillJob
+from edge.lifecycle import InFlight, InFlightRegistry
+from edge.prefill_pool import PrefillPool
 
 
 def test_best_priority_is_announced_on_every_change():

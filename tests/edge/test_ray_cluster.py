@@ -140,7 +140,7 @@ def test_losing_the_prefill_node_fails_its_prompts_at_once_and_a_new_node_takes_
     failed_in_s = time.monotonic() - removed_at
     assert [(a["status"], a["error"]["code"]) for a in answered()] == [(503, "prefill_worker_died")] * 2, answered()
     cluster.add_node(num_cpus=2, object_store_memory=STORE)  # the replacement: Ray restarts the actors there
-    for results, thread in pending:  # the two that were queued meanwhile are served once a worker is back
+    for _, thread in pending:  # the two that were queued meanwhile are served once a worker is back
         thread.join(180)
     assert sorted(results[0]["status"] for results, _ in pending) == [200, 200, 503, 503]
     print(f"in-flight prompts failed {failed_in_s:.2f} s after the node was removed")

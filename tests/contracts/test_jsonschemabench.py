@@ -6,16 +6,15 @@ enforce) are counted, and the count is pinned: an engine that starts refusing mo
 enforce, fails here."""
 
 import json
-import os
-from pathlib import Path
 
 import llama_cpp
 import numpy as np
 import pytest
 
 from contracts.grammar import GrammarError, build_grammar, compile_matcher
+from public_schemas import schemas_dir
 
-DATA = Path(os.environ.get("JSONSCHEMABENCH", "/work/shared/jsonschemabench"))
+DATA = schemas_dir()
 SAMPLE_EVERY = 10  # the fast test takes every 10th schema by name
 # Valid instances the engine cannot write: their keys come in another order than the schema's properties, and the
 # grammar writes properties in the schema's order (a stricter output, never an invalid one)

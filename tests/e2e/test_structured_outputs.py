@@ -6,12 +6,10 @@ time limit while another client's request keeps its latency."""
 
 import enum
 import json
-import os
 import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Annotated
 
 import httpx
@@ -20,6 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from public_schemas import schemas_dir
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -194,7 +193,7 @@ def test_an_unsupported_keyword_is_a_400_naming_it(server):
     assert "uniqueItems" in error["message"] and "not enforce" in error["message"]
 
 
-BENCH = Path(os.environ.get("JSONSCHEMABENCH", "/work/shared/jsonschemabench"))
+BENCH = schemas_dir()
 BENCH_EVERY = 10  # every 10th public schema by name: 103 (tests/contracts/test_jsonschemabench.py's sample)
 BENCH_REFUSED = 4  # of them the engine refuses, as tests/contracts/test_jsonschemabench.py pins
 REFUSAL_CODES = ("invalid_structured_output", "structured_output_too_complex")

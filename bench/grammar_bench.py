@@ -1,6 +1,6 @@
 """Grammar engines on JSONSchemaBench: soundness first, then speed (docs/structured_outputs.md).
 
-    .venv/bin/python -m bench.grammar_bench [--data /work/shared/jsonschemabench] [--engines llguidance,xgrammar]
+    .venv/bin/python -m bench.grammar_bench [--data ../shared/jsonschemabench] [--engines llguidance,xgrammar]
                                             [--limit N] [--details FILE.json]
 
 Each schema is compiled as the service compiles it, with the embedded model's tokenizer (SmolLM2-135M: the
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-DATA = Path("/work/shared/jsonschemabench")
+DATA = Path(__file__).resolve().parents[2] / "shared" / "jsonschemabench"  # shared/ beside the repository
 
 
 def load_schemas(data: Path, limit: int | None = None) -> list[tuple[str, str, list[tuple[bool, object]]]]:

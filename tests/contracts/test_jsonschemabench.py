@@ -1,4 +1,4 @@
-"""The grammar engine against JSONSchemaBench's public schemas (/work/shared/jsonschemabench, or
+"""The grammar engine against JSONSchemaBench's public schemas (shared/jsonschemabench beside the repository, or
 $JSONSCHEMABENCH): through contracts.grammar and the embedded model's vocabulary, every valid instance of a compiled
 schema is accepted and every invalid one rejected, each fed as the engine writes JSON (bench/grammar_bench.py:
 json.dumps, ", " and ": "), token by token through the mask. Schemas the engine refuses (a keyword it cannot

@@ -16,7 +16,7 @@ from server_process import ServerProcess, pid_alive, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-KEY, LIMITED_KEY = "test-key", "limited-key"
+KEY, LIMITED_KEY, OTHER_KEY = "test-key", "limited-key", "other-key"
 CONFIG = """
 kv_cache_tokens = 8192
 max_model_len = 1200
@@ -46,6 +46,9 @@ class = "standard"
 key = "{LIMITED_KEY}"
 class = "limited"
 requests_per_minute = 2
+[[keys]]
+key = "{OTHER_KEY}"
+class = "standard"
 """
 LONG_TEXT = "The appliance serves many users behind a firewall, and every one of them expects answers. " * 12
 
@@ -317,7 +320,7 @@ def test_one_keys_cached_prompt_is_never_reused_for_another_key(server, client):
     assert wait_for(lambda: worker_hits() is not None, 5)
     before = worker_hits()
     other = post(server, "/v1/completions", {"model": MODEL, "prompt": text + " Second?", "max_tokens": 1,
-                                             "temperature": 0}, key=LIMITED_KEY)
+                                             "temperature": 0}, key=OTHER_KEY)
     assert other.status_code == 200, other.text
     client.completions.create(model=MODEL, prompt=text + " Third?", max_tokens=1, temperature=0)
     assert wait_for(lambda: worker_hits() - before >= 300, 10)  # the third found the first's prompt

@@ -12,7 +12,8 @@ from policies.content_filter import ContentFilter
 from policies.evaluator import TierEvaluator, TierState, Transition
 from policies.quota import TokenQuotas, key_id
 from policies.rate_limit import RateLimiter
-from policies.schema import ApiKeyRule, ClientClass, Policy
+from policies.schema import ApiKeyRule, ClientClass, Policy, Tier
+from policies.slo import HEADER, ObjectiveError, request_ttft_objective
 
 
 class PolicyRejection(Exception):
@@ -34,6 +35,7 @@ class RequestFacts:
     max_tokens: int | None  # None: not given
     logprobs: int | None
     n: int = 1  # choices: the output limits count n x max_tokens
+    slo_ttft_ms: str | None = None  # the x-slo-ttft-ms header as sent: a tighter TTFT objective (policies/slo.py)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class Decision:
     notes: tuple[str, ...]  # what degradation changed, for the client's X-Edge-Degraded header
     ticket: tuple[str, str]  # (key, class) holding a concurrency slot until released
     quota_hold: tuple[str, int] = ("", 0)  # (key hash, tokens) held from the key's quotas until released
+    ttft_slo_ms: int = 0  # this request's TTFT objective (the class's, or tighter by header); 0: none
+    tpot_slo_ms: int = 0  # its class's TPOT objective; 0: none
+    on_slo_miss: str = "serve"  # reject | degrade | serve, when its TTFT objective is predicted to be missed
 
 
 class PolicyEnforcer:
@@ -108,8 +113,13 @@ class PolicyEnforcer:
             raise PolicyRejection(400, "invalid_value", f"'max_tokens' must be at most {output_limit} for class "
                                   f"{cls.name!r}{'' if n == 1 else ', counting every choice'}, got {got}",
                                   param="max_tokens")
-        decision = self._degrade(cls, requested, facts.logprobs, filters.max_prompt_tokens, n)
-        decision = dataclasses.replace(decision, ticket=self._admit(key_rule, cls))
+        try:
+            ttft_slo_ms = request_ttft_objective(cls.name, cls.ttft_slo_ms, cls.min_ttft_slo_ms, facts.slo_ttft_ms)
+        except ObjectiveError as err:
+            raise PolicyRejection(400, "invalid_value", str(err), param=HEADER) from None
+        decision = self._degrade(cls, requested, facts.logprobs, filters.max_prompt_tokens, n, self.evaluator.tier)
+        decision = dataclasses.replace(decision, ticket=self._admit(key_rule, cls), ttft_slo_ms=ttft_slo_ms,
+                                       tpot_slo_ms=cls.tpot_slo_ms, on_slo_miss=cls.on_slo_miss)
         try:
             return self._hold_quota(key_rule, decision, facts)
         except PolicyRejection:
@@ -183,9 +193,24 @@ class PolicyEnforcer:
         name = key_rule.client_class if key_rule else policy.tenant_classes.get(tenant or "", policy.default_class)
         return policy.classes[name]
 
+    def degrade_for_slo(self, decision: Decision, n: int = 1) -> Decision:
+        """A request predicted to miss its TTFT objective whose class says on_slo_miss = "degrade": it gets the
+        actions of the tier one heavier than the one in force (the heaviest stays the heaviest), as far as its class
+        lets them touch it. A tier that sheds its class refuses it (PolicyRejection 429 shed_under_load)."""
+        tiers = self.policy.tiers
+        cls = self.policy.classes.get(decision.client_class)
+        if not tiers or cls is None:
+            return decision
+        tier = tiers[min(self.evaluator.state.index + 1, len(tiers) - 1)]
+        heavier = self._degrade(cls, decision.max_tokens, decision.logprobs, decision.max_prompt_tokens, n, tier)
+        notes = tuple(f"{note} (slo)" for note in heavier.notes if note not in decision.notes)
+        return dataclasses.replace(decision, max_tokens=heavier.max_tokens, logprobs=heavier.logprobs,
+                                   max_prompt_tokens=heavier.max_prompt_tokens,
+                                   kv_type=heavier.kv_type or decision.kv_type, notes=decision.notes + notes)
+
     def _degrade(self, cls: ClientClass, max_tokens: int, logprobs: int | None, prompt_limit: int,
-                 n: int = 1) -> Decision:
-        tier, notes = self.evaluator.tier, []
+                 n: int, tier: Tier | None) -> Decision:
+        notes = []
         kv_type = ""
         if tier is not None:
             actions, allowed = tier.actions, set(cls.degradable)

@@ -1,7 +1,8 @@
 """Which degradation tier is in force, from a stream of load signals, with hysteresis and dwell.
 
 Tiers are ordered by severity. The evaluator escalates at once to the heaviest tier whose enter
-condition holds (any signal at or above its threshold). It steps down one tier only when the current
+condition holds (any signal at or above its threshold; `slo_attainment_below`, attainment of the objectives,
+below it). It steps down one tier only when the current
 tier's exit condition holds (every exit signal below its threshold) and it has been in force for at
 least its min_dwell_s; so a signal hovering around one threshold cannot make it flap.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from policies.schema import Tier
+from policies.schema import BELOW_SIGNALS, Tier
 
 log = logging.getLogger("policies.evaluator")
 
@@ -77,18 +78,33 @@ class TierEvaluator:
         return self.tiers[self.state.index] if self.state.index >= 0 else None
 
 
+def _entered(name: str, threshold: float, signals: dict[str, float]) -> bool:
+    """A signal at or above its threshold; a BELOW signal (SLO attainment) below it, and only once measured."""
+    if name in BELOW_SIGNALS:
+        return name in signals and signals[name] < threshold
+    return signals.get(name, 0.0) >= threshold
+
+
+def _left(name: str, threshold: float, signals: dict[str, float]) -> bool:
+    if name in BELOW_SIGNALS:
+        return signals.get(name, 1.0) >= threshold  # not measured (no recent judged request): nothing is missed
+    return signals.get(name, 0.0) < threshold
+
+
 def _enter_holds(tier: Tier, signals: dict[str, float]) -> bool:
-    return any(signals.get(name, 0.0) >= threshold for name, threshold in tier.enter.items())
+    return any(_entered(name, threshold, signals) for name, threshold in tier.enter.items())
 
 
 def _exit_holds(tier: Tier, signals: dict[str, float]) -> bool:
-    return all(signals.get(name, 0.0) < threshold for name, threshold in tier.exit.items())
+    return all(_left(name, threshold, signals) for name, threshold in tier.exit.items())
 
 
 def _entered_because(tier: Tier, signals: dict[str, float]) -> str:
-    hits = [f"{n}={signals.get(n, 0.0):.3g} >= {t:g}" for n, t in tier.enter.items() if signals.get(n, 0.0) >= t]
+    hits = [f"{n}={signals.get(n, 0.0):.3g} {'<' if n in BELOW_SIGNALS else '>='} {t:g}"
+            for n, t in tier.enter.items() if _entered(n, t, signals)]
     return f"{tier.name} enter holds: " + ", ".join(hits)
 
 
 def _exit_because(tier: Tier, signals: dict[str, float]) -> str:
-    return ", ".join(f"{n}={signals.get(n, 0.0):.3g} < {t:g}" for n, t in tier.exit.items())
+    return ", ".join(f"{n}={signals.get(n, 1.0 if n in BELOW_SIGNALS else 0.0):.3g} "
+                     f"{'>=' if n in BELOW_SIGNALS else '<'} {t:g}" for n, t in tier.exit.items())

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, Field, ValidationInfo, create_model, field_
 from policies.content_filter import pattern_error
 from policies.schema import (
     ACTIONS,
+    BELOW_SIGNALS,
     PROTECTIONS,
     SIGNALS,
     ApiKeyRule,
@@ -27,6 +28,7 @@ from policies.schema import (
     Tier,
     TierActions,
 )
+from policies.slo import ClassSloFields, slo_relations
 from policies.validation import FileError, Invalid, Issue, Strict, issue_at, parse_toml, read_text, validate
 
 PolicyIssue = Issue  # the name this module has always exported
@@ -102,7 +104,7 @@ class FiltersFile(Strict):
                        tuple(self.blocked_words), tuple(self.blocked_patterns))
 
 
-class ClassFile(Strict):
+class ClassFile(ClassSloFields):
     priority: int = 0
     requests_per_minute: NonNegative = 0
     max_concurrent: NonNegative = 0
@@ -119,7 +121,8 @@ class ClassFile(Strict):
 
     def build(self, name: str) -> ClientClass:
         return ClientClass(name, self.priority, self.requests_per_minute, self.max_concurrent,
-                           self.max_output_tokens, tuple(self.degradable))
+                           self.max_output_tokens, tuple(self.degradable), self.ttft_slo_ms, self.tpot_slo_ms,
+                           self.on_slo_miss, self.min_ttft_slo_ms)
 
 
 class KeyFile(Strict):
@@ -224,6 +227,7 @@ def _relations(document: PolicyFile) -> Iterator[tuple[str, str]]:
     yield from _duplicates(document.tier_names(), "tiers[{}].name", lambda name: f"tier name {name!r} is used twice")
     for i, tier in enumerate(document.tiers):
         yield from _hysteresis(tier, f"tiers[{i}]")
+    yield from slo_relations(document.classes, len(document.tiers))
 
 
 def _duplicates(values: list[str | None], where: str, message) -> Iterator[tuple[str, str]]:
@@ -242,6 +246,10 @@ def _hysteresis(tier: TierFile, where: str) -> Iterator[tuple[str, str]]:
     if not exit_:
         yield f"{where}.exit", "expected exit thresholds below the enter ones (hysteresis)"
     for signal, threshold in exit_.items():
-        if signal in enter and threshold >= enter[signal]:
+        if signal in BELOW_SIGNALS and signal in enter and threshold <= enter[signal]:
+            yield (f"{where}.exit.{signal}", f"exit threshold {threshold} must be above the enter threshold "
+                                             f"{enter[signal]} ({signal} enters below its threshold), or the tier "
+                                             f"would flap")
+        elif signal not in BELOW_SIGNALS and signal in enter and threshold >= enter[signal]:
             yield (f"{where}.exit.{signal}", f"exit threshold {threshold} must be below the enter threshold "
                                              f"{enter[signal]}, or the tier would flap")

@@ -15,7 +15,11 @@ SIGNALS = {
     "cpu_percent": "CPU utilization of the box, 0-100 (psutil)",
     "memory_percent": "memory in use on the box, 0-100 (psutil)",
     "ttft_p95_s": "95th percentile time to first token over the last 30 s",
+    # the one signal that enters when it falls BELOW its threshold (and leaves when it is back at or above the exit)
+    "slo_attainment_below": "the lowest share of any class's requests meeting their objectives over the last 60 s, "
+                            "0-1 (absent until 5 requests of a class with objectives were judged)",
 }
+BELOW_SIGNALS = ("slo_attainment_below",)  # signals whose tier conditions compare the other way
 ACTIONS = ("cap_max_tokens", "logprobs", "max_prompt_tokens", "shed", "kv_type")
 # protections a reload may not remove entirely unless the new file names them in allow_weaker_protection
 PROTECTIONS = {
@@ -43,6 +47,10 @@ class ClientClass:
     max_concurrent: int = 0  # 0: unlimited
     max_output_tokens: int = 0  # 0: the filters' limit
     degradable: tuple[str, ...] = ACTIONS  # which tier actions may touch this class
+    ttft_slo_ms: int = 0  # time-to-first-token objective; 0: none (policies/slo.py)
+    tpot_slo_ms: int = 0  # time-per-output-token objective after the first; 0: none
+    on_slo_miss: str = "serve"  # reject | degrade | serve: a request predicted to miss its TTFT objective
+    min_ttft_slo_ms: int = 0  # the tightest TTFT objective the x-slo-ttft-ms header may ask for; 0: not accepted
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ proven it holds the shared secret, then what that connection can legitimately ca
 
 Addresses are "unix:/path" or "tcp://host:port", so a worker can run on another host. TCP peers must share a
 secret (config `control_secret_file`); local sockets get one generated per launch, and live in a 0700 run dir.
+A TCP link runs inside mutual TLS when the process has control certificates (contracts.control_tls): the
+handshake's proofs are then bound to both certificates, and TLS protects every frame after it. A listener closes
+a peer that has not passed the handshake within control_handshake_timeout_s, and holds at most
+control_tls.MAX_PENDING such peers.
 """
 
 from __future__ import annotations
@@ -14,14 +18,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import os
 import secrets
+import ssl
 import struct
 import time
 
 import msgspec
 
-from contracts import PROTOCOL_VERSION
+from contracts import PROTOCOL_VERSION, control_tls
+from contracts.control_tls import ControlTLS, PendingPeers, binding, pending_slot
 from contracts.messages import MESSAGES, Challenge, Hello, Refused, Welcome
 
 HANDSHAKE_FRAME_BYTES = 64 << 10  # before authentication a peer may not make us buffer more
@@ -35,14 +42,20 @@ _BY_NAME = {cls.__name__: cls for cls in MESSAGES}
 _DECODERS = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in MESSAGES}
 _ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
 _ENCODER = msgspec.msgpack.Encoder()
+log = logging.getLogger("contracts.framing")
 
 
 class ProtocolError(RuntimeError):
     """A peer sent a frame this build does not understand (malformed, unknown, too large)."""
 
 
+class TLSBrokenError(ProtocolError):
+    """TLS ended the connection: a record that failed its integrity check (altered on the way), or the peer's
+    alert (a certificate it refused)."""
+
+
 class PeerRefusedError(ConnectionError):
-    """The handshake failed: wrong secret, protocol version skew, or an impostor listener."""
+    """The handshake failed: wrong secret, protocol version skew, an impostor listener, or (TLS) a certificate."""
 
 
 def pack(message) -> bytes:
@@ -74,11 +87,16 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int = CONTROL_FR
         return unpack(await reader.readexactly(size))
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
+    except ssl.SSLError as err:
+        raise TLSBrokenError(f"the TLS connection broke: {err.reason or err}") from None
 
 
 async def send_message(writer: asyncio.StreamWriter, message) -> None:
     writer.write(pack(message))
-    await writer.drain()
+    try:
+        await writer.drain()
+    except ssl.SSLError as err:  # the connection is gone, as for a reset
+        raise ConnectionResetError(f"the TLS connection broke: {err.reason or err}") from None
 
 
 # --- the handshake ----------------------------------------------------------------------------------
@@ -101,30 +119,40 @@ def _proof(secret: bytes, *parts: bytes) -> bytes:
 
 async def accept_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes) -> Hello | None:
     """Listener side: challenge the peer; its Hello when it proved the secret and speaks our version, else None
-    (the peer was told why and the connection is closed)."""
+    (the peer was told why and the connection is closed). The whole exchange has the listener's handshake time
+    limit (start_server's), and ends the connection's pending slot either way."""
     nonce = secrets.token_bytes(16)
+    bound = binding(writer, listener=True)
+    slot = pending_slot.get()
     try:
-        await send_message(writer, Challenge(PROTOCOL_VERSION, nonce))
-        hello = await asyncio.wait_for(read_message(reader, HANDSHAKE_FRAME_BYTES), HANDSHAKE_TIMEOUT_S)
-        reason = _check_hello(hello, secret, nonce)
-        if reason is None:
-            await send_message(writer, Welcome(_proof(secret, b"welcome", hello.nonce, nonce)))
-            return hello
-        await send_message(writer, Refused(reason))
+        async with asyncio.timeout(slot.timeout_s if slot else control_tls.current().handshake_timeout_s):
+            await send_message(writer, Challenge(PROTOCOL_VERSION, nonce))
+            hello = await read_message(reader, HANDSHAKE_FRAME_BYTES)
+            reason = _check_hello(hello, secret, nonce, bound)
+            if reason is None:
+                await send_message(writer, Welcome(_proof(secret, b"welcome", hello.nonce, nonce, bound)))
+                return hello
+            await send_message(writer, Refused(reason))
     except (TimeoutError, ProtocolError, ConnectionError):
         pass
+    finally:
+        if slot is not None:
+            slot.release()
     writer.close()
     return None
 
 
-def _check_hello(hello, secret: bytes, nonce: bytes) -> str | None:
+def _check_hello(hello, secret: bytes, nonce: bytes, bound: bytes) -> str | None:
     if not isinstance(hello, Hello):
         return f"expected Hello, got {type(hello).__name__}"
     if hello.protocol_version != PROTOCOL_VERSION:
         return (f"protocol version {hello.protocol_version} is not this peer's version {PROTOCOL_VERSION}; "
                 f"run the same edge-llm build on both sides")
-    expected = _proof(secret, b"hello", nonce, hello.role.encode(), hello.name.encode(), hello.nonce)
+    expected = _proof(secret, b"hello", nonce, hello.role.encode(), hello.name.encode(), hello.nonce, bound)
     if not hmac.compare_digest(expected, hello.proof):
+        if bound:
+            return ("authentication failed: the peers do not share the same control secret, or a relay stands "
+                    "between them (the certificates each side sees differ)")
         return "authentication failed: the peers do not share the same control secret"
     return None
 
@@ -132,41 +160,64 @@ def _check_hello(hello, secret: bytes, nonce: bytes) -> str | None:
 async def introduce(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: str, name: str,
                     secret: bytes) -> None:
     """Connecting side: answer the challenge; raises PeerRefusedError with the reason if refused."""
-    challenge = await asyncio.wait_for(read_message(reader, HANDSHAKE_FRAME_BYTES), HANDSHAKE_TIMEOUT_S)
+    bound = binding(writer, listener=False)
+    challenge = await _handshake_frame(reader, bound)
+    if challenge is None:
+        raise PeerRefusedError("the listener closed the connection before its challenge" + (
+            "" if bound else " (a listener with control TLS closes a plain connection: give this process the "
+                             "control_tls_* files too)"))
     if not isinstance(challenge, Challenge):
         raise PeerRefusedError(f"the listener did not start a handshake (got {type(challenge).__name__})")
     if challenge.protocol_version != PROTOCOL_VERSION:
         raise PeerRefusedError(f"the listener speaks protocol version {challenge.protocol_version}, this peer "
                                f"{PROTOCOL_VERSION}; run the same edge-llm build on both sides")
     nonce = secrets.token_bytes(16)
-    proof = _proof(secret, b"hello", challenge.nonce, role.encode(), name.encode(), nonce)
+    proof = _proof(secret, b"hello", challenge.nonce, role.encode(), name.encode(), nonce, bound)
     await send_message(writer, Hello(role, name, PROTOCOL_VERSION, nonce, proof))
-    answer = await asyncio.wait_for(read_message(reader, HANDSHAKE_FRAME_BYTES), HANDSHAKE_TIMEOUT_S)
+    answer = await _handshake_frame(reader, bound)
     if isinstance(answer, Refused):
         raise PeerRefusedError(f"refused by the listener: {answer.reason}")
     if not isinstance(answer, Welcome) or not hmac.compare_digest(
-            answer.proof, _proof(secret, b"welcome", nonce, challenge.nonce)):
+            answer.proof, _proof(secret, b"welcome", nonce, challenge.nonce, bound)):
         raise PeerRefusedError("the listener could not prove it holds the control secret")
 
 
+async def _handshake_frame(reader: asyncio.StreamReader, bound: bytes):
+    try:
+        return await asyncio.wait_for(read_message(reader, HANDSHAKE_FRAME_BYTES), HANDSHAKE_TIMEOUT_S)
+    except TLSBrokenError as err:  # TLS 1.3: the listener checks this peer's certificate after our side is done
+        raise PeerRefusedError(f"{err} (does the listener's control_tls_ca sign this peer's certificate?)") from None
+
+
 # --- addresses and connections ----------------------------------------------------------------------
-async def open_connection(address: str):
+async def open_connection(address: str, tls: ControlTLS | None = None):
+    """A Unix socket as it is; TCP inside TLS with the process's control certificates (or `tls`), else plain
+    to a loopback address or with allow_plaintext_control (PlaintextControlError otherwise)."""
     kind, target = parse_address(address)
     if kind == "unix":
         return await asyncio.open_unix_connection(target, limit=1 << 20)
     host, port = target
-    return await asyncio.open_connection(host, port, limit=1 << 20)
+    tls = tls or control_tls.current()
+    tls.refuse_plaintext(address, host)
+    if not tls.on:
+        return await asyncio.open_connection(host, port, limit=1 << 20)
+    return await asyncio.open_connection(host, port, limit=1 << 20, ssl=tls.client_context,
+                                         ssl_handshake_timeout=tls.handshake_timeout_s)
 
 
 async def connect_when_listening(address: str, role: str, name: str, secret: bytes,
-                                 timeout_s: float | None = None):
+                                 timeout_s: float | None = None, tls: ControlTLS | None = None):
     """Connect once the peer listens (it may still be loading its model), then pass the handshake.
-    A refusal (wrong secret, version skew) raises PeerRefusedError at once: retrying would not help."""
+    A refusal (wrong secret, version skew, a certificate) raises PeerRefusedError at once: retrying would not
+    help."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         try:  # bounded: a TCP peer that drops SYNs would otherwise hold one try for minutes
-            reader, writer = await asyncio.wait_for(open_connection(address), OPEN_TIMEOUT_S)
+            reader, writer = await asyncio.wait_for(open_connection(address, tls), OPEN_TIMEOUT_S)
             break
+        except ssl.SSLError as err:  # a certificate either side refused, or a listener that speaks no TLS
+            raise PeerRefusedError(f"the TLS handshake with {address} failed: {err.reason or err} (both sides "
+                                   f"need certificates of the same control_tls_ca)") from None
         except OSError:  # not listening yet (no socket file, refused), unreachable, or no answer (TimeoutError)
             if deadline is not None and time.monotonic() > deadline:
                 raise
@@ -179,14 +230,44 @@ async def connect_when_listening(address: str, role: str, name: str, secret: byt
     return reader, writer
 
 
-async def start_server(handler, address: str) -> asyncio.AbstractServer:
+async def start_server(handler, address: str, tls: ControlTLS | None = None) -> asyncio.AbstractServer:
+    """Serve `handler(reader, writer)` on a Unix socket, or on TCP inside TLS with the process's control
+    certificates (or `tls`; plain only on loopback or with allow_plaintext_control). The handler's accept_peer
+    has the handshake time limit; a connection beyond MAX_PENDING unauthenticated ones is closed at once."""
+    tls = tls or control_tls.current()
+    guarded = _guarded(handler, tls.handshake_timeout_s)
     kind, target = parse_address(address)
     if kind == "unix":
-        server = await asyncio.start_unix_server(handler, target, limit=1 << 20)
+        server = await asyncio.start_unix_server(guarded, target, limit=1 << 20)
         os.chmod(target, 0o600)  # only this user may connect (the run dir is 0700 as well)
         return server
     host, port = target
-    return await asyncio.start_server(handler, host, port, limit=1 << 20)
+    tls.refuse_plaintext(address, host)
+    if not tls.on:
+        return await asyncio.start_server(guarded, host, port, limit=1 << 20)
+    # a TCP peer that never finishes the TLS handshake is closed by asyncio at the same limit
+    return await asyncio.start_server(guarded, host, port, limit=1 << 20, ssl=tls.server_context,
+                                      ssl_handshake_timeout=tls.handshake_timeout_s)
+
+
+def _guarded(handler, timeout_s: float):
+    peers = PendingPeers(timeout_s)
+
+    async def guarded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not peers.can_admit():
+            peers.num_refused += 1
+            if peers.num_refused % 1000 == 1:  # once per burst, not once per connection
+                log.warning("closing a control connection: %d others have not finished the handshake yet "
+                            "(%d closed so far)", peers.num_pending, peers.num_refused)
+            writer.close()
+            return
+        slot = peers.admit()
+        pending_slot.set(slot)
+        try:
+            await handler(reader, writer)
+        finally:
+            slot.release()
+    return guarded
 
 
 def parse_address(address: str):

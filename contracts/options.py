@@ -150,6 +150,14 @@ _KNOBS = (
     Knob("engine_address", str, "", 'unix:/path or tcp://host:port; "" = a socket in run_dir'),
     Knob("worker_addresses", tuple, (), "one address per prefill worker; [] = sockets in run_dir"),
     Knob("control_secret_file", str, "", "file holding the control sockets' shared secret; required for TCP"),
+    Knob("control_tls_certfile", str, "", "PEM certificate every process presents on TCP control links (mutual TLS, "
+         "with control_tls_keyfile and control_tls_ca; docs/security.md)"),
+    Knob("control_tls_keyfile", str, "", "the control certificate's private key (PEM, unencrypted)"),
+    Knob("control_tls_ca", str, "", "PEM CA that signs every control certificate; a peer it did not sign is refused"),
+    Knob("allow_plaintext_control", bool, False, "allow TCP control links without TLS on or to addresses that are "
+         "not loopback (frames readable and forgeable on the network)"),
+    Knob("control_handshake_timeout_s", float, 5.0, "a control connection that has not passed the TLS and HMAC "
+         "handshakes within this is closed", gt=0, le=60),
     Knob("ray", str, "", "run the prefill workers and decode engines as actors of this Ray cluster "
          "(docs/cluster.md)", flag=True, metavar="auto|ADDRESS"),
     Knob("decode_engines", int, 1, "with ray: decode engines, each needing one unit of ray_decode_resource", ge=1),

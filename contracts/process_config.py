@@ -53,6 +53,11 @@ class EngineProcessConfig:
     preemption_mode: str = knob("preemption_mode")
     prefix_caching: bool = knob("prefix_caching")
     log_level: str = knob("log_level")
+    control_tls_certfile: str = knob("control_tls_certfile")
+    control_tls_keyfile: str = knob("control_tls_keyfile")
+    control_tls_ca: str = knob("control_tls_ca")
+    allow_plaintext_control: bool = knob("allow_plaintext_control")
+    control_handshake_timeout_s: float = knob("control_handshake_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,11 @@ class WorkerProcessConfig:
     prefill_weights: str = knob("prefill_weights")
     prefix_cache_tokens: int = knob("prefix_cache_tokens")
     log_level: str = knob("log_level")
+    control_tls_certfile: str = knob("control_tls_certfile")
+    control_tls_keyfile: str = knob("control_tls_keyfile")
+    control_tls_ca: str = knob("control_tls_ca")
+    allow_plaintext_control: bool = knob("allow_plaintext_control")
+    control_handshake_timeout_s: float = knob("control_handshake_timeout_s")
 
 
 Config = TypeVar("Config", EngineProcessConfig, WorkerProcessConfig)

@@ -78,6 +78,11 @@ class ServeConfig:
     engine_address: str = knob("engine_address")
     worker_addresses: tuple[str, ...] = knob("worker_addresses")
     control_secret_file: str = knob("control_secret_file")
+    control_tls_certfile: str = knob("control_tls_certfile")
+    control_tls_keyfile: str = knob("control_tls_keyfile")
+    control_tls_ca: str = knob("control_tls_ca")
+    allow_plaintext_control: bool = knob("allow_plaintext_control")
+    control_handshake_timeout_s: float = knob("control_handshake_timeout_s")
     worker_heartbeat_timeout_s: float = knob("worker_heartbeat_timeout_s")
     ray: str = knob("ray")  # "": everything on this box; else the prefill workers and engines are Ray actors
     decode_engines: int = knob("decode_engines")
@@ -88,7 +93,8 @@ class ServeConfig:
     log_level: str = knob("log_level")
 
 
-PATH_KEYS = ("model", "policy", "audit_log", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "control_secret_file")
+PATH_KEYS = ("model", "policy", "audit_log", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "control_secret_file",
+             "control_tls_certfile", "control_tls_keyfile", "control_tls_ca")
 
 
 def _file_model(cls, **extra):

@@ -270,6 +270,15 @@ def _guarded(handler, timeout_s: float):
     return guarded
 
 
+def refuse_plaintext_links(addresses, tls: ControlTLS | None = None) -> None:
+    """PlaintextControlError for the first TCP address off loopback that would run without TLS."""
+    tls = tls or control_tls.current()
+    for address in addresses:
+        kind, target = parse_address(address)
+        if kind == "tcp":
+            tls.refuse_plaintext(address, target[0])
+
+
 def parse_address(address: str):
     if address.startswith("unix:"):
         return "unix", address[len("unix:"):]

@@ -17,6 +17,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from contracts import control_tls
+from contracts.control_tls import ControlTLS
+from contracts.framing import refuse_plaintext_links
 from contracts.options import AUTO, OptionError, check, field_knob, knob
 
 CONFIG_FLAG = "--config-json"  # followed by the whole config; what the launcher passes
@@ -107,15 +110,21 @@ def config_argv(config: EngineProcessConfig | WorkerProcessConfig) -> list[str]:
 
 def parse_config(cls: type[Config], argv: list[str], description: str) -> Config:
     """The child's config from its arguments: the launcher's one JSON argument, or flags typed by hand. A setting
-    outside its knob's choices or bounds ends the process with the knob named."""
+    outside its knob's choices or bounds ends the process with the knob named. The process's control TLS is set
+    here (contracts.control_tls), before anything loads, so a bad certificate file, or plain TCP off loopback
+    without allow_plaintext_control, ends it the same way."""
     try:
         if argv[:1] == [CONFIG_FLAG]:
             if len(argv) != 2:
                 raise SystemExit(f"{CONFIG_FLAG} takes the whole config: no other arguments")
-            return decode_config(cls, argv[1])
-        flags = vars(hand_parser(cls, description).parse_args(argv))
-        return check(cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}))
-    except OptionError as err:
+            config = decode_config(cls, argv[1])
+        else:
+            flags = vars(hand_parser(cls, description).parse_args(argv))
+            config = check(cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}))
+        control_tls.configure(ControlTLS.of(config))
+        refuse_plaintext_links([config.listen, getattr(config, "engine", "") or config.listen])
+        return config
+    except (OptionError, ValueError) as err:
         raise SystemExit(f"{cls.__name__}: {err}") from None
 
 

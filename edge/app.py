@@ -13,8 +13,10 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
+from contracts import control_tls
+from contracts.control_tls import ControlTLS
 from contracts.events import FinishReason
-from contracts.framing import SECRET_ENV, control_secret, new_secret
+from contracts.framing import SECRET_ENV, control_secret, new_secret, refuse_plaintext_links
 from contracts.process_config import config_argv
 from contracts.tasks import spawn
 from edge.audit import AuditLog, quota_state_path
@@ -27,6 +29,8 @@ from edge.metrics import Metrics
 from edge.prefill_pool import PrefillPool
 from edge.routes import add_routes
 from edge.state import CONFIG, GATEWAY, RELOADER, SUPERVISOR
+from edge.structured_request import close_structured_checks
+from edge.tls import warn_if_expiring
 from policies.enforcer import PolicyEnforcer
 from policies.loader import load_policy
 from policies.quota import TokenQuotas
@@ -75,6 +79,7 @@ def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
         os.environ[SECRET_ENV] = new_secret()
     for address in addresses:
         control_secret(address)  # TCP without a secret: refused here, with the reason
+    refuse_plaintext_links(addresses)  # plain TCP off loopback without allow_plaintext_control, too
     return os.environ.get(SECRET_ENV, "").encode()
 
 
@@ -85,19 +90,36 @@ def _ray_secret(config: ServeConfig) -> str:
 
 
 def _read_secret_file(path: str) -> str:
-    """The secret in the operator's file; a warning when others than its owner may read it (anyone who can
-    read it can join the control plane)."""
+    """The secret in the operator's file. Anyone who can read it can join the control plane: a file every user
+    may open is refused; one its group may read is taken with a warning (container platforms hand a service its
+    secrets that way, e.g. Kubernetes' fsGroup; docs/security.md)."""
     try:
-        value = Path(path).read_text().strip()
         mode = os.stat(path).st_mode
+        value = Path(path).read_text().strip()
     except OSError as err:
         raise ValueError(f"control_secret_file {path}: {err.strerror}") from None
+    if mode & 0o007:
+        raise ValueError(f"control_secret_file {path}: every user of this host may open it (mode {mode & 0o777:o}), "
+                         f"and whoever reads it can join the control plane: chmod 600 it (or 640 for a group)")
     if len(value) < 16:
         raise ValueError(f"control_secret_file {path}: the secret is shorter than 16 characters")
-    if mode & 0o077:
-        log.warning("control_secret_file %s can be read by others than its owner (mode %o): chmod 600 it",
-                    path, mode & 0o777)
+    if mode & 0o070:
+        log.warning("control_secret_file %s can be read by its group (mode %o): every member can join the control "
+                    "plane; chmod 600 it unless the group is this service's alone", path, mode & 0o777)
     return value
+
+
+def _control_tls(config: ServeConfig) -> ControlTLS:
+    """This process's control TLS (every file checked now), handed to the children in their configs. Ray's actors
+    listen on their nodes' addresses: without TLS that takes allow_plaintext_control."""
+    tls = control_tls.configure(ControlTLS.of(config))
+    if tls.on:
+        warn_if_expiring(tls.certfile, "control_tls_certfile")
+    elif config.ray and not tls.allow_plaintext:
+        raise ValueError("ray: the actors' control links cross the network in clear, readable and forgeable on the "
+                         "way; give control_tls_certfile, control_tls_keyfile and control_tls_ca (docs/security.md), "
+                         "or set allow_plaintext_control = true on a network you trust")
+    return tls
 
 
 def _enforcer(config: ServeConfig) -> PolicyEnforcer:
@@ -133,6 +155,7 @@ def make_app(config: ServeConfig) -> web.Application:
         from edge.tracing import RequestTracer
         tracer = RequestTracer(config.otlp_traces_endpoint)
     registry = InFlightRegistry()
+    _control_tls(config)
     if config.ray:  # Ray is imported only here: single-box mode never loads it
         from edge.cluster.gateway_side import ray_components
         pool, engine, cluster_context = ray_components(config, registry, _ray_secret(config))
@@ -256,6 +279,7 @@ async def _drain(app: web.Application) -> None:
     end with an explicit abort in their stream (aiohttp waits for their handlers before cleanup)."""
     gateway = app[GATEWAY]
     gateway.shutting_down = True
+    close_structured_checks()  # a compile never holds the exit: its request ends now with a 503
     grace_s = app[CONFIG].limits.shutdown_grace_s
     log.info("shutting down: %d requests in flight, %.0f s to finish", len(gateway.registry.requests), grace_s)
     loop = asyncio.get_running_loop()

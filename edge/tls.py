@@ -59,7 +59,7 @@ def _load_identity(context: ssl.SSLContext, cert: str, key: str) -> None:
     warn_if_expiring(cert)
 
 
-def warn_if_expiring(cert: str, now: float | None = None) -> str | None:
+def warn_if_expiring(cert: str, key: str = "ssl_certfile", now: float | None = None) -> str | None:
     """Log (and return) a warning when the certificate has expired or expires within EXPIRY_WARNING_DAYS:
     clients refuse an expired one, so the service would be up and unreachable. Read with the ssl module's own
     certificate decoder; where that is missing, nothing is checked."""
@@ -71,8 +71,8 @@ def warn_if_expiring(cert: str, now: float | None = None) -> str | None:
     if days >= EXPIRY_WARNING_DAYS:
         return None
     ends = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(not_after))
-    message = (f"ssl_certfile {cert} expired on {ends}: TLS clients will refuse this server" if days < 0 else
-               f"ssl_certfile {cert} expires on {ends}, in {days:.1f} days: renew it")
+    message = (f"{key} {cert} expired on {ends}: TLS clients will refuse this server" if days < 0 else
+               f"{key} {cert} expires on {ends}, in {days:.1f} days: renew it")
     log.warning(message)
     return message
 

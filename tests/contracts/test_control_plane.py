@@ -302,7 +302,9 @@ def test_a_worker_without_its_engine_gets_no_jobs_until_it_is_back(tmp_path):
     assert jobs[0] is False and isinstance(jobs[1], PrefillJob) and jobs[1].request_id == "r1"
 
 
-def test_a_secret_file_others_may_read_is_taken_with_a_warning(tmp_path, caplog):
+def test_a_secret_file_every_user_may_read_is_refused_and_a_group_readable_one_warned(tmp_path, caplog):
+    """Whoever reads the secret can join the control plane: mode o+r is refused; g+r (how container platforms
+    hand secrets to a service's group) is taken with a warning."""
     from edge.app import _read_secret_file
     path = tmp_path / "secret"
     path.write_text("s" * 32 + "\n")
@@ -311,9 +313,13 @@ def test_a_secret_file_others_may_read_is_taken_with_a_warning(tmp_path, caplog)
         assert _read_secret_file(str(path)) == "s" * 32
     assert not caplog.records
     path.chmod(0o644)
-    with caplog.at_level("WARNING", logger="edge.app"):
+    with pytest.raises(ValueError, match="every user of this host may open it \\(mode 644\\).*chmod 600"):
         _read_secret_file(str(path))
-    assert "can be read by others" in caplog.text and "644" in caplog.text
+    path.chmod(0o640)
+    with caplog.at_level("WARNING", logger="edge.app"):
+        assert _read_secret_file(str(path)) == "s" * 32
+    assert "can be read by its group (mode 640)" in caplog.text
+    path.chmod(0o600)
     path.write_text("short")
     with pytest.raises(ValueError, match="shorter than 16"):
         _read_secret_file(str(path))

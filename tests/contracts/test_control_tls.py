@@ -351,3 +351,55 @@ def test_the_process_settings_reach_every_link(pki):
 def test_is_loopback():
     assert all(control_tls.is_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"))
     assert not any(control_tls.is_loopback(h) for h in ("0.0.0.0", "10.0.0.5", "::", "engine.internal"))
+
+
+def gateway_config(tmp_path, **values):
+    from edge.config import ServeConfig
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    return ServeConfig(launch=False, control_secret_file=str(secret), run_dir=str(tmp_path / "run"), **values)
+
+
+@pytest.fixture
+def restore_process_tls():
+    before = control_tls.current()
+    yield
+    control_tls.configure(before)
+
+
+@pytest.mark.usefixtures("restore_process_tls")
+def test_edge_serve_refuses_plain_control_links_off_loopback_unless_allowed(pki, tmp_path):
+    from edge.app import make_app
+    remote = {"engine_address": "tcp://192.0.2.7:9100", "worker_addresses": ("tcp://192.0.2.8:9101",)}
+    with pytest.raises(ValueError, match="tcp://192.0.2.7:9100: control frames .* allow_plaintext_control = true"):
+        make_app(gateway_config(tmp_path, **remote))
+    with pytest.raises(ValueError, match="^ray: .*allow_plaintext_control = true"):  # before Ray is even joined
+        make_app(gateway_config(tmp_path, ray="auto"))
+    make_app(gateway_config(tmp_path, **remote, allow_plaintext_control=True))
+    worker = pki["worker"]
+    make_app(gateway_config(tmp_path, **remote, control_tls_certfile=worker.certfile,
+                            control_tls_keyfile=worker.keyfile, control_tls_ca=worker.ca))
+    assert control_tls.current().on  # what the gateway's links use from now on
+    with pytest.raises(ValueError, match="control_tls_keyfile not set"):
+        make_app(gateway_config(tmp_path, **remote, control_tls_certfile=worker.certfile, control_tls_ca=worker.ca))
+
+
+@pytest.mark.usefixtures("restore_process_tls")
+def test_a_child_takes_its_control_tls_from_its_config_and_refuses_plain_tcp_off_loopback(pki):
+    from contracts.process_config import WorkerProcessConfig, encode_config, parse_config
+    worker = pki["worker"]
+    config = WorkerProcessConfig(model="m.gguf", listen="tcp://0.0.0.0:9101", engine="tcp://192.0.2.7:9100")
+    with pytest.raises(SystemExit, match="WorkerProcessConfig: tcp://0.0.0.0:9101: .*allow_plaintext_control"):
+        parse_config(WorkerProcessConfig, ["--config-json", encode_config(config)], "")
+    tls_config = dataclasses.replace(config, control_tls_certfile=worker.certfile, control_tls_keyfile=worker.keyfile,
+                                     control_tls_ca=worker.ca)
+    assert parse_config(WorkerProcessConfig, ["--config-json", encode_config(tls_config)], "") == tls_config
+    assert control_tls.current() == ControlTLS.of(tls_config) and control_tls.current().on
+    by_hand = parse_config(WorkerProcessConfig, ["--model", "m.gguf", "--listen", "tcp://0.0.0.0:9101",
+                                                 "--allow-plaintext-control"], "")
+    assert by_hand.allow_plaintext_control and not control_tls.current().on
+    with pytest.raises(SystemExit, match="control_tls_certfile .*cannot read"):
+        parse_config(WorkerProcessConfig, ["--model", "m.gguf", "--listen", "unix:/w.sock",
+                                           "--control-tls-certfile", "/nonexistent.pem",
+                                           "--control-tls-keyfile", worker.keyfile, "--control-tls-ca", worker.ca], "")

@@ -164,8 +164,9 @@ async def introduce(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     challenge = await _handshake_frame(reader, bound)
     if challenge is None:
         raise PeerRefusedError("the listener closed the connection before its challenge" + (
-            "" if bound else " (a listener with control TLS closes a plain connection: give this process the "
-                             "control_tls_* files too)"))
+            " (a TLS listener that refuses this peer's certificate does so: is it signed by the listener's "
+            "control_tls_ca?)" if bound else " (a listener with control TLS closes a plain connection: give this "
+                                             "process the control_tls_* files too)"))
     if not isinstance(challenge, Challenge):
         raise PeerRefusedError(f"the listener did not start a handshake (got {type(challenge).__name__})")
     if challenge.protocol_version != PROTOCOL_VERSION:

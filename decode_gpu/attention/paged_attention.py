@@ -38,10 +38,18 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     new_k = _unit_last_stride(key[0].transpose(0, 1))  # [n_new, num_kv_heads, head_dim]
     new_v = _unit_last_stride(value[0].transpose(0, 1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = paged.pool.rotate_k(q)  # into the basis the pool keeps K in (int4), which leaves every score as it was
     extras = Extras(sliding_window or None, softcap or None)
+    return attend_paged(paged, module.layer_idx, q, new_k, new_v, scale, extras)[None], None
+
+
+def attend_paged(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                 scale: float, extras: Extras = NO_EXTRAS) -> torch.Tensor:
+    """Store the new tokens' K/V in the pool, then attend each query to its sequence's context: the attention of
+    both forwards (transformers' through paged_attention, the native one directly). q: [n_new, n_heads, head_dim];
+    new_k, new_v: [n_new, num_kv_heads, head_dim], after RoPE, unit last stride. # [n_new, n_heads, head_dim]"""
+    q = paged.pool.rotate_k(q)  # into the basis the pool keeps K in (int4), which leaves every score as it was
     attend = _triton_attention if paged.backend == "triton" else torch_attention
-    return attend(paged, module.layer_idx, q, new_k, new_v, scale, extras)[None], None
+    return attend(paged, layer, q, new_k, new_v, scale, extras)
 
 
 def _triton_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,

@@ -33,6 +33,7 @@ from decode_gpu.core.sequence import Sequence
 from decode_gpu.core.speculative import StepCosts, measurement_rows
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.kv.pool import KVPool, PoolShape, device_index
+from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
 from decode_gpu.runner.step_inputs import StepInputs
@@ -64,6 +65,9 @@ class RunnerConfig:
     max_num_seqs: int = 32  # the largest batch: step inputs, CUDA graph buckets and the profiling forward
     max_model_len: int = 4096  # the longest context: block table width and the graphs' KV splits
     enforce_eager: bool = False  # no CUDA graphs
+    # native: our own decoder forward (decode_gpu.model.native_decoder); transformers: the model's own forward with
+    # the paged attention plugged in (kept for the comparison); None: EDGE_DECODE_FORWARD, else native
+    forward: str | None = None
     # draft tokens a sequence may feed per step: the profiling forward samples that many more rows
     num_speculative_tokens: int = 0
 
@@ -91,7 +95,12 @@ class ModelRunner:
         self.device = device
         self.gate = gate
         self.backend = resolve_backend(device)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.forward_name = resolve_forward(config.forward)
+        # the native forward reads the model's own modules (no weight copies) and leaves the model as it is; its
+        # rotary table covers max_model_len
+        self.native = NativeDecoder(model, config.max_model_len) if self.forward_name == "native" else None
+        if self.native is None:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
         storage = _storage_name(model.dtype) if config.kv_storage == "auto" else config.kv_storage
         self._shape = PoolShape(identity.n_layer, 2, config.block_size, identity.num_kv_heads, identity.head_dim_k,
                                 storage)  # num_blocks replaced below
@@ -110,8 +119,11 @@ class ModelRunner:
             self.graphs.capture()
             self._graphs_generation = self.inputs.generation  # the buffers the graphs read
         elif gate is not None and gate.enabled:
-            for layer in model.model.layers:  # the decoder layers of every supported family (docs/models.md)
-                layer.register_forward_pre_hook(self._between_layers)
+            if self.native is not None:
+                self.native.between_layers = self._wait_turn
+            else:
+                for layer in model.model.layers:  # the decoder layers of every supported family (docs/models.md)
+                    layer.register_forward_pre_hook(self._between_layers)
         self.swap_space: dict[str, list[torch.Tensor]] = {}  # host copies of preempted sequences' blocks
         self._threads = _shared_threads(device, gate)
 
@@ -192,9 +204,7 @@ class ModelRunner:
                                   self.device, self.backend)
         # one host-to-device copy for ids and positions, before the forward
         ids_and_positions = torch.tensor([[t for ids in fed for t in ids], positions]).to(self.device)  # [2, n_fed]
-        out = self.model(input_ids=ids_and_positions[:1], position_ids=ids_and_positions[1:], paged=paged,
-                         use_cache=False)
-        return out.logits[0].float()
+        return self._model_forward(ids_and_positions[0], ids_and_positions[1], paged)
 
     @torch.inference_mode()
     def step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5) -> StepCosts:
@@ -269,8 +279,13 @@ class ModelRunner:
         profiling) the KV splits are sized for max_model_len. # [rows, vocab] float32"""
         inputs = self.inputs
         paged = inputs.batch(rows, longest or self.config.max_model_len)  # its KV splits follow that length
-        out = self.model(input_ids=inputs.input_ids[None, :rows], position_ids=inputs.positions[None, :rows],
-                         paged=paged, use_cache=False)
+        return self._model_forward(inputs.input_ids[:rows], inputs.positions[:rows], paged)
+
+    def _model_forward(self, ids: torch.Tensor, positions: torch.Tensor, paged) -> torch.Tensor:
+        """Logits of a batch of new tokens (ids, positions: [n]) through the configured forward. # [n, vocab] float32"""
+        if self.native is not None:
+            return self.native(ids, positions, paged)
+        out = self.model(input_ids=ids[None], position_ids=positions[None], paged=paged, use_cache=False)
         return out.logits[0].float()
 
     def _pad(self, rows: int) -> None:
@@ -278,6 +293,9 @@ class ModelRunner:
         self.inputs.upload(rows)
 
     def _between_layers(self, _module, _args) -> None:
+        self.gate.wait_turn(self._batch_priority)
+
+    def _wait_turn(self) -> None:
         self.gate.wait_turn(self._batch_priority)
 
     def _budget_blocks(self, config: RunnerConfig, capacity: int) -> int:

@@ -62,6 +62,13 @@ class GrammarBusyError(GrammarError):
     code = "structured_output_busy"
 
 
+class GrammarOwnerBusyError(GrammarBusyError):
+    """The client (its API key, or its address without keys) already holds its share of the compile processes:
+    for a 429, so that one key cannot fill the pool."""
+
+    code = "structured_output_compiles_per_key"
+
+
 def limits() -> LLParserLimits:
     """llguidance's work limits, stated here rather than inherited: each bounds a compile or a mask step, so that
     no grammar can hang the gateway, a prefill worker or the engine (past one, the matcher errs)."""
@@ -107,7 +114,11 @@ def build_grammar(kind: str, source: str, tokenizer=None) -> str:
 def compile_matcher(tokenizer, kind: str, source: str, stop_token_ids: tuple[int, ...]) -> Matcher:
     """A fresh Matcher of the constraint over a vocabulary (llguidance.LLTokenizer): the compile (grammar, lexer)
     happens here, and takes microseconds to tens of milliseconds. GrammarError when it fails."""
-    grammar = grammar_text(kind, source)
+    return matcher_of(tokenizer, kind, grammar_text(kind, source), stop_token_ids)
+
+
+def matcher_of(tokenizer, kind: str, grammar: str, stop_token_ids: tuple[int, ...]) -> Matcher:
+    """A fresh Matcher of llguidance's grammar text (grammar_text's, or build_grammar's from a compile process)."""
     matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits())
     if matcher.is_error():
         raise _error(kind, matcher.get_error())

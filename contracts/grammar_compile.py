@@ -1,9 +1,12 @@
-"""Where structured-output compiles run: off the caller's thread (the gateway's event loop, the prefill thread, the
-engine thread), a bounded number at once, each under the compile time limit (grammar_compile_timeout_s).
+"""Where structured-output compiles run: never on the caller's thread (the gateway's event loop, the prefill thread,
+the engine thread), a bounded number at once, each under the compile time limit (grammar_compile_timeout_s).
 
-A compile past its limit is abandoned, not stopped (a thread cannot be): it keeps its slot until it ends, so
-abandoned compiles cannot pile up; with every slot taken a new compile is refused at once (GrammarBusyError, a 503)
-rather than queued behind them. llguidance's own work limits (contracts.grammar.limits) end every compile.
+The costly and unbounded part, turning a constraint into a grammar, runs in child processes
+(contracts.compile_processes), which are killed at the limit: the gateway's check compiles there whole, over the
+model's vocabulary, and a prefill worker or the engine gets the checked grammar text from one and builds its matcher
+in a pool thread (a step that llguidance's own work limits bound: contracts.grammar.limits). A pool thread waiting
+past the limit is abandoned, and keeps its slot until the process answers or is killed, so waits cannot pile up;
+with every slot taken a new compile is refused at once (GrammarBusyError, a 503) rather than queued behind them.
 """
 
 from __future__ import annotations
@@ -12,26 +15,27 @@ import asyncio
 import hashlib
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from contracts.compile_processes import CompileCancelled, CompileProcesses
 from contracts.grammar import (
     DEFAULT_COMPILE_TIMEOUT_S,
     GrammarBusyError,
     GrammarError,
     GrammarTooComplexError,
     Matcher,
-    build_grammar,
     compile_matcher,
+    matcher_of,
 )
 
 log = logging.getLogger(__name__)
 # The gateway's check is the limit clients see. A prefill worker and the engine compile a constraint the gateway
 # passed again, on their own busy CPUs: they allow this many times the limit before they fail the request.
 DOWNSTREAM_MARGIN = 2.0
+PROCESS_MARGIN_S = 0.5  # how much longer than the limit a caller waits for a compile process to say it stopped
 
 
 def downstream_timeout_s(timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> float:
@@ -99,8 +103,11 @@ class CompiledGrammars:
     the first compile, in the pool. A failed compile stays failed: its constraint is refused again at once."""
 
     def __init__(self, tokenizer: Callable, stop_token_ids: tuple[int, ...], timeout_s: float,
-                 pool: CompilePool, entries: int = 64) -> None:
+                 pool: CompilePool, entries: int = 64, processes: CompileProcesses | None = None) -> None:
         self._tokenizer, self._stops = tokenizer, tuple(stop_token_ids)
+        self._processes = processes  # None: the whole compile in the pool thread (tests, tools)
+        if processes is not None:
+            processes.warm()
         self.timeout_s = timeout_s
         self._pool, self._entries = pool, entries
         self._lock = threading.Lock()
@@ -114,8 +121,8 @@ class CompiledGrammars:
         """A fresh matcher of the constraint: GrammarError when it does not compile, GrammarTooComplexError past the
         time limit, GrammarBusyError when no compile slot is free."""
         future, started = self._running(kind, source)
-        try:
-            return future.result(self.timeout_s).copy()
+        try:  # the compile process stops at the limit itself; a little more lets its answer arrive
+            return future.result(self.timeout_s + (PROCESS_MARGIN_S if self._processes else 0)).copy()
         except FutureTimeout:
             raise timed_out(future, started, self.timeout_s, cancel=False) from None
 
@@ -132,50 +139,60 @@ class CompiledGrammars:
             return running
 
     def _compile(self, kind: str, source: str) -> Matcher:
-        return compile_matcher(self._tokenizer(), kind, source, self._stops)
+        if self._processes is None:
+            return compile_matcher(self._tokenizer(), kind, source, self._stops)
+        grammar = self._processes.run(kind, source, self.timeout_s, "grammar")
+        return matcher_of(self._tokenizer(), kind, grammar, self._stops)
+
+    def close(self) -> None:
+        if self._processes is not None:
+            self._processes.close()
 
 
 class GatewayCheck:
-    """The gateway's check of a constraint before it admits the request: compiled in the pool exactly as a prefill
-    worker will compile it (over the model's vocabulary, when `vocabulary` gives it: llguidance's own validation
-    passes grammars whose matcher then fails to build), awaited at most the time limit. The outcome is kept per
-    constraint (clients repeat theirs); requests whose constraint is still compiling await the same compile. A
-    compile that ends past the limit is remembered as too complex, so that a later request with it is refused at
-    once. vocabulary: a callable giving an object with .tokenizer (an LLTokenizer) and .stop_token_ids
-    (prefill_cpu.grammar.GGUFVocabulary), called once, off the event loop, not timed; None, or a vocabulary that
-    fails to load, checks the grammar alone (a worker may then still refuse it)."""
+    """The gateway's check of a constraint before it admits the request: compiled in a child process
+    (contracts.compile_processes) exactly as a prefill worker will compile it (over the model's vocabulary when the
+    processes load it: llguidance's own validation passes grammars whose matcher then fails to build), awaited at
+    most the time limit, and stopped there: the process is killed, and so is the compile of a client that goes
+    away. The event loop only awaits; a thread of the compile's own waits on the process.
 
-    def __init__(self, vocabulary: Callable | None = None, pool: CompilePool | None = None,
-                 entries: int = 256) -> None:
-        # one compile at a time: however many abusive schemas arrive, they take one core at most
-        self._pool = pool or CompilePool(workers=1, capacity=4, name="gateway-grammar")
+    The outcome is kept per constraint (clients repeat theirs); requests of one owner with the same constraint
+    still compiling await the same compile. A compile stopped at the limit is remembered as too complex, so that a
+    later request with it is refused at once. owner: whose share of the processes a compile takes (an API key, or
+    the client's address without keys)."""
+
+    def __init__(self, processes: CompileProcesses | None = None, entries: int = 256) -> None:
+        self.processes = processes or CompileProcesses()
         self._entries = entries
-        self._lock = threading.RLock()  # the outcomes are written by pool threads
+        self._lock = threading.Lock()  # the outcomes are written by the compiles' threads
         self._outcomes: OrderedDict[tuple[str, bytes], GrammarError | None] = OrderedDict()
-        self._compiling: dict[tuple[str, bytes], tuple[Future, threading.Event]] = {}
-        self._vocabulary_source = vocabulary
-        self._vocabulary: Future | None = None  # what vocabulary() gave, or None; loaded on the first check
+        self._compiling: dict[tuple, _Shared] = {}  # (owner, constraint) -> its compile; on the event loop only
 
-    async def check(self, kind: str, source: str, timeout_s: float) -> None:
+    async def check(self, kind: str, source: str, timeout_s: float, owner: str | None = None) -> None:
         """Return if the constraint compiles; raise GrammarError (or its subclasses) saying why not."""
         key = constraint_key(kind, source)
         if self._known(key):
             return
-        vocabulary = await asyncio.wrap_future(self._loaded())
-        with self._lock:
-            if self._known(key):  # compiled while the vocabulary loaded
-                return
-            running = self._compiling.get(key)
-            if running is None:
-                running = self._pool.submit(self._compile, key, source, timeout_s, vocabulary)
-                self._compiling[key] = running
-        future, started = running
+        shared = self._compiling.get((owner, key))
+        if shared is None:
+            shared = self._compiling[owner, key] = _Shared()
+            threading.Thread(target=self._compile, args=(key, source, timeout_s, owner, shared), daemon=True,
+                             name="gateway-grammar").start()
+        shared.waiters += 1
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
-        except TimeoutError:  # the compile goes on for whoever else awaits it, and leaves its outcome here
-            raise timed_out(future, started, timeout_s, cancel=False) from None
+            outcome = await asyncio.shield(asyncio.wrap_future(shared.future))
+        finally:
+            shared.waiters -= 1
+            if shared.waiters == 0:  # the last requester went away (or has its answer): nobody needs the compile
+                shared.cancelled.set()
+                if self._compiling.get((owner, key)) is shared:
+                    del self._compiling[owner, key]
         if outcome is not None:
             raise outcome
+
+    def close(self) -> None:
+        """Stop every compile (at shutdown): their requests end at once."""
+        self.processes.close()
 
     def _known(self, key: tuple[str, bytes]) -> bool:
         """True if the constraint was checked before and compiles; raises its error if it did not."""
@@ -188,42 +205,32 @@ class GatewayCheck:
             raise outcome
         return True
 
-    def _loaded(self) -> Future:
-        with self._lock:
-            if self._vocabulary is None:
-                self._vocabulary = Future()
-                threading.Thread(target=self._load, name="gateway-vocabulary", daemon=True).start()
-            return self._vocabulary
-
-    def _load(self) -> None:
-        vocabulary = None
-        if self._vocabulary_source is not None:
-            try:
-                vocabulary = self._vocabulary_source()
-            except Exception:
-                log.exception("structured outputs: the model's vocabulary did not load; the gateway checks "
-                              "constraints without it")
-        self._vocabulary.set_result(vocabulary)
-
-    def _compile(self, key: tuple[str, bytes], source: str, timeout_s: float, vocabulary) -> GrammarError | None:
-        started = time.perf_counter()
+    def _compile(self, key: tuple[str, bytes], source: str, timeout_s: float, owner: str | None,
+                 shared: _Shared) -> None:
         try:
-            if vocabulary is None:
-                build_grammar(key[0], source)
-            else:  # what a worker will do (and more than llguidance's validation checks)
-                compile_matcher(vocabulary.tokenizer, key[0], source, vocabulary.stop_token_ids)
+            self.processes.run(key[0], source, timeout_s, "check", owner, shared.cancelled)
             outcome = None
+        except (GrammarBusyError, CompileCancelled) as err:  # about the moment, not the constraint: not kept
+            shared.future.set_result(err)
+            return
         except GrammarError as err:
             outcome = err
         except Exception as err:  # whatever else fails, the constraint is not enforceable: refused, not passed
-            outcome = GrammarError(f"the {key[0]} constraint does not compile: {err}")
-        elapsed = time.perf_counter() - started
-        if outcome is None and elapsed > timeout_s:
-            outcome = GrammarTooComplexError(f"compiling the {key[0]} constraint took {elapsed:.1f} s, longer than "
-                                             f"the limit of {timeout_s:g} s")
+            log.exception("structured outputs: the gateway's check failed")
+            outcome = GrammarError(f"the {key[0]} constraint could not be checked: {err}")
         with self._lock:
-            self._compiling.pop(key, None)
             self._outcomes[key] = outcome
             if len(self._outcomes) > self._entries:
                 self._outcomes.popitem(last=False)
-        return outcome
+        shared.future.set_result(outcome)
+
+
+class _Shared:
+    """One compile of the gateway's check and the requests awaiting it."""
+
+    __slots__ = ("cancelled", "future", "waiters")
+
+    def __init__(self) -> None:
+        self.future: Future = Future()
+        self.cancelled = threading.Event()
+        self.waiters = 0

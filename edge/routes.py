@@ -12,14 +12,15 @@ from aiohttp import BasicAuth, web
 
 from contracts.grammar_compile import compile_timeout_s
 from edge.engine_group import EngineGroup
-from edge.gateway import Gateway, Run
+from edge.gateway import Gateway, Run, _bearer
 from edge.lifecycle import RequestStatus
 from edge.middleware import error_middleware
 from edge.openai_api import ApiError, parse_request
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
 from edge.status import STATUS, StatusBoard, page
-from edge.structured_request import check_structured
+from edge.structured_request import check_structured, compile_owner
+from policies.quota import key_id
 
 log = logging.getLogger("edge.routes")
 NO_STORE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}  # the status page may carry its key
@@ -40,7 +41,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
         parsed = parse_request(body, kind, vocab_size=gateway.pool.vocab_size)
-        await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway))
+        await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway),
+                               compile_owner(key_id(_bearer(request)), request.remote))
         run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()

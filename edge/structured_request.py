@@ -12,25 +12,29 @@ if TYPE_CHECKING:  # openai_api imports this module
     from edge.openai_api import GenerateRequest
 
 _GRAMMAR_CHECKS: dict = {}  # model path -> contracts.grammar_compile.GatewayCheck, made on its first constraint
+COMPILE_PROCESSES = 2  # the gateway's compile processes (each takes one core while it compiles)
+COMPILES_PER_OWNER = 1  # of them, at most this many for one API key (or one client address without keys)
 
 
 async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
-                           model_path: str | None = None) -> None:
+                           model_path: str | None = None, owner: str | None = None) -> None:
     """A constraint the engine cannot enforce is the client's 400 naming the problem (code
     invalid_structured_output), one too large or too slow to compile a 400 too (code structured_output_too_complex),
-    and a full compile pool a 503. The constraint is compiled as the prefill workers will compile it, over the
-    model's vocabulary (the GGUF at model_path, its tokenizer only), in a bounded pool off the event loop, and
-    awaited at most timeout_s (grammar_compile_timeout_s)."""
+    a client that already has its share of the compile processes a 429 (structured_output_compiles_per_key), and no
+    process free within the limit a 503 (structured_output_busy). The constraint is compiled as the prefill workers
+    will compile it, over the model's vocabulary (the GGUF at model_path, its tokenizer only), in a child process
+    that is killed at timeout_s (grammar_compile_timeout_s) or when the client goes away (this task cancelled).
+    owner: whose share the compile takes (compile_owner)."""
     constraint = request.sampling.get("structured")
     if constraint is None:
         return
-    from contracts.grammar import GrammarBusyError, GrammarError
-    from contracts.grammar_compile import GatewayCheck, compile_timeout_s
-    check = _GRAMMAR_CHECKS.get(model_path)
-    if check is None:
-        check = _GRAMMAR_CHECKS[model_path] = GatewayCheck(_vocabulary(model_path) if model_path else None)
+    from contracts.grammar import GrammarBusyError, GrammarError, GrammarOwnerBusyError
+    from contracts.grammar_compile import compile_timeout_s
     try:
-        await check.check(*constraint, timeout_s or compile_timeout_s())
+        await _check(model_path).check(*constraint, timeout_s or compile_timeout_s(), owner)
+    except GrammarOwnerBusyError as err:
+        raise ApiError(429, str(err), request.structured_param, err.code, "rate_limit_error",
+                       {"Retry-After": "1"}) from None
     except GrammarBusyError as err:
         raise ApiError(503, str(err), request.structured_param, err.code, "server_error",
                        {"Retry-After": "1"}) from None
@@ -38,11 +42,27 @@ async def check_structured(request: GenerateRequest, timeout_s: float | None = N
         raise ApiError(400, str(err), request.structured_param, err.code) from None
 
 
-def _vocabulary(model_path: str):
-    def load():
-        from prefill_cpu.grammar import GGUFVocabulary
-        return GGUFVocabulary(model_path)
-    return load
+def compile_owner(key_id: str | None, address: str | None) -> str:
+    """Whose share of the compile processes a request takes: its API key, or without keys its client address."""
+    return f"key:{key_id}" if key_id else f"address:{address or ''}"
+
+
+def _check(model_path: str | None):
+    from contracts.compile_processes import CompileProcesses
+    from contracts.grammar_compile import GatewayCheck
+    check = _GRAMMAR_CHECKS.get(model_path)
+    if check is None:
+        vocabulary = "prefill_cpu.grammar:GGUFVocabulary" if model_path else None
+        check = _GRAMMAR_CHECKS[model_path] = GatewayCheck(CompileProcesses(
+            COMPILE_PROCESSES, COMPILES_PER_OWNER, vocabulary, model_path or ""))
+    return check
+
+
+def close_structured_checks() -> None:
+    """Stop every compile of the gateway's checks (at shutdown): the requests awaiting them end at once."""
+    for check in _GRAMMAR_CHECKS.values():
+        check.close()
+    _GRAMMAR_CHECKS.clear()
 
 
 def structured_constraint(body: dict) -> tuple[str | None, tuple[str, str] | None]:

@@ -5,8 +5,9 @@ the tokenizer alone, no weights).
 The decode engine masks every later token with the same constraint (decode_gpu.sample.structured); both build
 llguidance's view of the vocabulary from the same GGUF (here through llama.cpp, there through the converted
 transformers tokenizer) and agree token for token (tests/prefill_cpu/test_first_token_grammar.py).
-Compiles run in a small bounded pool under a time limit (contracts.grammar_compile): a constraint too slow to
-compile fails its request (GrammarTooComplexError) instead of holding the prefill thread. `prepare` lets the
+Compiles run in a small bounded pool under a time limit (contracts.grammar_compile), the grammar made in a compile
+process that is killed at the limit: a constraint too slow to compile fails its request (GrammarTooComplexError)
+instead of holding the prefill thread or a core. `prepare` lets the
 worker start a request's compile when the job arrives, before the prompt waits for the llama.cpp context.
 """
 
@@ -17,6 +18,7 @@ import threading
 import time
 import warnings
 
+from contracts.compile_processes import CompileProcesses
 from contracts.grammar import Matcher
 from contracts.grammar_compile import CompiledGrammars, CompilePool, downstream_timeout_s
 
@@ -64,7 +66,7 @@ class FirstTokenGrammars:
         self._tokenizer_lock = threading.Lock()
         self.compiled = CompiledGrammars(self.tokenizer, self._stops, timeout_s or downstream_timeout_s(),
                                          pool or CompilePool(workers=1, capacity=4, name="prefill-grammar"),
-                                         COMPILED_GRAMMARS)
+                                         COMPILED_GRAMMARS, CompileProcesses(workers=1))
 
     def tokenizer(self):
         """Built once, by the first compile: workers that never see a structured request do not pay for it."""

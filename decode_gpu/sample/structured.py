@@ -7,7 +7,8 @@ device by the batched sampler (sampling.token_mask.apply_mask), to the rows that
 logits are not touched, and their tokens are what they would be alone. A matcher that errs fails its sequence
 (GrammarError from bitmask); it never lets the sequence go on unconstrained.
 
-Compiles run in a bounded pool under a time limit (contracts.grammar_compile). `prepare` starts one from any thread;
+Compiles run in a bounded pool under a time limit (contracts.grammar_compile), the grammar made in a compile process
+killed at the limit. `prepare` starts one from any thread;
 `matcher` (on the engine thread) takes a prepared grammar at once, or waits for the compile up to the limit. Each
 compiled grammar is kept (COMPILED_GRAMMARS, least recently used dropped) and copied per sequence.
 """
@@ -20,6 +21,7 @@ from concurrent.futures import Future
 
 import torch
 
+from contracts.compile_processes import CompileProcesses
 from contracts.grammar import Matcher
 from contracts.grammar_compile import CompiledGrammars, CompilePool, downstream_timeout_s
 
@@ -45,7 +47,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.compiled = CompiledGrammars(lambda: self._tokenizer, stop_token_ids, timeout_s or downstream_timeout_s(),
                                          pool or CompilePool(workers=1, capacity=4, name="engine-grammar"),
-                                         COMPILED_GRAMMARS)
+                                         COMPILED_GRAMMARS, CompileProcesses(workers=1))
         log.info("structured outputs: llguidance tokenizer for %d tokens in %.2f s", vocab_size,
                  time.perf_counter() - started)
 

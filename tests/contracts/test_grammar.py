@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from contracts.compile_processes import CompileProcesses
 from contracts.grammar import (
     GrammarBusyError,
     GrammarError,
@@ -17,7 +18,7 @@ from contracts.grammar import (
     compile_matcher,
     grammar_text,
 )
-from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s, constraint_key
+from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s
 from edge import structured_request
 from edge.openai_api import ApiError, GenerateRequest
 from edge.structured_request import check_structured
@@ -151,61 +152,82 @@ def request(schema) -> GenerateRequest:
                            structured_param="response_format")
 
 
-async def refused(schema, timeout_s=5.0) -> ApiError:
+async def refused(schema, timeout_s=5.0, owner=None) -> ApiError:
     with pytest.raises(ApiError) as caught:
-        await check_structured(request(schema), timeout_s)
+        await check_structured(request(schema), timeout_s, owner=owner)
     return caught.value
 
 
-def test_the_gateway_answers_400_naming_the_keyword(monkeypatch):
-    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, GatewayCheck())
+def explosive(k: int = 4, n: int = 9) -> dict:
+    """allOf over k anyOfs of n objects with backtracking patterns: about a second of CPU before llguidance's size
+    limit stops it (0.5 to 1 s on the dev machine), far past the limits these tests set."""
+    return {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {
+        "type": "string", "pattern": f"^(x+x+)+y{{{i},{i + 30}}}$"}}} for i in range(n)]} for j in range(k)]}
+
+
+@pytest.fixture()
+def processes(monkeypatch):
+    """The gateway's check on real compile processes (grammars alone, no vocabulary: quick to start)."""
+    check = GatewayCheck(CompileProcesses(workers=2, per_owner=1))
+    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, check)
+    yield check.processes
+    check.close()
+
+
+def test_the_gateway_answers_400_naming_the_keyword(processes):
     error = asyncio.run(refused({"type": "array", "uniqueItems": True}))
     assert (error.status, error.code, error.param) == (400, "invalid_structured_output", "response_format")
     assert "uniqueItems" in error.message
     asyncio.run(check_structured(request({"type": "object"}), 5.0))  # and passes what compiles
 
 
-def test_a_slow_compile_is_a_400_in_time_and_other_requests_keep_their_latency(monkeypatch):
-    from contracts import grammar_compile
-    gate, real = Gate(), grammar_compile.build_grammar
-    slow = {"title": "slow"}
-    monkeypatch.setattr(grammar_compile, "build_grammar", lambda kind, source: gate() if "slow" in source
-                        else real(kind, source))
-    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, GatewayCheck(pool=CompilePool(workers=2, capacity=2)))
-
+@pytest.mark.slow  # child processes started and killed: a few seconds
+def test_a_slow_compile_is_killed_at_the_limit_and_remembered_while_others_go_on(processes):
     async def scenario():
         started = time.perf_counter()
-        slow_check = asyncio.ensure_future(refused(slow, timeout_s=0.3))
-        await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 5)
+        slow_check = asyncio.ensure_future(refused(explosive(), timeout_s=0.3))
         other = time.perf_counter()
         await check_structured(request({"type": "object", "properties": {"x": {"type": "integer"}}}), 5.0)
         other_s = time.perf_counter() - other
         error = await slow_check
         return error, time.perf_counter() - started, other_s
+    asyncio.run(check_structured(request({"type": "object"}), 5.0))  # both processes started
     error, slow_s, other_s = asyncio.run(scenario())
     assert (error.status, error.code) == (400, "structured_output_too_complex")
-    assert 0.3 <= slow_s < 1.0 and other_s < 0.25, (slow_s, other_s)
-    # a third compile finds both slots taken (the abandoned one and none free after a second slow one): 503
-    asyncio.run(refused({"title": "slow", "n": 2}, timeout_s=0.05))
-    busy = asyncio.run(refused({"type": "object", "title": "another"}))
+    assert "stopped" in error.message and processes.killed == 1
+    assert 0.3 <= slow_s < 1.0 and other_s < 0.5, (slow_s, other_s)
+    started = time.perf_counter()  # the same constraint again: refused at once, no process taken
+    again = asyncio.run(refused(explosive(), timeout_s=0.3))
+    assert again.code == "structured_output_too_complex" and time.perf_counter() - started < 0.1
+
+
+@pytest.mark.slow
+def test_a_client_that_goes_away_stops_its_compile_and_one_key_cannot_fill_the_pool(processes):
+    async def scenario():
+        leaving = asyncio.ensure_future(check_structured(request(explosive()), 5.0, owner="key:a"))
+        while not processes._owners:
+            await asyncio.sleep(0.01)
+        second = await asyncio.gather(check_structured(request(explosive(4, 8)), 5.0, owner="key:a"),
+                                      return_exceptions=True)
+        leaving.cancel()  # the client left: its process is killed at once
+        started = time.perf_counter()
+        while processes.killed == 0:
+            await asyncio.sleep(0.01)
+        return second[0], time.perf_counter() - started
+    asyncio.run(check_structured(request({"type": "object"}), 5.0))
+    second, kill_s = asyncio.run(scenario())
+    assert isinstance(second, ApiError) and (second.status, second.code) == (429, "structured_output_compiles_per_key")
+    assert kill_s < 0.5
+    # another key still compiles, and the cancelled constraint is not remembered as anything
+    asyncio.run(check_structured(request({"type": "object", "properties": {"b": {"type": "string"}}}), 5.0,
+                                 owner="key:b"))
+
+
+def test_no_free_process_within_the_limit_is_a_503(monkeypatch):
+    check = GatewayCheck(CompileProcesses(workers=0))  # none will ever come free
+    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, check)
+    busy = asyncio.run(refused({"type": "object", "title": "another"}, timeout_s=0.1))
     assert (busy.status, busy.code, busy.headers) == (503, "structured_output_busy", {"Retry-After": "1"})
-    gate.release.set()
-
-
-def test_a_compile_that_ended_past_the_limit_is_remembered_as_too_complex(monkeypatch):
-    from contracts import grammar_compile
-    gate = Gate()
-    monkeypatch.setattr(grammar_compile, "build_grammar", gate)
-    check = GatewayCheck(pool=CompilePool(workers=1, capacity=1))
-    with pytest.raises(GrammarTooComplexError):
-        asyncio.run(check.check("json_schema", "{}", 0.05))
-    future, _started = check._compiling[constraint_key("json_schema", "{}")]
-    gate.release.set()
-    future.result(10)  # the compile ends, past the limit, and leaves its outcome
-    started = time.perf_counter()
-    with pytest.raises(GrammarTooComplexError, match="longer than the limit"):
-        asyncio.run(check.check("json_schema", "{}", 5.0))
-    assert time.perf_counter() - started < 0.5
 
 
 def product_of_unions(k: int, n: int) -> dict:
@@ -219,11 +241,11 @@ def test_the_gateway_compiles_over_the_vocabulary_as_the_workers_do(embedded_mod
     """The gateway's check builds the very matcher a worker will (llguidance's validation alone has passed grammars
     whose matcher then failed to build): what it passes, a worker compiles; what the worker cannot, it refuses."""
     from prefill_cpu.grammar import GGUFVocabulary
-    check = GatewayCheck(lambda: GGUFVocabulary(embedded_model_path))
+    check = GatewayCheck(CompileProcesses(1, 1, "prefill_cpu.grammar:GGUFVocabulary", embedded_model_path))
     with pytest.raises(GrammarTooComplexError, match="too complex"):
         asyncio.run(check.check("json_schema", json.dumps(product_of_unions(5, 5)), 60.0))
     passing = json.dumps(product_of_unions(3, 3))
     asyncio.run(check.check("json_schema", passing, 60.0))
-    vocabulary = check._vocabulary.result()
-    assert isinstance(vocabulary, GGUFVocabulary)
+    check.close()
+    vocabulary = GGUFVocabulary(embedded_model_path)
     assert compile_matcher(vocabulary.tokenizer, "json_schema", passing, vocabulary.stop_token_ids)

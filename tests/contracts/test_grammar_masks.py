@@ -3,12 +3,11 @@ tokenizer: matchers advance and end as the engine expects, the batch bitmask mas
 a matcher that errs fails its row with a clear error, and a compile past the time limit is refused."""
 
 import json
-import threading
+import time
 
 import pytest
 import torch
 
-from contracts import grammar_compile
 from contracts.grammar import GrammarError, GrammarTooComplexError
 from decode_gpu.sample.structured import Grammars
 from sampling.token_mask import apply_mask
@@ -69,13 +68,17 @@ def test_a_compiled_grammar_is_reused_and_each_sequence_gets_its_own_matcher(gra
     assert first is not second and grammars.prepare("regex", "[a-z]+").done()
 
 
-def test_a_compile_past_the_time_limit_is_refused_and_does_not_hold_the_engine(tokenizer, monkeypatch):
-    release = threading.Event()
-    monkeypatch.setattr(grammar_compile, "compile_matcher", lambda *args: release.wait(30))
-    grammars = Grammars(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), timeout_s=0.1)
-    with pytest.raises(GrammarTooComplexError, match="longer than the limit of 0.1 s"):
-        grammars.matcher("json_schema", SCHEMA)
-    release.set()
+def test_a_compile_past_the_time_limit_is_stopped_and_does_not_hold_the_engine(tokenizer):
+    explosive = {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {
+        "type": "string", "pattern": f"^(x+x+)+y{{{i},{i + 30}}}$"}}} for i in range(9)]} for j in range(4)]}
+    grammars = Grammars(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), timeout_s=0.2)
+    grammars.matcher("regex", "[0-9]+")  # the compile process started
+    started = time.perf_counter()
+    with pytest.raises(GrammarTooComplexError, match="longer than the limit of 0.2 s"):
+        grammars.matcher("json_schema", json.dumps(explosive))
+    assert time.perf_counter() - started < 1.0 and grammars.compiled._processes.killed == 1
+    assert grammars.matcher("json_schema", SCHEMA)  # a new process took its place
+    grammars.compiled.close()
 
 
 def test_a_schema_that_does_not_compile_is_a_grammar_error(grammars):

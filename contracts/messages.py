@@ -44,6 +44,10 @@ class Refused:  # listener -> peer, then the connection closes
 class ChatMessage:
     role: str
     content: str
+    # for a template that renders tools itself: an assistant message's earlier calls as JSON text
+    # ([{"id", "type", "function": {"name", "arguments"}}]), and a tool result's call id; "": none
+    tool_calls: str = ""
+    tool_call_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class PrefillJob:  # gateway -> prefill worker
     # which cached prompts this one may reuse: the prompt caches (the worker's and the engine's) share KV only
     # between requests of one salt, which the gateway derives from the API key (edge.cache_salt); "": unsalted
     cache_salt: str = ""
+    # the request's tools as JSON text (OpenAI's list), for a chat template that renders them; "": none (the gateway
+    # then wrote them into the messages itself, edge.tools)
+    tools: str = ""
 
 
 @dataclass(frozen=True)

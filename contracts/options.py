@@ -97,6 +97,11 @@ _KNOBS = (
          choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), flag=True),
     Knob("grammar_compile_timeout_s", float, 5.0, "time limit for compiling one structured-output grammar; past it "
          "the request gets 400 structured_output_too_complex", ge=0.1, le=300),
+    Knob("tool_call_parser", str, AUTO, "the format the model writes tool calls in (auto: from the GGUF's chat "
+         "template, else hermes; docs/structured_outputs.md)",
+         choices=(AUTO, "hermes", "llama3_json", "mistral", "phi4_mini"), flag=True),
+    Knob("reasoning_parser", str, AUTO, "how the model's thinking is told from its answer (auto: <think> tags when "
+         "the chat template has them; none: never split)", choices=(AUTO, "think", "none"), flag=True),
     # --- prefill workers (llama.cpp) ---
     Knob("prefill_workers", int, 1, "llama.cpp prefill processes", ge=1, flag=True),
     Knob("threads_per_worker", int, 0, "threads of each prefill worker; 0 = cores / workers", ge=0),

@@ -73,6 +73,8 @@ class ServeConfig:
     decode_yields_to_prefill: str = knob("decode_yields_to_prefill")
     cpu_decode_pace_ms: float = knob("cpu_decode_pace_ms")
     grammar_compile_timeout_s: float = knob("grammar_compile_timeout_s")
+    tool_call_parser: str = knob("tool_call_parser")
+    reasoning_parser: str = knob("reasoning_parser")
     launch: bool = knob("launch")
     run_dir: str = knob("run_dir")
     engine_address: str = knob("engine_address")

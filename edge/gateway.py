@@ -121,11 +121,12 @@ class Gateway:
         request = dataclasses.replace(request, sampling=sampling)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
         inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt)
-        messages = tuple(ChatMessage(m["role"], m["content"]) for m in request.messages) if request.messages else None
+        messages = tuple(ChatMessage(m["role"], m["content"], m.get("tool_calls_json", ""), m.get("tool_call_id", ""))
+                         for m in request.messages) if request.messages else None
         job = PrefillJob(inflight.request_id, SamplingParams(**sampling), priority, prompt=request.prompt,
                          messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
-                         max_total_tokens=self._context_tokens(), cache_salt=salt)
+                         max_total_tokens=self._context_tokens(), cache_salt=salt, tools=request.template_tools)
         inflight.prefix_key = prefix_key(request.prompt, request.messages, request.prompt_tokens,
                                          f"{decision.kv_type}/{salt}")
         self.registry.add(inflight)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from edge.reasoning import MAX_REASONING_TOKENS_REFUSAL
 from edge.request_fields import ApiError, checked_text, get_field, get_int, get_number, show
 from edge.structured_request import structured_constraint
-from edge.tools import ToolError, ToolSpec, parse_tools, with_tools
+from edge.tool_formats import ChatFormat
+from edge.tools import ToolError, ToolSpec, answer_constraint, parse_tools, template_tools, with_tools
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 UNSUPPORTED_IF_SET = {"best_of": 1, "suffix": None, "functions": None, "function_call": None}
@@ -38,9 +40,12 @@ class GenerateRequest:
     tools: ToolSpec | None = None  # chat: the tools and tool_choice
     user_text: str = ""  # every piece of client text, for content filters
     cache_salt: str = ""  # the client's own cache salt (vLLM's field); the gateway mixes it with the key's
+    chat: ChatFormat | None = None  # chat: the model's template (tool-call format, reasoning), edge.tool_formats
+    template_tools: str = ""  # chat: the tools as JSON text, for a template that renders them itself
 
 
-def parse_request(body, kind: str, *, vocab_size: int | None = None) -> GenerateRequest:
+def parse_request(body, kind: str, *, vocab_size: int | None = None,
+                  chat: ChatFormat | None = None) -> GenerateRequest:
     """Types and ranges only; what a client may ask for (models, token limits) is the policy's call.
     Every value that goes on the wire to a prefill worker is checked here, so that msgpack and the worker
     never meet one they cannot take. vocab_size: the model's, once known (None skips that token id check)."""
@@ -54,10 +59,10 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
     tools = None
     if kind == "chat":
         try:
-            tools = parse_tools(body)
+            tools = parse_tools(body, chat.tool_parser if chat is not None else "hermes")
         except ToolError as err:
             raise ApiError(400, str(err), err.param, "invalid_value") from None
-        messages, prompt, prompt_tokens = tuple(with_tools(list(_messages(body)), tools)), None, None
+        messages, prompt, prompt_tokens = tuple(with_tools(list(_messages(body)), tools, chat)), None, None
         chat_logprobs = get_field(body, "logprobs", bool, default=False)
         top = get_int(body, "top_logprobs", 0, 20, default=0)
         logprobs = top if chat_logprobs else None
@@ -74,15 +79,25 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None) -> Generate
         if sampling["structured"] is not None:
             raise ApiError(400, f"tool_choice {tools.choice!r} and {param} both constrain the answer; use one",
                            "tool_choice", "invalid_value")
-        param, sampling["structured"] = "tools", tools.constraint()
     elif kind != "chat" and body.get("tools") is not None:
         raise ApiError(400, "tools are a chat completions parameter", "tools", "unsupported_parameter")
+    if body.get("max_reasoning_tokens") is not None:
+        raise ApiError(400, MAX_REASONING_TOKENS_REFUSAL, "max_reasoning_tokens", "unsupported_parameter")
+    if kind == "chat":  # tool calls and a reasoning model's thinking shape the answer's grammar
+        try:
+            constraint = answer_constraint(sampling["structured"], tools, chat)
+        except ToolError as err:
+            raise ApiError(400, str(err), param or err.param, "invalid_value") from None
+        if constraint is not sampling["structured"]:
+            param = "tools" if tools is not None and tools.choice != "none" else param
+            sampling["structured"] = constraint
     if sampling["structured"] is not None and sampling["ignore_eos"]:
         raise ApiError(400, "'ignore_eos' cannot be combined with a structured output: the grammar ends the answer",
                        "ignore_eos", "invalid_value")
     priority = get_int(body, "priority", -1_000_000, 1_000_000, default=None)
     return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
-                           prompt_tokens, messages, chat_logprobs, echo, param, tools, text, _cache_salt(body))
+                           prompt_tokens, messages, chat_logprobs, echo, param, tools, text, _cache_salt(body),
+                           chat=chat, template_tools=template_tools(tools, chat))
 
 
 def _cache_salt(body: dict) -> str:
@@ -239,7 +254,10 @@ def _messages(body: dict) -> tuple[dict, ...]:
         calls = _tool_calls(message.get("tool_calls"), i) if role == "assistant" else ()
         content = message.get("content")
         text = "" if content is None and (calls or role == "assistant") else _content_text(content, i)
-        clean.append({"role": role, "content": text, "tool_calls": calls})
+        entry = {"role": role, "content": text, "tool_calls": calls}
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            entry["tool_call_id"] = checked_text(message["tool_call_id"], f"messages[{i}].tool_call_id")
+        clean.append(entry)
     return tuple(clean)
 
 
@@ -265,7 +283,8 @@ def _tool_calls(calls, index: int) -> tuple[dict, ...]:
         except RecursionError:  # nested past the decoder's stack: the body's own depth check does not see inside
             raise ApiError(400, f"{param}[{j}].function.arguments is JSON nested too deeply",
                            f"{param}[{j}].function.arguments", "invalid_value") from None
-        out.append({"name": checked_text(function["name"], f"{param}[{j}].function.name"), "arguments": arguments})
+        out.append({"name": checked_text(function["name"], f"{param}[{j}].function.name"), "arguments": arguments,
+                    "id": checked_text(call["id"], f"{param}[{j}].id") if isinstance(call.get("id"), str) else ""})
     return tuple(out)
 
 

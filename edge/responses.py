@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from contracts.events import FinishReason, TokenEvent
+from edge.chat_output import ChatOutputStream, chat_message
 from edge.openai_api import GenerateRequest
-from edge.tools import may_be_a_call, parse_calls
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Choice:
     num_output_tokens: int = 0
     finish_reason: str | None = None  # a FinishReason value
     sent_role: bool = False  # chat: its first chunk carried the role; completions: it carried the echo
-    held: int = 0  # chat with tools: characters of text not streamed yet (it may be a tool call)
+    output: ChatOutputStream | None = None  # chat with tools or reasoning: what splits its streamed text
 
 
 @dataclass
@@ -64,10 +64,7 @@ class Completion:
         text = "".join(choice.text)
         reason = choice.finish_reason
         if self.request.kind == "chat":
-            message = {"role": "assistant", "content": text}
-            calls, rest = self._calls(choice, text)
-            if calls:
-                message, reason = {"role": "assistant", "content": rest or None, "tool_calls": calls}, "tool_calls"
+            message, reason = chat_message(text, self.request.chat, self.request.tools, reason)
             return {"index": choice.index, "message": message, "finish_reason": reason,
                     "logprobs": chat_logprobs(choice.logprobs) if self.request.chat_logprobs else None}
         text = self.request.prompt + text if self.request.echo else text
@@ -82,7 +79,7 @@ class Completion:
         if not event.text and reason is None and choice.sent_role:
             return None
         if self.request.kind == "chat":
-            delta, reason = (self._tool_delta(choice, reason) if self._tools_on
+            delta, reason = (self._split_delta(choice, event.text, reason) if self._splits
                              else ({"content": event.text}, reason))
             if delta is None:
                 return None
@@ -102,30 +99,20 @@ class Completion:
                 "choices": [body]}
 
     @property
-    def _tools_on(self) -> bool:
-        return self.request.tools is not None and self.request.tools.choice != "none"
+    def _splits(self) -> bool:
+        """Chat text that is not all content: tool calls, or a reasoning model's thinking (edge.chat_output)."""
+        tools, chat = self.request.tools, self.request.chat
+        return (tools is not None and tools.choice != "none") or (chat is not None and bool(chat.reasoning))
 
-    def _calls(self, choice: Choice, text: str) -> tuple[list[dict], str]:
-        """The answer's tool calls and the text left: a forced call is parsed however it ended, a free one only
-        from an answer that ended by itself (not cut by max_tokens or an error)."""
-        if not self._tools_on or (choice.finish_reason not in ("stop", None) and not self.request.tools.constrained):
-            return [], text
-        return parse_calls(text, self.request.tools)
-
-    def _tool_delta(self, choice: Choice, reason: str | None) -> tuple[dict | None, str | None]:
-        """Text that may be a tool call is held back until it is clear; at the end, calls go out as one delta."""
-        text = "".join(choice.text)
+    def _split_delta(self, choice: Choice, text: str, reason: str | None) -> tuple[dict | None, str | None]:
+        """What of the text may go out now (text that may be a call or a tag is held back); at the end, the rest,
+        and finish_reason "tool_calls" when calls went out."""
+        if choice.output is None:
+            choice.output = ChatOutputStream(self.request.chat, self.request.tools)
+        delta = choice.output.feed(text, final=reason is not None)
         if reason is None:
-            if self.request.tools.constrained or may_be_a_call(text):
-                return ({} if not choice.sent_role else None), None  # the role goes out at once, the text waits
-            pending, choice.held = text[choice.held:], len(text)
-            return ({"content": pending} if pending or not choice.sent_role else None), None
-        calls, rest = self._calls(choice, text)  # add() has recorded this event's finish reason
-        if calls:
-            return {"content": rest[choice.held:] or None,
-                    "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
-        pending, choice.held = text[choice.held:], len(text)
-        return {"content": pending}, reason
+            return (delta or ({} if not choice.sent_role else None)), None
+        return delta, "tool_calls" if choice.output.made_calls and reason == "stop" else reason
 
     def usage_chunk(self) -> dict:
         obj = "chat.completion.chunk" if self.request.kind == "chat" else "text_completion"

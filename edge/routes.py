@@ -20,6 +20,7 @@ from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
 from edge.status import STATUS, StatusBoard, page
 from edge.structured_request import check_structured, compile_owner
+from edge.tool_formats import ChatFormat, chat_format_of
 from policies.quota import key_id
 
 log = logging.getLogger("edge.routes")
@@ -40,7 +41,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
-        parsed = parse_request(body, kind, vocab_size=gateway.pool.vocab_size)
+        parsed = parse_request(body, kind, vocab_size=gateway.pool.vocab_size, chat=await _chat_format(gateway, kind))
         await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway),
                                compile_owner(key_id(_bearer(request)), request.remote))
         run = gateway.admit(request, parsed)
@@ -65,6 +66,15 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         raise
     finally:
         await asyncio.shield(gateway.end(run, status, reason, completion.usage, completion.error))
+
+
+async def _chat_format(gateway: Gateway, kind: str) -> ChatFormat | None:
+    """The model's chat template as far as tools and reasoning go (read from its GGUF once, edge.tool_formats)."""
+    if kind != "chat":
+        return None
+    config = gateway.config
+    return await chat_format_of(_model_path(gateway), getattr(config, "tool_call_parser", "auto"),
+                                getattr(config, "reasoning_parser", "auto"))
 
 
 def _model_path(gateway: Gateway) -> str | None:

@@ -1,27 +1,28 @@
-"""Tool calls (OpenAI `tools`, `tool_choice`): the tools go into the prompt, the model's calls come out of its text.
+"""Tool calls (OpenAI `tools`, `tool_choice`, `parallel_tool_calls`): the tools go into the prompt, the model's
+calls come out of its text (edge.tool_parser), in its family's format (edge.tool_formats).
 
-Prompt: the tools are described in the Hermes format (a system message listing the function signatures in
-<tools></tools> and asking for calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, what Qwen2.5's
-own template writes), for every model: the gateway renders them, so a template without tool support (the
-embedded SmolLM2's) still gets them. Earlier calls in the history become that text again, and tool results
-are `tool` messages.
+Prompt: a chat template that renders `tools` in a format we parse gets them (the prefill worker passes them to
+it, with earlier calls as the messages' `tool_calls`); any other gets the Hermes system text from here (a system
+message listing the function signatures in <tools></tools> and asking for <tool_call> blocks, Qwen2.5's wording),
+with earlier calls written back as those blocks. Tool results are `tool` messages.
 
-Output: with tool_choice "required" or a named function, the answer is constrained to one call's JSON by a
-structured-output grammar (contracts/grammar.py), so even a small model returns a call that parses. With
-"auto", the text is searched for Hermes <tool_call> blocks, or a bare Llama 3.x style JSON call ({"name": ...,
-"parameters" or "arguments": ...}); text that holds none is an ordinary answer.
+Output: every tool_choice but "none" constrains the answer by a grammar in the format (`answer_constraint`):
+"auto" allows free text or, once a call starts, a well-formed call; "required" and a named function allow calls
+only; each call names a tool and gives arguments that fit its parameters. A reasoning model's thinking comes
+first, unconstrained (edge.reasoning).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
+
+from edge.reasoning import reasoning_rules
+from edge.tool_formats import FORMATS, ChatFormat, grammar, tools_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -38,21 +39,25 @@ class ToolSpec:
     choice: str  # "none", "auto", "required" or "named"
     named: str | None = None  # the function tool_choice names
     parallel: bool = True
+    format: str = "hermes"  # the call format (edge.tool_formats.FORMATS)
 
     @property
     def constrained(self) -> bool:
         return self.choice in ("required", "named")
 
-    def constraint(self) -> tuple[str, str]:
-        """The structured-output constraint of a required or named call: one JSON object naming a function and
-        giving arguments that fit its parameters."""
-        tools = [t for t in self.tools if self.choice == "required" or t["name"] == self.named]
-        calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-        return "json_schema", json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    @property
+    def names(self) -> set[str]:
+        return {t["name"] for t in self.tools}
+
+    def rules(self, answer: str | None = None) -> str:
+        """The Lark rules of the answer (ending in `answer_start`): calls in the format, and with "auto" free text
+        too, or `answer` (a response_format's rule) where one is given."""
+        tools = [t for t in self.tools if self.choice != "named" or t["name"] == self.named]
+        return tools_grammar(tools, FORMATS[self.format], free=self.choice == "auto", parallel=self.parallel,
+                             answer=answer)
 
 
-def parse_tools(body: dict) -> ToolSpec | None:
+def parse_tools(body: dict, tool_format: str = "hermes") -> ToolSpec | None:
     """The request's tools and tool_choice; None when it has no tools (tool_choice alone must then be none)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
@@ -69,13 +74,13 @@ def parse_tools(body: dict) -> ToolSpec | None:
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice is None or choice in ("none", "auto", "required"):
-        return ToolSpec(specs, choice or "auto", None, parallel)
+        return ToolSpec(specs, choice or "auto", None, parallel, tool_format)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         else None
     if not isinstance(name, str) or name not in names:
         raise ToolError("tool_choice must be none, auto, required, or {\"type\": \"function\", \"function\": "
                         "{\"name\": ...}} naming one of the tools", "tool_choice")
-    return ToolSpec(specs, "named", name, parallel)
+    return ToolSpec(specs, "named", name, parallel, tool_format)
 
 
 def _tool(tool, param: str) -> dict:
@@ -107,8 +112,12 @@ def system_preamble(spec: ToolSpec) -> str:
             "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 
 
-def with_tools(messages: list[dict], spec: ToolSpec | None) -> list[dict]:
-    """Messages as the template sees them: the tool preamble in the system message, earlier calls as Hermes text."""
+def with_tools(messages: list[dict], spec: ToolSpec | None, chat: ChatFormat | None = None) -> list[dict]:
+    """Messages as the template sees them. A template that renders tools itself keeps earlier calls as
+    `tool_calls_json` (ChatMessage.tool_calls) and results' `tool_call_id`; any other gets the Hermes preamble in
+    the system message and earlier calls as Hermes text."""
+    if chat is not None and chat.template_tools:
+        return [_structured(m) for m in messages]
     out = [{"role": m["role"], "content": _content(m)} for m in messages]
     if spec is None or spec.choice == "none":
         return out
@@ -116,6 +125,24 @@ def with_tools(messages: list[dict], spec: ToolSpec | None) -> list[dict]:
     if out and out[0]["role"] in ("system", "developer"):
         return [{"role": out[0]["role"], "content": out[0]["content"] + "\n\n" + preamble}, *out[1:]]
     return [{"role": "system", "content": preamble}, *out]
+
+
+def template_tools(spec: ToolSpec | None, chat: ChatFormat | None) -> str:
+    """The tools as JSON text for a template that renders them (OpenAI's list shape); "" when it does not."""
+    if spec is None or spec.choice == "none" or chat is None or not chat.template_tools:
+        return ""
+    return json.dumps([{"type": "function", "function": t} for t in spec.tools], ensure_ascii=False)
+
+
+def _structured(message: dict) -> dict:
+    out = {"role": message["role"], "content": message["content"]}
+    if message.get("tool_calls"):
+        out["tool_calls_json"] = json.dumps([{"id": c.get("id") or f"call{i}", "type": "function",
+                                         "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                        for i, c in enumerate(message["tool_calls"])], ensure_ascii=False)
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
 
 
 def _content(message: dict) -> str:
@@ -126,39 +153,34 @@ def _content(message: dict) -> str:
     return "\n".join([text, *rendered] if text else rendered)
 
 
-def parse_calls(text: str, spec: ToolSpec) -> tuple[list[dict], str]:
-    """(calls as OpenAI tool_calls, the text left) from a finished answer."""
-    names = {t["name"] for t in spec.tools}
-    if spec.constrained:
-        found = [_call(text, names)]
-    elif "<tool_call>" in text:
-        found = [_call(block, names) for block in HERMES_CALL.findall(text)]
-    elif text.lstrip().startswith("{"):
-        found = [_call(text, names)]
-    else:
-        return [], text
-    calls = [c for c in found if c is not None]
-    if not calls:
-        return [], text
-    if not spec.parallel:
-        calls = calls[:1]
-    rest = HERMES_CALL.sub("", text).strip() if "<tool_call>" in text else ""
-    return calls, rest
+def answer_constraint(structured: tuple[str, str] | None, spec: ToolSpec | None,
+                      chat: ChatFormat | None) -> tuple[str, str] | None:
+    """The grammar the answer is held to: the request's structured output, its tool calls, or both (a
+    response_format with tool_choice auto: that answer or calls), after a reasoning model's thinking. None when
+    nothing constrains it. ToolError when a constraint cannot be put in such a grammar (a client's Lark or GBNF
+    grammar beside tools or after thinking)."""
+    tools_on = spec is not None and spec.choice != "none"
+    thinking = chat is not None and bool(chat.reasoning)
+    if not tools_on and (structured is None or not thinking):
+        return structured
+    answer = constraint_rule(*structured) if structured is not None else None
+    rules = spec.rules(answer) if tools_on else f"answer_start: {answer}"
+    return "grammar", grammar(rules, reasoning_rules(chat.think_in_prompt) if thinking else "")
 
 
-def _call(text: str, names: set[str]) -> dict | None:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(arguments)}}
-
-
-def may_be_a_call(text: str) -> bool:
-    """Whether a streamed answer that starts like this may turn out to be a call (so it is held back)."""
-    head = text.lstrip()
-    return head.startswith("{") or "<tool_call>".startswith(head[:11])  # a prefix of the tag, or the tag itself
+def constraint_rule(kind: str, source: str) -> str:
+    """A structured-output constraint as one Lark rule body, to sit inside a larger grammar."""
+    from contracts.grammar import JSON_OPTIONS
+    if kind in ("json_schema", "json_object"):
+        try:
+            schema = json.loads(source) if kind == "json_schema" else {"type": "object"}
+        except ValueError:
+            raise ToolError("the json_schema constraint is not valid JSON", "response_format") from None
+        schema = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
+        return "%json " + json.dumps(schema, ensure_ascii=False)
+    if kind == "choice":
+        return " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(source))
+    if kind == "regex":
+        return "/" + re.sub(r"(?<!\\)/", r"\\/", source) + "/"
+    raise ToolError(f"a {kind} constraint cannot be combined with tool calls or a reasoning model's thinking; use a "
+                    "json_schema, regex or choice", "structured_outputs")

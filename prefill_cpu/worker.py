@@ -210,7 +210,8 @@ class PrefillWorker:
                 raise BadPromptError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
             return list(job.prompt_tokens)
         if job.messages is not None:
-            return self.renderer.chat_tokens([{"role": m.role, "content": m.content} for m in job.messages])
+            return self.renderer.chat_tokens([{"role": m.role, "content": m.content, "tool_calls": m.tool_calls,
+                                               "tool_call_id": m.tool_call_id} for m in job.messages], job.tools)
         return self.renderer.completion_tokens(job.prompt or "")
 
 

@@ -1,12 +1,14 @@
-"""Tool calls at the gateway: tools and tool_choice parsing, the Hermes prompt, the grammar of a forced call, and
-finding calls in an answer (Hermes <tool_call> blocks and Llama 3.x JSON)."""
+"""Tool calls at the gateway: tools and tool_choice parsing, the Hermes prompt for templates without tool support,
+the tools and earlier calls handed to a template that renders them, and the grammar of each tool_choice (the
+grammars' behaviour: test_tool_formats.py; the parsers: test_tool_parsers.py)."""
 
 import json
 
 import pytest
 
 from edge.openai_api import ApiError, parse_request
-from edge.tools import ToolSpec, parse_calls, parse_tools, with_tools
+from edge.tool_formats import ChatFormat
+from edge.tools import with_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -28,17 +30,41 @@ def test_tools_go_into_the_system_prompt_and_history_calls_become_hermes_text():
     assert system["content"].startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in system["content"]
     assert assistant["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert tool == {"role": "tool", "content": "sunny"}
-    assert request.tools.choice == "auto" and request.sampling["structured"] is None
+    assert request.tools.choice == "auto" and request.sampling["structured"][0] == "grammar"
 
 
-def test_a_named_or_required_tool_choice_is_a_grammar_over_the_call():
+def test_each_tool_choice_but_none_is_a_grammar_in_the_model_s_format():
     named = parse_request(_chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {
         "name": "get_weather"}}), "chat")
-    kind, schema = named.sampling["structured"]
-    assert kind == "json_schema" and json.loads(schema)["properties"]["name"] == {"const": "get_weather"}
+    kind, lark = named.sampling["structured"]
+    assert kind == "grammar" and named.structured_param == "tools"
+    assert '"get_weather"' in lark and '"get_time"' not in lark and '"<tool_call>\\n"' in lark
     required = parse_request(_chat(tools=[WEATHER, TIME], tool_choice="required"), "chat")
-    assert len(json.loads(required.sampling["structured"][1])["anyOf"]) == 2
-    assert parse_request(_chat(tools=[WEATHER], tool_choice="none"), "chat").messages[0]["role"] == "user"
+    assert '"get_weather"' in required.sampling["structured"][1] and '"get_time"' in required.sampling["structured"][1]
+    auto = parse_request(_chat(tools=[WEATHER]), "chat")
+    assert auto.sampling["structured"][0] == "grammar" and "NOCALL" in auto.sampling["structured"][1]
+    none = parse_request(_chat(tools=[WEATHER], tool_choice="none"), "chat")
+    assert none.messages[0]["role"] == "user" and none.sampling["structured"] is None
+    llama = parse_request(_chat(tools=[WEATHER], tool_choice="required"), "chat", chat=ChatFormat("llama3_json", True))
+    assert '"parameters"' in llama.sampling["structured"][1] and llama.tools.format == "llama3_json"
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_earlier_calls_as_they_came():
+    chat = ChatFormat("hermes", template_tools=True)
+    request = parse_request(_chat(tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]), "chat", chat=chat)
+    user, assistant, tool = request.messages
+    assert user == {"role": "user", "content": "Weather in Paris?"}  # no Hermes preamble: the template writes the tools
+    assert json.loads(assistant["tool_calls_json"]) == [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert tool == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    assert json.loads(request.template_tools) == [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER["function"]["parameters"]}}]
+    assert parse_request(_chat(tools=[WEATHER]), "chat").template_tools == ""  # the fallback writes them itself
+    assert parse_request(_chat(tools=[WEATHER], tool_choice="none"), "chat", chat=chat).template_tools == ""
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -55,18 +81,7 @@ def test_bad_tools_are_a_400_naming_the_field(fields, param):
     assert info.value.status == 400 and info.value.param == param, info.value.message
 
 
-def test_calls_are_found_in_hermes_blocks_and_llama_json():
-    spec = parse_tools({"tools": [WEATHER, TIME]})
-    calls, rest = parse_calls('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
-                              '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', spec)
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"] and rest == "Let me check."
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"} and calls[0]["id"].startswith("call_")
-    llama, _ = parse_calls('{"name": "get_weather", "parameters": {"city": "Oslo"}}', spec)
-    assert json.loads(llama[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert parse_calls("It is sunny.", spec) == ([], "It is sunny.")
-    assert parse_calls('{"name": "unknown", "arguments": {}}', spec)[0] == []
-    single = ToolSpec(spec.tools, "auto", None, parallel=False)
-    assert len(parse_calls('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 2, single)[0]) == 1
+def test_messages_without_tools_are_passed_as_they_are():
     assert with_tools([{"role": "user", "content": "hi", "tool_calls": ()}], None) == [{"role": "user", "content": "hi"}]
 
 

@@ -313,6 +313,6 @@ class PrefillPool:
         try:
             writer.write(frame)
             await writer.drain()
-        except (ConnectionError, RuntimeError) as err:
+        except (OSError, RuntimeError) as err:  # OSError: a reset, or ssl.SSLError once TLS saw an altered record
             log.warning("sending to prefill worker %s failed: %s", worker.name, err)
             writer.close()

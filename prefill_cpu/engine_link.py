@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import OrderedDict
 
@@ -89,7 +90,7 @@ class EngineLink:
         try:
             while await reader.read(1 << 16):
                 pass
-        except ConnectionError:
+        except (ConnectionError, ssl.SSLError):  # TLS: a record altered on the way ends the link as a reset would
             pass
         finally:
             self.writer = None

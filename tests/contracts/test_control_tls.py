@@ -92,12 +92,13 @@ class Listener:
 
 class Relay:
     """An on-path TCP relay: forwards bytes both ways and records them; with `tamper` set it flips one bit of the
-    next chunk it forwards towards the listener (in the second prompt when it can read it)."""
+    next chunk it forwards towards the listener (in the second prompt when it can read it), with `tamper_back` of
+    the next one towards the connecting peer."""
 
     def __init__(self, target: str) -> None:
         self.target = target
         self.seen = bytearray()
-        self.tamper = False
+        self.tamper = self.tamper_back = False
         self.tampered = asyncio.Event()
 
     async def __aenter__(self):
@@ -117,8 +118,8 @@ class Relay:
     async def _pipe(self, reader, writer, towards_listener: bool) -> None:
         while chunk := await reader.read(65536):
             self.seen += chunk
-            if towards_listener and self.tamper:
-                self.tamper = False
+            if towards_listener and self.tamper or not towards_listener and self.tamper_back:
+                self.tamper = self.tamper_back = False
                 at = chunk.find(b"second prompt")  # in the prompt where the relay can read it, else near the end
                 at = at if at >= 0 else len(chunk) - 8
                 chunk = chunk[:at] + bytes([chunk[at] ^ 0x01]) + chunk[at + 1:]
@@ -213,6 +214,53 @@ def test_a_relay_on_the_path_reads_and_alters_a_plain_link_but_not_a_tls_one(pki
     else:
         assert PROMPT.encode() not in seen and b"launch code" not in seen and b"PrefillJob" not in seen
         assert len(frames) == 1 and len(errors) == 1 and "TLS" in str(errors[0])
+
+
+@pytest.mark.usefixtures("restore_process_tls")
+def test_the_gateway_pool_through_a_tampering_relay_gets_no_forged_answer(pki):
+    """The attack as it was made: a relay between the gateway and a worker alters what the worker sends while a
+    request is in prefill. With TLS the gateway's pool drops the connection (a bad frame) and fails the request as
+    a lost worker, never with a frame the relay made, and connects again."""
+    from contracts.messages import Heartbeat, WorkerStatus
+    from edge.lifecycle import InFlight, InFlightRegistry
+    from edge.prefill_pool import PrefillPool
+
+    async def worker(reader, writer):
+        if await accept_peer(reader, writer, SECRET) is None:
+            return
+        await send_message(writer, WorkerStatus("w0", "fp", 4096, "q8_0", 49152))
+        try:
+            while True:
+                await send_message(writer, Heartbeat(None))
+                await asyncio.sleep(0.05)
+        except ConnectionError:
+            pass
+
+    async def scenario():
+        server = await start_server(worker, "tcp://127.0.0.1:0", pki["worker"])
+        port = server.sockets[0].getsockname()[1]
+        async with Relay(f"tcp://127.0.0.1:{port}") as relay:
+            registry = InFlightRegistry()
+            pool = PrefillPool({"w0": relay.address}, registry, queue_limit=8, secret=SECRET, heartbeat_timeout_s=5)
+            control_tls.configure(pki["gateway"])
+            task = asyncio.create_task(pool.run())
+            while pool.num_ready != 1:
+                await asyncio.sleep(0.01)
+            request = InFlight("r1", 0)
+            registry.add(request)
+            pool.submit(job())
+            while pool.workers["w0"].current_id != "r1":
+                await asyncio.sleep(0.01)
+            relay.tamper_back = True
+            failure = await asyncio.wait_for(request.events.get(), 5)
+            while pool.num_ready != 1:  # connected again, through the same relay
+                await asyncio.sleep(0.01)
+            task.cancel()
+            server.close()
+            return failure, pool.workers["w0"].last_error, bytes(relay.seen)
+    failure, error, seen = run(scenario())
+    assert isinstance(failure, PrefillFailed) and failure.kind == "worker_died", failure
+    assert PROMPT.encode() not in seen
 
 
 class TerminatingRelay:

@@ -110,6 +110,8 @@ class KVHandoff:
     # recompute: its prompt and output but the newest token (decode_gpu.core.scheduler, preemption_mode "recompute")
     resume_index: int = -1
     cache_salt: str = ""  # the engine's prefix cache shares blocks only between handoffs of one salt (PrefillJob)
+    deadline: float = 0.0  # the request's TTFT deadline, epoch seconds (PrefillJob.deadline); 0: no objective
+    tpot_slo_ms: int = 0  # its class's time-per-output-token objective; 0: none
 
     @property
     def first_tokens(self) -> tuple[FirstToken, ...]:

@@ -68,6 +68,11 @@ class PrefillJob:  # gateway -> prefill worker
     # which cached prompts this one may reuse: the prompt caches (the worker's and the engine's) share KV only
     # between requests of one salt, which the gateway derives from the API key (edge.cache_salt); "": unsalted
     cache_salt: str = ""
+    # the request's TTFT deadline (epoch seconds, the gateway's clock; 0: no objective) and its class's TPOT objective
+    # (ms; 0: none): within one priority the queues run the earliest deadline first (edge/slo.py), and the engine's
+    # batch does not grow past what the tightest TPOT objective allows; the handoff carries both (KVHandoff)
+    deadline: float = 0.0
+    tpot_slo_ms: int = 0
     # the request's tools as JSON text (OpenAI's list), for a chat template that renders them; "": none (the gateway
     # then wrote them into the messages itself, edge.tools)
     tools: str = ""

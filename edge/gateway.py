@@ -30,9 +30,11 @@ from edge.metrics import Metrics
 from edge.openai_api import ApiError, GenerateRequest
 from edge.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
 from edge.request_record import RequestRecord, ended_record
+from edge.slo import SloControl
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.quota import key_id
 from policies.signals import TTFTWindow, box_signals
+from policies.slo import HEADER as SLO_HEADER
 
 log = logging.getLogger("edge.gateway")
 
@@ -69,6 +71,8 @@ class Gateway:
         self.salter = CacheSalter()
         self.shutting_down = False
         self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
+        self.slo = SloControl(pool, metrics)  # objectives: deadlines, TTFT prediction, early refusal, attainment
+        self.observers.append(self.slo.observe)
         for client in getattr(engine, "clients", {}).values():  # (tests may pass none)
             client.on_recompute = self.recompute
 
@@ -90,7 +94,8 @@ class Gateway:
                            headers={"Connection": "close", "Retry-After": "5"})
         tenant = http.headers.get(self.enforcer.policy.tenant_header) if self.enforcer.policy.tenant_header else None
         facts = RequestFacts(_bearer(http), tenant, request.model, request.user_text,
-                             request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"])
+                             request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"],
+                             slo_ttft_ms=http.headers.get(SLO_HEADER))
         try:
             decision = self.enforcer.decide(facts, {self.model_name})
         except PolicyRejection as err:
@@ -117,6 +122,7 @@ class Gateway:
             raise ApiError(400, f"n = {request.sampling['n']} choices, this server decodes at most "
                                 f"{self.config.max_num_seqs} sequences together (max_num_seqs)", "n", "invalid_value")
         priority = request.priority if request.priority is not None else decision.priority
+        decision, slo = self.slo.judge(decision, request, priority, self.enforcer)  # may refuse: 429 slo_unattainable
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)
         prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
@@ -124,6 +130,7 @@ class Gateway:
         messages = tuple(ChatMessage(m["role"], m["content"], m.get("tool_calls_json", ""), m.get("tool_call_id", ""))
                          for m in request.messages) if request.messages else None
         job = PrefillJob(inflight.request_id, SamplingParams(**sampling), priority, prompt=request.prompt,
+                         deadline=slo.deadline, tpot_slo_ms=decision.tpot_slo_ms,
                          messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
                          max_total_tokens=self._context_tokens(), cache_salt=salt, tools=request.template_tools)
@@ -139,6 +146,7 @@ class Gateway:
         except UnsendableJobError as err:
             self.registry.remove(inflight.request_id)
             raise ApiError(400, str(err), code="invalid_value") from None
+        self.slo.queued(inflight, slo)
         return Run(inflight, request, decision, time.monotonic() + self.config.limits.request_timeout_s)
 
     def recompute(self, ask: Recompute, client: EngineClient) -> None:
@@ -197,7 +205,7 @@ class Gateway:
         signals = {"kv_cache_usage": used / total if total else 0.0,
                    "waiting_requests": float(waiting),
                    "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
-                   **box_signals()}
+                   **box_signals(), **self.slo.signals()}
         if (transition := self.enforcer.update_signals(signals)) is not None:
             m = self.metrics
             m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
@@ -221,6 +229,7 @@ class Gateway:
                 return self._token(run, message)
 
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
+        self.slo.prefilled(run.inflight, done)  # the measured prefill rate the TTFT prediction uses
         if done.resumed:  # a recompute of a preempted choice: the request's own prefill is counted already
             return
         inflight = run.inflight
@@ -246,6 +255,7 @@ class Gateway:
                 inflight.first_token_at = now
                 m.label(m.ttft).observe(now - inflight.created)
                 self.ttft_window.add(now - inflight.created)
+                self.slo.first_token(inflight, now - inflight.created)
             elif inflight.last_token_at is not None:
                 m.label(m.itl).observe(now - inflight.last_token_at)
             inflight.last_token_at = now

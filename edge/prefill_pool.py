@@ -1,4 +1,5 @@
-"""The gateway's prefill queue (ordered by priority, then arrival) and its connections to prefill workers.
+"""The gateway's prefill queue (ordered by priority, then TTFT deadline, earliest first, then arrival) and its
+connections to prefill workers.
 
 A worker gets one job at a time; when it answers, the best waiting job goes to it. When every worker
 is busy with lower-priority prompts, a higher-priority arrival preempts the worst of them: the worker
@@ -23,6 +24,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -49,6 +51,7 @@ class UnsendableJobError(ValueError):
 @dataclass(order=True, frozen=True)
 class Entry:
     priority: int
+    deadline: float  # the job's TTFT deadline (PrefillJob.deadline), inf without one: earliest first within a priority
     arrival: int
     job: PrefillJob = None  # type: ignore[assignment]  (never compared: arrival is unique)
     frame: bytes = b""  # the job, encoded once at submit
@@ -117,7 +120,7 @@ class PrefillPool:
             frame = pack(job)
         except (msgspec.EncodeError, ValueError, TypeError, OverflowError) as err:
             raise UnsendableJobError(f"the request holds a value that cannot be sent to a worker: {err}") from None
-        entry = Entry(job.priority, next(self.counter), job, frame)
+        entry = Entry(job.priority, job.deadline or math.inf, next(self.counter), job, frame)
         heapq.heappush(self.queue, entry)
         self._dispatch()
         if self.queue and self.queue[0] is entry:
@@ -129,7 +132,7 @@ class PrefillPool:
         busy = [w for w in self.workers.values() if w.state == "ready" and w.current is not None and not w.preempting]
         if not busy:
             return
-        victim = max(busy, key=lambda w: (w.current.priority, w.current.arrival))
+        victim = max(busy, key=lambda w: (w.current.priority, w.current.deadline, w.current.arrival))
         if victim.current.priority <= entry.priority:
             return
         victim.preempting = True
@@ -286,7 +289,7 @@ class PrefillPool:
                 return
             if engine != entry.job.engine:
                 job = replace(entry.job, engine=engine)
-                entry = Entry(entry.priority, entry.arrival, job, pack(job))
+                entry = replace(entry, job=job, frame=pack(job))
             worker.current = entry
             request = self.registry.get(entry.job.request_id)
             request.advance(RequestStatus.PREFILLING)

@@ -174,7 +174,8 @@ class PrefillWorker:
             request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority, job.cache_salt)
             outcome = prefiller.prefill(request, should_cancel=should_cancel)
             started = time.perf_counter()
-            data = encode_handoff(replace(outcome.handoff, resume_index=job.resume_index, cache_salt=job.cache_salt))
+            data = encode_handoff(replace(outcome.handoff, resume_index=job.resume_index, cache_salt=job.cache_salt,
+                                          deadline=job.deadline, tpot_slo_ms=job.tpot_slo_ms))
             handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
             return data, PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data), handoff_ms,
                                      cached_tokens=outcome.cached_tokens, resumed=job.resume_index >= 0)

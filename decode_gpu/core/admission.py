@@ -128,7 +128,8 @@ class Admission:
         seq = Sequence(seq_id=seq_id, priority=handoff.priority, arrival=next(self._arrivals),
                        prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, first_token],
                        sampling=handoff.sampling, seed=self.model.seed_for(handoff.sampling, index),
-                       request_id=handoff.request_id, index=index)
+                       request_id=handoff.request_id, index=index, deadline=handoff.deadline,
+                       tpot_slo_ms=handoff.tpot_slo_ms)
         seq.meta["text"] = IncrementalText(self.tokenizer, handoff.sampling.stop)
         return seq
 

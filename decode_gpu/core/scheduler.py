@@ -12,10 +12,12 @@ The model runner receives one `ScheduledStep` per step and carries it out in fie
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from decode_gpu.core.block_manager import BlockCopy, BlockManager, prefix_hashes
 from decode_gpu.core.sequence import SeqState, Sequence
+from decode_gpu.core.step_times import StepTimes
 
 PREEMPTION_MODES = ("swap", "recompute")
 OUT_OF_KV = "out of KV memory"  # how a sequence failed for want of blocks begins (load, not a fault)
@@ -50,15 +52,20 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_swap_blocks: int | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_swap_blocks: int | None = None,
+                 clock=time.monotonic) -> None:
         self.config = config
         self.blocks = blocks
-        self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by (priority, arrival)
+        self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap by rank: (priority, deadline, arrival)
         self.running: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.max_swap_blocks = max_swap_blocks  # host swap space, in pool blocks; None: unbounded
         self.num_swapped_blocks = 0
         self._swapped_this_step: set[str] = set()
+        # measured step times per batch size: between two schedule() calls while sequences kept running
+        self.step_times = StepTimes()
+        self.clock = clock
+        self._last_step: tuple[float, int] = (0.0, 0)  # (when the last step was scheduled, its decode batch)
 
     @property
     def num_waiting(self) -> int:
@@ -75,13 +82,35 @@ class Scheduler:
         # The one idea: the running set is the best-ranked (priority, arrival) sequences that fit in the
         # KV pool; each step every running sequence decodes one token. When blocks run out, the worst-ranked
         # running sequence is preempted (swapped out, or freed for a recompute); a strictly higher-priority waiter
-        # may preempt lower ones.
+        # may preempt lower ones. Within one priority the earliest deadline ranks first (Sequence.rank); a waiter
+        # joins only while the batch stays within the tightest TPOT objective's measured step time (batch_limit).
+        self._time_last_step()
         step = ScheduledStep()
         self._swapped_this_step: set[str] = set()
         self._grow_running(step)
         self._admit_waiting(step)
         step.decode = sorted(self.running.values(), key=lambda s: s.rank)
+        self._last_step = (self.clock(), len(step.decode))
         return step
+
+    def _time_last_step(self) -> None:
+        """The previous step took from its scheduling until now, for sequences that kept running through it; when
+        none did (every one ended, and the engine may have idled since), the interval says nothing."""
+        started, batch = self._last_step
+        if batch and self.running:
+            now = self.clock()
+            self.step_times.record(batch, now - started, now)
+
+    def batch_limit(self, joining: Sequence | None = None) -> int:
+        """How many sequences may decode together: max_num_seqs, and no more than the measured step times allow
+        under the tightest TPOT objective among the running sequences (and the one joining). It bounds growth
+        only: sequences already running are not preempted for it."""
+        objectives = [s.tpot_slo_ms for s in self.running.values() if s.tpot_slo_ms]
+        if joining is not None and joining.tpot_slo_ms:
+            objectives.append(joining.tpot_slo_ms)
+        if not objectives:
+            return self.config.max_num_seqs
+        return max(1, min(self.config.max_num_seqs, self.step_times.batch_limit(min(objectives) / 1e3, self.clock())))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         # an error may be a failed import: the blocks it named may hold garbage, so no later prompt may take them
@@ -156,7 +185,7 @@ class Scheduler:
                                          f"whole pool holds {self.blocks.num_blocks * self.blocks.block_size}"))
                 continue
             fits = (self.blocks.can_allocate(need, hashes, extra_blocks=len(seq.forks))
-                    and len(self.running) + 1 + len(seq.forks) <= self.config.max_num_seqs)
+                    and len(self.running) + 1 + len(seq.forks) <= max(1 + len(seq.forks), self.batch_limit(seq)))
             if not fits:
                 if not self._make_room_for(seq, step):
                     return

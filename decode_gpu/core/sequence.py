@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from contracts.handoff import KVHandoff, SamplingParams
@@ -38,13 +39,16 @@ class Sequence:
     request_id: str = ""  # the request this sequence is a choice of ("": seq_id)
     index: int = 0  # which choice (n > 1)
     forks: list[Sequence] = field(default_factory=list)  # choices that share this one's prompt KV once imported
+    deadline: float = 0.0  # its request's TTFT deadline (KVHandoff.deadline): earlier first within a priority
+    tpot_slo_ms: int = 0  # its class's time-per-output-token objective; 0: none (the scheduler's batch limit)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id
 
     @property
-    def rank(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
+    def rank(self) -> tuple[int, float, int]:
+        """Priority first; within one, the earliest deadline (none: after those with one), then arrival."""
+        return (self.priority, self.deadline or math.inf, self.arrival)
 
     @property
     def output_tokens(self) -> list[int]:

@@ -1,0 +1,246 @@
+"""Scheduling to service-level objectives in the gateway: a request's TTFT deadline, the prediction of its time to
+first token from the queue ahead of it, the early refusal of one that cannot meet its objective, and the accounting
+of objectives met, missed and refused (Prometheus, the status page, the `slo_attainment_below` tier signal).
+
+The prediction: the prompt tokens queued ahead of the request at its priority and deadline (and what is left of
+the prefills under way that it cannot preempt), divided by the prefill rate of the ready workers, plus its own
+prompt at one worker's rate, plus the handoff, plus a learned offset. Every rate is a moving average of real
+prefills while serving (PrefillDone), none a start-up benchmark; until one prefill was measured nothing is
+predicted, so nothing is refused. The error of each prediction is measured at the first token and exported.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from contracts.messages import PrefillDone
+from edge.api_errors import policy_error
+from edge.lifecycle import InFlight
+from edge.metrics import Metrics
+from edge.openai_api import ApiError, GenerateRequest
+from edge.prefill_pool import PrefillPool
+from edge.request_record import RequestRecord
+from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection
+
+WINDOW_S = 60.0  # attainment and goodput are over this window
+MIN_JUDGED = 5  # requests of a class judged in the window before its attainment is a tier signal
+ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BYTES_PER_TOKEN = 4.0  # a prompt's text per token before any prefill was measured
+
+
+class Ewma:
+    """A moving average; None until the first sample."""
+
+    def __init__(self, weight: float = 0.2, value: float | None = None) -> None:
+        self.weight, self.value = weight, value
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+
+
+def deadline(ttft_slo_ms: int, now: float | None = None) -> float:
+    """The TTFT deadline a frame carries: epoch seconds of arrival + the objective; 0.0 without an objective."""
+    return (time.time() if now is None else now) + ttft_slo_ms / 1e3 if ttft_slo_ms else 0.0
+
+
+@dataclass
+class Pending:
+    """What the gateway knows of an accepted request until it ends."""
+    client_class: str
+    ttft_slo_ms: int
+    tpot_slo_ms: int
+    tokens: float  # its prompt's tokens: exact when sent as tokens, else estimated from the text's bytes
+    text_bytes: int  # 0: sent as tokens
+    predicted_s: float | None  # the TTFT predicted at admission; None: nothing measured yet
+    raw_s: float | None  # the prediction without the learned offset
+    deadline: float  # epoch seconds (PrefillJob.deadline); 0.0: no TTFT objective
+
+
+class TTFTPredictor:
+    def __init__(self, pool: PrefillPool) -> None:
+        self.pool = pool
+        self.rate = Ewma()  # prompt tokens a second on one worker (prompt-cache hits included, as served)
+        self.handoff_s = Ewma()
+        self.offset_s = Ewma(value=0.0)  # what the model above misses (dispatch, the engine's first token), learned
+        self.tokens_per_byte = Ewma(value=1 / BYTES_PER_TOKEN)
+
+    def estimate_tokens(self, request: GenerateRequest) -> tuple[float, int]:
+        if request.prompt_tokens is not None:
+            return float(len(request.prompt_tokens)), 0
+        text_bytes = len(request.user_text.encode("utf-8", "surrogatepass"))
+        return text_bytes * self.tokens_per_byte.value, text_bytes
+
+    def predict(self, priority: int, deadline_at: float, tokens: float, pending: dict[str, Pending]
+                ) -> tuple[float, float, float] | None:
+        """(predicted TTFT, the same without the learned offset, prompt tokens ahead) of a request about to be
+        queued with this priority and deadline; None while no prefill was measured or no worker is ready."""
+        ready = [w for w in self.pool.workers.values() if w.state == "ready" and w.engine_connected]
+        if self.rate.value is None or not ready:
+            return None
+        rank = (priority, deadline_at or math.inf)
+        ahead = sum(self._tokens_of(e.job, pending) for e in self.pool.queue if (e.priority, e.deadline) <= rank)
+        now = time.perf_counter()
+        for worker in ready:
+            if worker.current is None or worker.current.priority > priority:  # idle, or it would be preempted
+                continue
+            started = (self.pool.registry.get(worker.current.job.request_id) or InFlight("", 0)).prefill_started_at
+            done = (now - started) * self.rate.value if started is not None else 0.0
+            ahead += max(0.0, self._tokens_of(worker.current.job, pending) - done)
+        raw = ahead / (self.rate.value * len(ready)) + tokens / self.rate.value + (self.handoff_s.value or 0.0)
+        return max(0.0, raw + self.offset_s.value), raw, ahead
+
+    @staticmethod
+    def _tokens_of(job, pending: dict[str, Pending]) -> float:
+        known = pending.get(job.request_id)
+        if known is not None and job.resume_index < 0:
+            return known.tokens
+        return float(len(job.prompt_tokens or ()))  # a recompute carries its tokens
+
+    def prefilled(self, done: PrefillDone, known: Pending | None) -> None:
+        """A real prefill: its rate, its handoff, and how many tokens its text made."""
+        if done.prefill_ms > 0 and done.num_prompt_tokens:
+            self.rate.add(done.num_prompt_tokens / (done.prefill_ms / 1e3))
+        self.handoff_s.add(done.handoff_ms / 1e3)
+        if known is not None and known.text_bytes and done.num_prompt_tokens:
+            self.tokens_per_byte.add(done.num_prompt_tokens / known.text_bytes)
+
+    def first_token(self, known: Pending, ttft_s: float) -> None:
+        if known.raw_s is not None:
+            self.offset_s.add(ttft_s - known.raw_s)
+
+
+class SloMetrics:
+    def __init__(self, metrics: Metrics) -> None:
+        r, labels = metrics.registry, ["model_name", "class"]
+        self.label = metrics.label
+        self.requests = Counter("edge:slo_requests", "Requests judged against their class's objectives, by kind "
+                                "(ttft, tpot) and outcome (met, missed, refused)", labels + ["kind", "outcome"],
+                                registry=r)
+        self.goodput = Gauge("edge:slo_goodput_requests_per_second", "Requests a second that met every objective "
+                             "of their class (every finished one for a class without objectives), over 60 s",
+                             labels, registry=r)
+        self.attainment = Gauge("edge:slo_attainment", "Share of requests judged over 60 s that met every "
+                                "objective of their class (refusals count as misses)", labels, registry=r)
+        self.error = Histogram("edge:slo_ttft_prediction_error_seconds", "Measured TTFT minus the TTFT predicted at "
+                               "admission", ["model_name"], buckets=ERROR_BUCKETS, registry=r)
+
+
+class SloControl:
+    """The gateway's objectives: Gateway calls judge, queued, prefilled and first_token; observe is one of its
+    request observers."""
+
+    def __init__(self, pool: PrefillPool, metrics: Metrics, clock=time.monotonic) -> None:
+        self.predictor = TTFTPredictor(pool)
+        self.metrics = SloMetrics(metrics)
+        self.clock = clock
+        self.pending: dict[str, Pending] = {}  # request id -> what is known of it, from queued to its end
+        # per class: (time, met every objective, judged against one) of each request that ended or was refused
+        self.window: dict[str, collections.deque[tuple[float, bool, bool]]] = {}
+
+    def judge(self, decision: Decision, request: GenerateRequest, priority: int, enforcer: PolicyEnforcer
+              ) -> tuple[Decision, Pending]:
+        """Predict this request's TTFT; a class that says so refuses it (ApiError 429 slo_unattainable) or degrades
+        it when the prediction exceeds its objective. Returns the decision to queue it with, and what `queued`
+        remembers of it (its deadline for the frame)."""
+        if request.kind == "embedding":  # no first token to promise: no objective
+            decision = dataclasses.replace(decision, ttft_slo_ms=0, tpot_slo_ms=0, on_slo_miss="serve")
+        tokens, text_bytes = self.predictor.estimate_tokens(request)
+        due = deadline(decision.ttft_slo_ms)
+        predicted = self.predictor.predict(priority, due, tokens, self.pending)
+        known = Pending(decision.client_class, decision.ttft_slo_ms, decision.tpot_slo_ms, tokens, text_bytes,
+                        *(predicted[:2] if predicted else (None, None)), due)
+        if predicted is None or not decision.ttft_slo_ms or predicted[0] * 1e3 <= decision.ttft_slo_ms:
+            return decision, known
+        if decision.on_slo_miss == "reject":
+            self._refused(decision)
+            raise unattainable(decision, predicted[0], predicted[2])
+        if decision.on_slo_miss == "degrade":
+            try:
+                return enforcer.degrade_for_slo(decision, request.sampling.get("n", 1)), known
+            except PolicyRejection as err:  # the heavier tier sheds its class
+                self._refused(decision)
+                raise policy_error(err) from None
+        return decision, known
+
+    def queued(self, inflight: InFlight, known: Pending) -> None:
+        self.pending[inflight.request_id] = known
+
+    def prefilled(self, inflight: InFlight, done: PrefillDone) -> None:
+        self.predictor.prefilled(done, None if done.resumed else self.pending.get(inflight.request_id))
+
+    def first_token(self, inflight: InFlight, ttft_s: float) -> None:
+        known = self.pending.get(inflight.request_id)
+        if known is None:
+            return
+        if known.predicted_s is not None:
+            self.metrics.label(self.metrics.error).observe(ttft_s - known.predicted_s)
+        self.predictor.first_token(known, ttft_s)
+
+    def observe(self, record: RequestRecord) -> None:
+        """A Gateway observer: an accepted request ended. A failure misses its objectives; a request the client
+        left before its first token is not judged."""
+        known = self.pending.pop(record.request_id, None)
+        if known is None or record.status == "rejected":
+            return
+        if record.status == "aborted" and record.ttft_s is None:
+            return
+        outcomes = {}
+        if known.ttft_slo_ms:
+            outcomes["ttft"] = record.ttft_s is not None and record.status != "failed" \
+                and record.ttft_s * 1e3 <= known.ttft_slo_ms
+        if known.tpot_slo_ms and (record.tpot_s is not None or record.status == "failed"):
+            outcomes["tpot"] = record.tpot_s is not None and record.status != "failed" \
+                and record.tpot_s * 1e3 <= known.tpot_slo_ms
+        for kind, met in outcomes.items():
+            self.metrics.label(self.metrics.requests, **{"class": known.client_class}, kind=kind,
+                               outcome="met" if met else "missed").inc()
+        good = record.status == "finished" and all(outcomes.values())
+        self._remember(known.client_class, good, bool(known.ttft_slo_ms or known.tpot_slo_ms))
+
+    def _refused(self, decision: Decision) -> None:
+        self.metrics.label(self.metrics.requests, **{"class": decision.client_class}, kind="ttft",
+                           outcome="refused").inc()
+        self._remember(decision.client_class, False, True)
+
+    def _remember(self, client_class: str, good: bool, judged: bool) -> None:
+        self.window.setdefault(client_class, collections.deque(maxlen=100_000)).append((self.clock(), good, judged))
+
+    def attainment(self) -> dict[str, dict]:
+        """Per class over the window: requests judged against objectives, the share that met them (None when none
+        was judged), and goodput (requests a second that met every objective). Also refreshes the gauges."""
+        cutoff, out = self.clock() - WINDOW_S, {}
+        for name, window in list(self.window.items()):
+            while window and window[0][0] < cutoff:
+                window.popleft()
+            judged = [good for _, good, with_objective in window if with_objective]
+            good = sum(1 for _, g, _ in window if g)
+            out[name] = {"judged": len(judged), "attainment": round(sum(judged) / len(judged), 4) if judged else None,
+                         "goodput_rps": round(good / WINDOW_S, 4)}
+            self.metrics.label(self.metrics.goodput, **{"class": name}).set(good / WINDOW_S)
+            if judged:
+                self.metrics.label(self.metrics.attainment, **{"class": name}).set(sum(judged) / len(judged))
+        return out
+
+    def signals(self) -> dict[str, float]:
+        """slo_attainment_below: the lowest attainment of a class judged at least MIN_JUDGED times in the window
+        (absent otherwise, so a tier does not enter on too few requests)."""
+        shares = [c["attainment"] for c in self.attainment().values()
+                  if c["attainment"] is not None and c["judged"] >= MIN_JUDGED]
+        return {"slo_attainment_below": min(shares)} if shares else {}
+
+
+def unattainable(decision: Decision, predicted_s: float, ahead: float) -> ApiError:
+    """429 slo_unattainable, at once: Retry-After is how much later the same prediction would meet the objective
+    (what the queue ahead needs to drain)."""
+    promised = decision.ttft_slo_ms
+    retry_after = max(1, math.ceil(predicted_s - promised / 1e3))
+    return ApiError(429, f"the time to first token predicted now is {predicted_s * 1e3:.0f} ms ({ahead:.0f} prompt "
+                         f"tokens ahead), more than the {promised} ms promised to class {decision.client_class!r}; "
+                         f"retry after {retry_after} s", code="slo_unattainable", error_type="rate_limit_error",
+                    headers={"Retry-After": str(retry_after)})

@@ -1,0 +1,91 @@
+"""Deadlines and TPOT objectives in the decode scheduler: earliest deadline first within a priority, priorities
+between levels as before, and a batch that stops growing where the measured step time would break the tightest
+TPOT objective."""
+
+import dataclasses
+
+from decode_gpu.core.step_times import StepTimes
+from fake_runner import fake_handoff, make_engine
+
+
+def handoff(request_id, priority=0, deadline=0.0, tpot_slo_ms=0, max_tokens=4):
+    return dataclasses.replace(fake_handoff(request_id, [len(request_id), 9, 9], max_tokens, priority),
+                               deadline=deadline, tpot_slo_ms=tpot_slo_ms)
+
+
+def drain(engine):
+    while engine.has_work:
+        engine.step()
+
+
+def test_earliest_deadline_first_within_a_priority_and_priority_between_levels():
+    engine, runner = make_engine(max_num_seqs=1)
+    arrivals = [("late", 0, 300.0), ("none-a", 0, 0.0), ("soon", 0, 100.0), ("bg-urgent", 5, 1.0),
+                ("none-b", 0, 0.0), ("mid", 0, 200.0), ("vip", -1, 0.0)]
+    for rid, priority, deadline in arrivals:
+        engine.add(handoff(rid, priority, deadline))
+    drain(engine)
+    # vip outranks every deadline; within priority 0 the deadlines, then those without one in arrival order;
+    # priority 5 comes last however early its deadline
+    assert runner.decoded_order == ["vip", "soon", "mid", "late", "none-a", "none-b", "bg-urgent"]
+
+
+class Clock:
+    t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def run_with_step_cost(engine, per_sequence_s):
+    """Step the engine with a fake clock: each step takes per_sequence_s per sequence it decodes. Returns the
+    batch size of each step."""
+    clock = Clock()
+    engine.scheduler.clock = clock
+    sizes = []
+    while engine.has_work:
+        engine.step()
+        sizes.append(engine.scheduler.num_running)
+        clock.t += per_sequence_s * engine.scheduler.num_running
+    return sizes
+
+
+def test_the_batch_stops_growing_where_the_tightest_tpot_objective_would_break():
+    engine, _ = make_engine(max_num_seqs=8)
+    for i in range(8):
+        engine.add(handoff(f"int{i}", tpot_slo_ms=150, max_tokens=30))
+    sizes = run_with_step_cost(engine, 0.04)  # 40 ms a sequence: 3 fit in 150 ms, 4 take 160 ms
+    first_end = next(i for i in range(1, len(sizes)) if sizes[i] < sizes[i - 1])
+    assert sizes[:4] == [1, 2, 3, 4]  # one more a step while every measured size keeps the objective
+    assert max(sizes) == 4 and max(sizes[first_end:]) <= 3  # 4 measured too slow: no new one joins past 3
+
+
+def test_without_a_tpot_objective_the_batch_fills_at_once():
+    engine, _ = make_engine(max_num_seqs=8)
+    for i in range(8):
+        engine.add(handoff(f"b{i}", max_tokens=30))
+    assert max(run_with_step_cost(engine, 0.04)) == 8
+
+
+def test_a_request_without_an_objective_does_not_join_past_a_running_objective():
+    engine, _ = make_engine(max_num_seqs=8)
+    engine.add(handoff("int", tpot_slo_ms=100, max_tokens=200))  # outlives the others
+    for i in range(6):
+        engine.add(handoff(f"b{i}", priority=5, max_tokens=20))
+    sizes = run_with_step_cost(engine, 0.03)  # 30 ms each: 3 fit in 100 ms, the 4th is measured and held
+    first_end = next(i for i in range(1, len(sizes)) if sizes[i] < sizes[i - 1])
+    assert max(sizes) == 4 and max(sizes[first_end:]) <= 3
+
+
+def test_step_times_interpolate_and_forget():
+    times = StepTimes(max_age_s=30)
+    assert times.batch_limit(0.1, now=0) == 1  # nothing measured: grow by one
+    for batch, seconds in [(1, 0.02), (2, 0.04), (8, 0.16)]:
+        times.record(batch, seconds, now=0)
+    assert times.batch_limit(0.1, now=1) == 5  # between 2 (40 ms) and 8 (160 ms), 100 ms falls at 5
+    assert times.batch_limit(0.2, now=1) == 9  # every size within: one past the largest
+    times.record(3, 0.5, now=1)  # a larger batch is no faster than a smaller one: 8 is as slow as 3
+    assert times.batch_limit(0.1, now=2) == 2
+    times.record(1, 61.0, now=1)  # longer than any step: the engine idled in between
+    assert times.seconds[1][0] == 0.02
+    assert times.batch_limit(0.1, now=40) == 1  # everything older than 30 s is forgotten, and measured again

@@ -1,0 +1,216 @@
+"""Objectives in the gateway: earliest deadline first within a priority in the prefill queue, the TTFT prediction
+from the queue ahead and the measured prefill rate, the early refusal (429 slo_unattainable with Retry-After),
+the x-slo-ttft-ms header (tighten, never loosen), and the SLO metrics."""
+
+import asyncio
+import heapq
+import math
+import time
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from contracts.handoff import SamplingParams
+from contracts.messages import PrefillDone, PrefillJob
+from edge.config import ServeConfig
+from edge.gateway import Gateway
+from edge.lifecycle import InFlight, InFlightRegistry
+from edge.metrics import Metrics
+from edge.openai_api import ApiError, parse_request
+from edge.prefill_pool import PrefillPool
+from edge.request_record import RequestRecord
+from policies.enforcer import PolicyEnforcer
+from policies.loader import parse_policy
+
+POLICY = """version = 1
+default_class = "interactive"
+[classes.interactive]
+priority = 0
+ttft_slo_ms = 1000
+tpot_slo_ms = 150
+on_slo_miss = "reject"
+min_ttft_slo_ms = 200
+[classes.chat]
+priority = 0
+ttft_slo_ms = 1000
+[classes.batch]
+priority = 10
+[[keys]]
+key = "k-int"
+class = "interactive"
+[[keys]]
+key = "k-chat"
+class = "chat"
+[[keys]]
+key = "k-batch"
+class = "batch"
+"""
+
+
+def test_the_prefill_queue_runs_the_earliest_deadline_first_within_a_priority():
+    async def scenario():
+        registry = InFlightRegistry()
+        pool = PrefillPool({}, registry, queue_limit=16)  # no worker: everything stays queued
+        for rid, priority, deadline in [("none-a", 0, 0.0), ("late", 0, 300.0), ("bg-soon", 5, 1.0),
+                                        ("soon", 0, 100.0), ("none-b", 0, 0.0), ("vip", -1, 0.0)]:
+            registry.add(InFlight(rid, priority))
+            pool.submit(PrefillJob(rid, SamplingParams(), priority, deadline=deadline))
+        return [heapq.heappop(pool.queue).job.request_id for _ in range(len(pool.queue))]
+
+    assert asyncio.run(scenario()) == ["vip", "soon", "late", "none-a", "none-b", "bg-soon"]
+
+
+class Engine:
+    state, stats, speculation = "ready", None, True
+
+    async def abort(self, request_id):
+        pass
+
+
+def make_gateway() -> Gateway:
+    pool = PrefillPool({"w0": "unix:/nonexistent"}, InFlightRegistry(), queue_limit=64)
+    pool.workers["w0"].state = "ready"  # no connection: a job it takes is never sent, so it stays busy
+    enforcer = PolicyEnforcer(parse_policy(POLICY, "slo.toml"))
+    return Gateway(ServeConfig(), "m", pool, Engine(), pool.registry, Metrics("m"), enforcer)
+
+
+def admit(gateway, key, tokens=1000, slo_header=None):
+    headers = {"Authorization": f"Bearer {key}"}
+    if slo_header is not None:
+        headers["x-slo-ttft-ms"] = slo_header
+    http = make_mocked_request("POST", "/v1/completions", headers=headers)
+    request = parse_request({"model": "m", "prompt": [7] * tokens, "max_tokens": 8}, "completion")
+    return gateway.admit(http, request)
+
+
+def measured(gateway, tokens_per_s=1000.0, handoff_ms=50.0):
+    """One real prefill as a worker reports it: the rate the predictor starts from."""
+    run = admit(gateway, "k-batch", tokens=10)
+    gateway.slo.prefilled(run.inflight, PrefillDone(run.inflight.request_id, 1000, 1000 / tokens_per_s * 1e3, 0,
+                                                    handoff_ms))
+    gateway.pool.workers["w0"].current = None  # it finished
+
+
+def metric(gateway, name, **labels):
+    return gateway.metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+
+def test_nothing_is_refused_before_a_prefill_was_measured():
+    async def scenario():
+        gateway = make_gateway()
+        return [admit(gateway, "k-int", tokens=5000) for _ in range(5)]
+    assert len(asyncio.run(scenario())) == 5
+
+
+def test_a_request_that_cannot_meet_its_objective_is_refused_at_once_with_retry_after():
+    async def scenario():
+        gateway = make_gateway()
+        measured(gateway)  # 1000 tokens a second, 50 ms handoff
+        for _ in range(3):  # each predicted within 1000 ms: 350, 650, 950 ms
+            admit(gateway, "k-int", tokens=300)
+        refusals = []
+        for tokens in (300, 2300):  # 900 tokens ahead, then its own
+            started = time.perf_counter()
+            with pytest.raises(ApiError) as info:
+                admit(gateway, "k-int", tokens=tokens)
+            refusals.append((info.value, time.perf_counter() - started))
+        return gateway, refusals
+
+    gateway, refusals = asyncio.run(scenario())
+    for (err, elapsed), expected_ms in zip(refusals, (1250, 3250)):
+        assert (err.status, err.code) == (429, "slo_unattainable") and elapsed < 0.05
+        predicted_ms = int(err.message.split("predicted now is ")[1].split(" ms")[0])
+        assert expected_ms - 100 <= predicted_ms <= expected_ms and "1000 ms promised to class 'interactive'" in \
+            err.message
+        assert err.headers["Retry-After"] == str(max(1, math.ceil(predicted_ms / 1e3 - 1.0)))
+    assert [err.headers["Retry-After"] for err, _ in refusals] == ["1", "3"]
+    assert metric(gateway, "edge:slo_requests_total", **{"class": "interactive"}, kind="ttft",
+                  outcome="refused") == 2
+    assert gateway.enforcer.active["class:interactive"] == 3  # the refused requests hold no slot
+    assert len(gateway.pool.queue) == 2
+
+
+def test_what_waits_at_a_lower_priority_is_not_ahead_and_serve_classes_are_served():
+    async def scenario():
+        gateway = make_gateway()
+        measured(gateway)
+        for _ in range(6):
+            admit(gateway, "k-batch", tokens=2000)  # 12 s of batch prompts, at priority 10
+        interactive = admit(gateway, "k-int", tokens=200)  # nothing ahead at its priority: served
+        admit(gateway, "k-int", tokens=200)
+        late = [admit(gateway, "k-chat", tokens=2000) for _ in range(2)]  # predicted late, but its class serves
+        return interactive, late
+    interactive, late = asyncio.run(scenario())
+    assert interactive.decision.ttft_slo_ms == 1000 and all(run.decision.client_class == "chat" for run in late)
+
+
+def test_the_header_tightens_the_deadline_and_cannot_loosen_it_or_change_the_priority():
+    async def scenario():
+        gateway = make_gateway()
+        before = time.time()
+        tight = admit(gateway, "k-int", tokens=10, slo_header="300")
+        plain = admit(gateway, "k-int", tokens=10)
+        with pytest.raises(ApiError) as loose:
+            admit(gateway, "k-int", tokens=10, slo_header="5000")
+        jobs = {e.job.request_id: e.job for e in gateway.pool.queue}
+        jobs[tight.inflight.request_id] = gateway.pool.workers["w0"].current.job
+        return before, tight, plain, loose.value, jobs
+
+    before, tight, plain, loose, jobs = asyncio.run(scenario())
+    tight_job, plain_job = jobs[tight.inflight.request_id], jobs[plain.inflight.request_id]
+    assert tight.decision.ttft_slo_ms == 300 and before + 0.3 <= tight_job.deadline <= time.time() + 0.3
+    assert plain_job.deadline - tight_job.deadline == pytest.approx(0.7, abs=0.05)
+    assert tight_job.priority == plain_job.priority == 0 and tight_job.tpot_slo_ms == 150
+    assert (loose.status, loose.param) == (400, "x-slo-ttft-ms") and "would loosen" in loose.message
+
+
+def record(run, status="finished", ttft_s=0.5, tpot_s=0.1):
+    return RequestRecord(time.time(), run.inflight.request_id, None, run.decision.client_class, None, "m",
+                         "completion", "", status, "stop", 200, ttft_s=ttft_s, tpot_s=tpot_s)
+
+
+def test_outcomes_goodput_attainment_and_the_predictors_error_are_measured():
+    async def scenario():
+        gateway = make_gateway()
+        measured(gateway)
+        runs = [admit(gateway, "k-int", tokens=100) for _ in range(6)]
+        gateway.slo.first_token(runs[0].inflight, 2.0)
+        gateway.slo.observe(record(runs[0], ttft_s=0.5, tpot_s=0.1))  # both met
+        gateway.slo.observe(record(runs[1], ttft_s=1.5, tpot_s=0.1))  # ttft missed
+        gateway.slo.observe(record(runs[2], ttft_s=0.5, tpot_s=0.2))  # tpot missed
+        gateway.slo.observe(record(runs[3], status="failed", ttft_s=None, tpot_s=None))  # a failure misses both
+        gateway.slo.observe(record(runs[4], status="aborted", ttft_s=None, tpot_s=None))  # left: not judged
+        gateway.slo.observe(record(runs[5], ttft_s=0.2, tpot_s=None))  # one token: no tpot
+        return gateway, runs
+
+    gateway, runs = asyncio.run(scenario())
+    counts = {(kind, outcome): metric(gateway, "edge:slo_requests_total", **{"class": "interactive"}, kind=kind,
+                                      outcome=outcome) or 0 for kind in ("ttft", "tpot") for outcome in ("met", "missed")}
+    assert counts == {("ttft", "met"): 3, ("ttft", "missed"): 2, ("tpot", "met"): 2, ("tpot", "missed"): 2}
+    classes = gateway.slo.attainment()
+    assert classes["interactive"] == {"judged": 5, "attainment": 0.4, "goodput_rps": round(2 / 60, 4)}
+    assert metric(gateway, "edge:slo_goodput_requests_per_second", **{"class": "interactive"}) == pytest.approx(2 / 60)
+    assert gateway.slo.signals() == {"slo_attainment_below": 0.4}
+    # predicted: 100 tokens at 1000/s + 50 ms handoff = 150 ms; measured 2 s
+    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_count") == 1
+    # 1.85 s late (a histogram with negative buckets has no _sum): counted from the 2.5 s bucket up
+    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_bucket", le="2.5") == 1
+    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_bucket", le="1.0") == 0
+    assert not any(run.inflight.request_id in gateway.slo.pending for run in runs)  # ended: forgotten
+
+
+def test_the_prediction_learns_what_its_model_misses():
+    async def scenario():
+        gateway = make_gateway()
+        measured(gateway)
+        errors = []
+        for _ in range(30):
+            run = admit(gateway, "k-int", tokens=100)
+            gateway.pool.workers["w0"].current = None
+            known = gateway.slo.pending[run.inflight.request_id]
+            errors.append(0.6 - known.predicted_s)  # every first token comes 450 ms after the model's 150
+            gateway.slo.first_token(run.inflight, 0.6)
+            gateway.slo.observe(record(run))
+        return errors
+    errors = asyncio.run(scenario())
+    assert errors[0] == pytest.approx(0.45, abs=0.01) and abs(errors[-1]) < 0.01

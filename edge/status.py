@@ -104,6 +104,7 @@ class StatusBoard:
             "requests": {"finished": sum(self.finished.values()), "finished_by_reason": dict(self.finished),
                          "rejected": sum(self.rejected.values())},
             "latency": self._latency(now),
+            "slo": gateway.slo.attainment(),  # per class over 60 s: judged, attainment, goodput_rps (edge/slo.py)
             "rejections": {"recent": self._recent_rejections(now), "total": dict(self.rejected)},
             "processes": self._processes(),
             "sample_fields": SAMPLE_FIELDS, "samples": [s for s in self.samples if s[0] > since],

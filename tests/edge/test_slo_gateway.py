@@ -19,6 +19,7 @@ from edge.metrics import Metrics
 from edge.openai_api import ApiError, parse_request
 from edge.prefill_pool import PrefillPool
 from edge.request_record import RequestRecord
+from edge.status import StatusBoard
 from policies.enforcer import PolicyEnforcer
 from policies.loader import parse_policy
 
@@ -44,6 +45,12 @@ class = "chat"
 [[keys]]
 key = "k-batch"
 class = "batch"
+[[tiers]]
+name = "late"
+enter = { slo_attainment_below = 0.9 }
+exit = { slo_attainment_below = 0.95 }
+[tiers.actions]
+shed_classes = ["batch"]
 """
 
 
@@ -61,7 +68,7 @@ def test_the_prefill_queue_runs_the_earliest_deadline_first_within_a_priority():
 
 
 class Engine:
-    state, stats, speculation = "ready", None, True
+    state, stats, speculation, last_error = "ready", None, True, None
 
     async def abort(self, request_id):
         pass
@@ -214,3 +221,22 @@ def test_the_prediction_learns_what_its_model_misses():
         return errors
     errors = asyncio.run(scenario())
     assert errors[0] == pytest.approx(0.45, abs=0.01) and abs(errors[-1]) < 0.01
+
+
+def test_the_status_page_shows_attainment_and_a_tier_enters_on_it():
+    async def scenario():
+        gateway = make_gateway()
+        runs = [admit(gateway, "k-int", tokens=10) for _ in range(5)]
+        gateway.update_policy_signals()
+        before = gateway.enforcer.evaluator.state.name  # too few judged yet: no signal
+        for run in runs[:4]:
+            gateway.slo.observe(record(run, ttft_s=3.0))  # missed
+        gateway.slo.observe(record(runs[4]))  # met
+        gateway.update_policy_signals()
+        return gateway, before, StatusBoard(gateway).snapshot()["slo"]
+
+    gateway, before, slo = asyncio.run(scenario())
+    assert before == "normal" and gateway.enforcer.evaluator.state.name == "late"
+    assert "slo_attainment_below=0.2 < 0.9" in gateway.enforcer.evaluator.state.reason
+    assert slo == {"interactive": {"judged": 5, "attainment": 0.2, "goodput_rps": round(1 / 60, 4)}}
+    assert metric(gateway, "edge:slo_attainment", **{"class": "interactive"}) == pytest.approx(0.2)

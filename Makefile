@@ -88,5 +88,9 @@ bench-serving: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m bench.serving_bench $(ARGS)
 
+# scheduling to objectives: ours with objectives vs priorities only vs llama-server, at 0.5x/1.5x/3x capacity
+bench-slo: $(STAMP)
+	$(PY) -m bench.slo_bench $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,240 @@
+"""Scheduling to service-level objectives: goodput and attainment of two classes under overload, in one run.
+
+    make bench-slo                       # = .venv/bin/python -m bench.slo_bench [options]
+    .venv/bin/python -m bench.slo_bench --phase-s 20 --capacity-requests 12     # a short run
+
+Two classes share the box: interactive (short prompts, a TTFT and a TPOT objective) and batch (longer prompts, no
+objective, priority 10), picked by the X-Tenant header. First the capacity of the mix is measured on ours with
+priorities only (requests a second when everything arrives at once); then each system gets the same seeded
+Poisson arrivals at 0.5x, 1.5x and 3x of it, one phase per load:
+- ours, objectives: the policy gives interactive ttft_slo_ms, tpot_slo_ms and on_slo_miss = "reject";
+- ours, priorities only: the same classes and priorities, no objectives;
+- llama-server (llama.cpp's, from checks/llama_server.py) when it is built, else llama-cpp-python's server when
+  its extras are installed; else that column is skipped with a note.
+Per system and load: goodput (requests a second that met their class's objectives; batch: that completed),
+attainment per class (of what was offered; interactive also of what was served), p50/p99 TTFT of what was served,
+refusals and how fast they came, and our predictor's error (from /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+
+from bench.loadgen import RequestResult, RequestSpec, arrival_times, percentiles, send
+from bench.systems import System
+from bench.workloads import text_of
+from prefill_cpu.embedded_model import embedded_model_path
+
+CLASSES = {"interactive": "chat", "batch": "nightly"}  # class -> the X-Tenant value that picks it
+
+
+def policy(ttft_slo_ms: int | None, tpot_slo_ms: int | None) -> str:
+    objectives = (f"ttft_slo_ms = {ttft_slo_ms}\ntpot_slo_ms = {tpot_slo_ms}\non_slo_miss = \"reject\"\n"
+                  if ttft_slo_ms else "")
+    return (f'version = 1\ndefault_class = "batch"\n[classes.interactive]\npriority = 0\n{objectives}'
+            f'[classes.batch]\npriority = 10\n[tenants]\nheader = "X-Tenant"\n[tenants.classes]\n'
+            + "".join(f'{tenant} = "{name}"\n' for name, tenant in CLASSES.items()))
+
+
+def ours(name: str, gguf: str, threads: int, policy_text: str) -> System:
+    folder = Path(tempfile.mkdtemp(prefix="slo-bench-"))
+    (folder / "policy.toml").write_text(policy_text)
+    (folder / "serve.toml").write_text(f'log_level = "WARNING"\npolicy = "{folder / "policy.toml"}"\n'
+                                       f"threads_per_worker = {threads}\nmax_num_seqs = 64\n"
+                                       f"[limits]\nprefill_queue_size = 512\n")
+    return System(name, Path(gguf).name.removesuffix(".gguf"), lambda port: [
+        sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(port),
+        "--config", str(folder / "serve.toml")], ready_path="/health")
+
+
+def baseline(gguf: str, threads: int) -> tuple[System | None, str]:
+    """llama.cpp's server if built, else llama-cpp-python's if its extras are installed; else why not."""
+    from checks.llama_server import binary_path
+    model = Path(gguf).name.removesuffix(".gguf")
+    if binary_path().exists():
+        return System("llama-server (-np 8)", model, lambda port: [
+            str(binary_path()), "-m", gguf, "--port", str(port), "-t", str(threads), "-np", "8", "-c", "16384",
+            "--log-disable"], ready_path="/health"), ""
+    try:
+        import llama_cpp.server.app  # noqa: F401  (the extras: fastapi, uvicorn, sse-starlette)
+    except ImportError as err:
+        return None, (f"llama-server is not built (`make llama-server`) and llama-cpp-python's server extras are "
+                      f"absent ({err}): its column is skipped")
+    return System("llama_cpp.server", model, lambda port: [
+        sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port), "--n_threads",
+        str(threads), "--n_ctx", "4096", "--model_alias", model]), ""
+
+
+def workload(n: int, seed: int, share: float, max_tokens: tuple[int, int]) -> list[RequestSpec]:
+    """Interactive (short questions) and batch (longer reports) requests, mixed at random in `share`."""
+    rng = np.random.default_rng(seed)
+    specs = []
+    for is_interactive in rng.random(n) < share:
+        if is_interactive:
+            text, tokens, label = "Quick question: " + text_of(40, rng), max_tokens[0], "interactive"
+        else:
+            text, tokens, label = "Write a report about: " + text_of(300, rng), max_tokens[1], "batch"
+        specs.append(RequestSpec(({"role": "user", "content": text},), tokens, label=label, ignore_eos=True))
+    return specs
+
+
+async def offer(system: System, specs: list[RequestSpec], offsets, timeout_s: float) -> list[RequestResult]:
+    """Each class through its own session (its X-Tenant header); arrivals as scheduled, whatever comes back."""
+    sessions = {name: aiohttp.ClientSession(headers={"X-Tenant": tenant}, connector=aiohttp.TCPConnector(limit=0),
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s))
+                for name, tenant in CLASSES.items()}
+    started = time.perf_counter()
+
+    async def fire(spec: RequestSpec, offset: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+        return await send(sessions[spec.label], system.url, system.model, spec)
+    try:
+        return list(await asyncio.gather(*(fire(s, float(o)) for s, o in zip(specs, offsets))))
+    finally:
+        for session in sessions.values():
+            await session.close()
+
+
+def prediction_errors(url: str) -> dict[float, float]:
+    """Our predictor's error histogram (cumulative counts by upper bound), {} for other servers."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    found = re.findall(r'edge:slo_ttft_prediction_error_seconds_bucket\{le="([^"]+)"[^}]*\} ([0-9.e+]+)', text)
+    return {float(le): float(count) for le, count in found}
+
+
+def error_shares(before: dict, after: dict) -> str:
+    """Share of this phase's predictions within 0.25 s and 1 s of the measured TTFT."""
+    delta = {le: after[le] - before.get(le, 0.0) for le in after}
+    total = delta.get(float("inf"), 0.0)
+    if not total:
+        return "-"
+    within = [(delta[b] - delta[-b]) / total for b in (0.25, 1.0)]
+    return f"{within[0]:.0%} / {within[1]:.0%} of {total:.0f}"
+
+
+def summarize(results: list[RequestResult], phase_s: float, slo: tuple[float, float]) -> dict:
+    out = {}
+    for name in CLASSES:
+        mine = [r for r in results if r.label == name]
+        served = [r for r in mine if r.ok]
+        refused = [r for r in mine if r.status == 429]  # slo_unattainable (ours with objectives) or a full queue
+        if name == "interactive":
+            met = [r for r in served if r.ttft_s <= slo[0] and (r.tpot_s or 0) <= slo[1]]
+        else:
+            met = served
+        out[name] = {"offered": len(mine), "served": len(served), "met": len(met), "refused": len(refused),
+                     "goodput": len(met) / phase_s, "attainment": len(met) / len(mine) if mine else float("nan"),
+                     "served_attainment": len(met) / len(served) if served else float("nan"),
+                     "ttft": percentiles([r.ttft_s for r in served], (50, 99)),
+                     "refusal_p99_ms": max((r.e2e_s for r in refused), default=0.0) * 1e3,
+                     "failed": len(mine) - len(served) - len(refused)}
+    return out
+
+
+async def capacity(system: System, args) -> float:
+    """Requests a second of the mix when everything arrives at once (what the box completes flat out)."""
+    specs = workload(args.capacity_requests, args.seed + 99, args.share, args.max_tokens)
+    started = time.perf_counter()
+    results = await offer(system, specs, np.zeros(len(specs)), 600)
+    return sum(1 for r in results if r.ok) / (time.perf_counter() - started)
+
+
+async def run_system(system: System, rates: list[float], args, slo) -> dict:
+    system.start()
+    try:
+        await offer(system, workload(4, args.seed + 7, 0.5, args.max_tokens), np.zeros(4), 120)  # warm-up
+        phases = {}
+        for i, rate in enumerate(rates):
+            n = max(4, round(rate * args.phase_s))
+            specs = workload(n, args.seed + 1000 * i, args.share, args.max_tokens)
+            before = prediction_errors(system.url)
+            results = await offer(system, specs, arrival_times(n, rate, args.seed + i), args.phase_s + args.drain_s)
+            phases[rate] = {"classes": summarize(results, args.phase_s, slo),
+                            "predictor": error_shares(before, prediction_errors(system.url))}
+            inter = phases[rate]["classes"]["interactive"]
+            print(f"  {system.name} @ {rate:.2f} req/s: interactive {inter['met']}/{inter['offered']} met, "
+                  f"{inter['refused']} refused", flush=True)
+        return phases
+    finally:
+        system.stop()
+
+
+def table(results: dict, rates: list[float], loads: list[float]) -> str:
+    head = ("system", "load", "goodput int/batch req/s", "attainment int (of served) / batch", "TTFT p50/p99 int s",
+            "TTFT p50/p99 batch s", "refused int (slowest ms)", "failed", "predictor within 0.25 s / 1 s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, phases in results.items():
+        for load, rate in zip(loads, rates):
+            c = phases[rate]["classes"]
+            i, b = c["interactive"], c["batch"]
+            lines.append(
+                f"| {name} | {load:g}x ({rate:.2f}/s) | {i['goodput']:.2f} / {b['goodput']:.2f} | "
+                f"{i['attainment']:.0%} ({i['served_attainment']:.0%}) / {b['attainment']:.0%} | "
+                f"{i['ttft'][50]:.2f}/{i['ttft'][99]:.2f} | {b['ttft'][50]:.2f}/{b['ttft'][99]:.2f} | "
+                f"{i['refused']} ({i['refusal_p99_ms']:.0f}) | {i['failed'] + b['failed']} | "
+                f"{phases[rate]['predictor']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--loads", default="0.5,1.5,3", help="multiples of the measured capacity")
+    parser.add_argument("--phase-s", type=float, default=60.0, help="seconds of arrivals per load")
+    parser.add_argument("--drain-s", type=float, default=60.0, help="a request still open this long after its "
+                        "phase's arrivals end counts as failed")
+    parser.add_argument("--capacity-requests", type=int, default=24)
+    parser.add_argument("--share", type=float, default=0.5, help="interactive share of the requests")
+    parser.add_argument("--ttft-slo-ms", type=int, default=1000)
+    parser.add_argument("--tpot-slo-ms", type=int, default=150)
+    parser.add_argument("--max-tokens", default="32,64", help="interactive,batch answer lengths")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.max_tokens = tuple(int(x) for x in args.max_tokens.split(","))
+    gguf = args.model or str(embedded_model_path())
+    loads = [float(x) for x in args.loads.split(",")]
+    slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+    priority_only = ours("ours, priorities only", gguf, args.threads, policy(None, None))
+    systems = [ours("ours, objectives", gguf, args.threads, policy(args.ttft_slo_ms, args.tpot_slo_ms)),
+               priority_only]
+    other, note = baseline(gguf, args.threads)
+    systems += [other] if other else []
+
+    async def run() -> tuple[float, dict]:
+        priority_only.start()
+        try:
+            cap = await capacity(priority_only, args)
+        finally:
+            priority_only.stop()
+        print(f"measured capacity of the mix: {cap:.2f} req/s", flush=True)
+        rates = [load * cap for load in loads]
+        return cap, {system.name: await run_system(system, rates, args, slo) for system in systems}
+
+    started = time.perf_counter()
+    cap, results = asyncio.run(run())
+    rates = [load * cap for load in loads]
+    print(f"\nObjectives: interactive TTFT {args.ttft_slo_ms} ms, TPOT {args.tpot_slo_ms} ms; batch none. "
+          f"Capacity {cap:.2f} req/s ({args.capacity_requests} at once, ours with priorities only); "
+          f"{args.phase_s:g} s of Poisson arrivals per load, {args.share:.0%} interactive, answers "
+          f"{args.max_tokens[0]}/{args.max_tokens[1]} tokens; {time.perf_counter() - started:.0f} s in all")
+    if note:
+        print(f"Note: {note}")
+    print(table(results, rates, loads))
+
+
+if __name__ == "__main__":
+    main()

@@ -122,7 +122,7 @@ def parse_config(cls: type[Config], argv: list[str], description: str) -> Config
             flags = vars(hand_parser(cls, description).parse_args(argv))
             config = check(cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()}))
         control_tls.configure(ControlTLS.of(config))
-        refuse_plaintext_links([config.listen, getattr(config, "engine", "") or config.listen])
+        refuse_plaintext_links(a for a in (config.listen, getattr(config, "engine", "")) if a.startswith("tcp://"))
         return config
     except (OptionError, ValueError) as err:
         raise SystemExit(f"{cls.__name__}: {err}") from None

@@ -163,3 +163,10 @@ def test_objectives_are_hot_reloaded(tmp_path):
     path.write_text(POLICY.replace("ttft_slo_ms = 1000", "ttft_slo_ms = -1"))
     os.utime(path, ns=(2, 2))
     assert reloader.poll() is False and "ttft_slo_ms" in reloader.last_error and decide(enforcer).ttft_slo_ms == 800
+
+
+def test_the_shipped_objectives_preset_loads():
+    from policies.loader import load_policy
+    policy = load_policy("policies/presets/interactive-slo.toml")
+    assert policy.classes["interactive"].ttft_slo_ms == 1000 and policy.classes["assist"].on_slo_miss == "degrade"
+    assert policy.tiers[0].enter["slo_attainment_below"] == 0.9

@@ -64,9 +64,11 @@ NO_EXTRAS = Extras(None, None)
 
 def build_paged_batch(pool: KVPool, block_tables: list[list[int]], context_lens: list[int],
                       query_lens: list[int], device: torch.device, backend: str | None = None,
-                      num_splits: int | None = None) -> PagedBatch:
+                      num_splits: int | None = None, deterministic: bool = False) -> PagedBatch:
     """Sequence i has context_lens[i] tokens after this step, of which the last query_lens[i] are new.
-    A sequence may have no new tokens (a padded row): it is attended for nobody and stores nothing."""
+    A sequence may have no new tokens (a padded row): it is attended for nobody and stores nothing.
+    deterministic: each sequence attended on its own (torch path), KV splits by deterministic_splits (Triton), so
+    that a sequence's attention does not depend on the others in the batch."""
     backend = backend or resolve_backend(device)
     bs = pool.shape.block_size
     starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
@@ -78,10 +80,14 @@ def build_paged_batch(pool: KVPool, block_tables: list[list[int]], context_lens:
     packed = torch.tensor(slots + context_lens + starts + query_lens + tables, dtype=torch.int32).to(device)
     n_seqs = len(block_tables)
     slot_mapping, ctx, start, q_lens, flat_tables = packed.split([len(slots), n_seqs, n_seqs, n_seqs, n_seqs * width])
+    if deterministic:
+        num_splits = deterministic_splits(device)
     num_splits = num_splits or choose_num_splits(n_seqs, pool.shape.num_kv_heads, max(context_lens), device)
     dense = {}
     if backend == "torch":
         groups = length_groups(context_lens, bs) if device.type == "cpu" and n_seqs > 1 else []
+        if deterministic and n_seqs > 1:
+            groups = [[i] for i in range(n_seqs)]
         if len(groups) > 1:
             dense["groups"] = tuple(_query_group(pool, [block_tables[i] for i in rows], [context_lens[i] for i in rows],
                                                  [query_lens[i] for i in rows], [starts[i] for i in rows], device)
@@ -114,6 +120,12 @@ def choose_num_splits(n_seqs: int, num_kv_heads: int, max_context: int, device: 
     want = -(-2 * _num_sms(device) // max(1, n_seqs * num_kv_heads))
     n = max(1, min(want, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
     return 1 << (n.bit_length() - 1)
+
+
+def deterministic_splits(device: torch.device) -> int:
+    """The KV splits of every deterministic forward: one count for any batch and context (a split's length follows
+    the sequence's own context inside the kernel), enough for a long context to use the GPU."""
+    return MAX_SPLITS if device.type == "cuda" else 1
 
 
 def _num_sms(device: torch.device) -> int:

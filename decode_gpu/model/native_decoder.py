@@ -44,6 +44,9 @@ FORWARDS = ("native", "transformers")
 # which an int8 table replaces)
 SCALED_EMBEDDINGS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
 ROTARY_CHUNK = 4096  # positions per call when building the table (bounds the transient memory)
+# deterministic: every matmul runs on row blocks of exactly this many rows (the last padded), so that a row's product
+# comes from the same kernel, shape and reduction order whatever the batch (BLAS picks kernels by row count)
+DETERMINISTIC_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -63,16 +66,34 @@ class Norm:
 
 class Projection:
     """Sibling projections of one input as one product: the stacked layer when the model has one (one packed matmul
-    in the weight precision in use), else the layers in turn, concatenated."""
+    in the weight precision in use), else the layers in turn, concatenated. With `rows` (deterministic), on row blocks
+    of exactly that many rows."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], rows: int | None = None) -> None:
         self.layers = layers
         self.single = layers[0] if len(layers) == 1 else None
+        self.rows = rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return fixed_rows(self._product, x, self.rows)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.single is not None:
             return self.single(x)
         return torch.cat([layer(x) for layer in self.layers], dim=-1)
+
+
+def fixed_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:
+    """product(x) computed on blocks of exactly `rows` rows, the last padded with zeros: a row's result does not
+    depend on how many rows share the call. # x: [n, in] -> [n, out]"""
+    n = x.shape[0]
+    if n == rows:
+        return product(x)
+    padded = x.new_zeros(-(-n // rows) * rows, x.shape[1])
+    padded[:n] = x
+    return torch.cat([product(block) for block in padded.split(rows)])[:n]
 
 
 @dataclass(frozen=True)
@@ -82,12 +103,12 @@ class Layer:
     attn_norm: Norm
     qkv: Projection
     qk_norm: Norm | None  # over q's and k's heads together ([n_heads + kv_heads, head_dim] weight)
-    o_proj: nn.Module
+    o_proj: Projection
     attn_out_norm: Norm | None  # Gemma: a norm of the attention's output before the residual add
     mlp_norm: Norm
     gate_up: Projection
     act: Callable[[torch.Tensor], torch.Tensor]
-    down: nn.Module
+    down: Projection
     mlp_out_norm: Norm | None  # Gemma: a norm of the MLP's output before the residual add
     rotary: int  # index of the rotary table this layer reads
     scale: float
@@ -99,8 +120,11 @@ class NativeDecoder:
     forward(ids [n], positions [n], paged) -> logits [n, vocab] float32. `between_layers`, when set, is called before
     each layer (the priority gate's wait; eager steps only)."""
 
-    def __init__(self, model: nn.Module, max_positions: int) -> None:
+    def __init__(self, model: nn.Module, max_positions: int, deterministic: bool = False) -> None:
+        """deterministic: matmuls on fixed row blocks (DETERMINISTIC_ROWS), so a row's logits do not depend on the
+        batch it shares."""
         config = model.config
+        self.rows = DETERMINISTIC_ROWS if deterministic else None
         self.config = config
         core = model.model
         self.embedding = model.get_input_embeddings()
@@ -128,7 +152,7 @@ class NativeDecoder:
         self.cos, self.sin = cos, sin  # per table: [max_positions, rotary_dim] in the activations' dtype
         self.rotary_dim = cos[0].shape[-1]
         self.norm = self._norm(core.norm)
-        self.head = model.get_output_embeddings()
+        self.head = Projection([model.get_output_embeddings()], self.rows)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.between_layers: Callable[[], None] | None = None
         log.info("native decode forward: %d layers, %d rotary table(s) of %d positions, %s norms%s", len(self.layers),
@@ -151,8 +175,8 @@ class NativeDecoder:
 
     def _layer(self, layer: nn.Module, index: int, rotary: int, config) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _projection(attn, ("qkv_fused",), ("qkv_proj",), ("q_proj", "k_proj", "v_proj"))
-        gate_up = _projection(mlp, ("gate_up_fused",), ("gate_up_proj",), ("gate_proj", "up_proj"))
+        qkv = _projection(attn, ("qkv_fused",), ("qkv_proj",), ("q_proj", "k_proj", "v_proj"), self.rows)
+        gate_up = _projection(mlp, ("gate_up_fused",), ("gate_up_proj",), ("gate_proj", "up_proj"), self.rows)
         qk_norm = None
         if getattr(attn, "q_norm", None) is not None:
             q, k = self._norm(attn.q_norm), self._norm(attn.k_norm)
@@ -163,10 +187,10 @@ class NativeDecoder:
         softcap = getattr(attn, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
         act = getattr(mlp, "act_fn", None) or mlp.activation_fn
         return Layer(index=index, attn_norm=self._norm(layer.input_layernorm), qkv=qkv, qk_norm=qk_norm,
-                     o_proj=attn.o_proj,
+                     o_proj=Projection([attn.o_proj], self.rows),
                      attn_out_norm=self._norm(layer.post_attention_layernorm) if gemma else None,
                      mlp_norm=self._norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
-                     gate_up=gate_up, act=act, down=mlp.down_proj,
+                     gate_up=gate_up, act=act, down=Projection([mlp.down_proj], self.rows),
                      mlp_out_norm=self._norm(layer.post_feedforward_layernorm) if gemma else None,
                      rotary=rotary, scale=float(attn.scaling), extras=Extras(window or None, softcap or None))
 
@@ -235,12 +259,13 @@ def _gemma_norm(module: nn.Module) -> bool:
     return type(module).__name__.startswith("Gemma")
 
 
-def _projection(module: nn.Module, stacked: tuple[str], native: tuple[str], parts: tuple[str, ...]) -> Projection:
+def _projection(module: nn.Module, stacked: tuple[str], native: tuple[str], parts: tuple[str, ...],
+                rows: int | None) -> Projection:
     for names in (stacked, native):
         layer = getattr(module, names[0], None)
         if layer is not None:
-            return Projection([layer])
-    return Projection([getattr(module, name) for name in parts])
+            return Projection([layer], rows)
+    return Projection([getattr(module, name) for name in parts], rows)
 
 
 def _rotary_key(config, index: int) -> str:

@@ -68,6 +68,9 @@ class RunnerConfig:
     # native: our own decoder forward (decode_gpu.model.native_decoder); transformers: the model's own forward with
     # the paged attention plugged in (kept for the comparison); None: EDGE_DECODE_FORWARD, else native
     forward: str | None = None
+    # a sequence's logits independent of the batch: matmuls on fixed row blocks, each sequence attended on its own,
+    # fixed KV splits (docs/decode.md, "Reproducible numerics"); native forward only
+    deterministic: bool = False
     # draft tokens a sequence may feed per step: the profiling forward samples that many more rows
     num_speculative_tokens: int = 0
 
@@ -98,7 +101,10 @@ class ModelRunner:
         self.forward_name = resolve_forward(config.forward)
         # the native forward reads the model's own modules (no weight copies) and leaves the model as it is; its
         # rotary table covers max_model_len
-        self.native = NativeDecoder(model, config.max_model_len) if self.forward_name == "native" else None
+        self.native = NativeDecoder(model, config.max_model_len, config.deterministic) \
+            if self.forward_name == "native" else None
+        if config.deterministic and self.native is None:
+            raise ValueError("deterministic decoding needs the native forward, not the transformers one")
         if self.native is None:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         storage = _storage_name(model.dtype) if config.kv_storage == "auto" else config.kv_storage
@@ -111,7 +117,8 @@ class ModelRunner:
         blocks = self._budget_blocks(config, capacity)
         # one block more than the budget: the scratch block, which padded batch rows write and no sequence owns
         self.pool = KVPool(dataclasses.replace(self._shape, num_blocks=blocks + 1), device)
-        self.inputs = StepInputs(self.pool, blocks, capacity, self._max_blocks, device, self.backend)
+        self.inputs = StepInputs(self.pool, blocks, capacity, self._max_blocks, device, self.backend,
+                                 config.deterministic)
         self._batch_priority = 0  # the best priority in the batch being decoded
         self.graphs = None
         if use_graphs:
@@ -201,7 +208,7 @@ class ModelRunner:
         positions = [p for seq, ids in zip(seqs, fed) for p in range(seq.num_cached, seq.num_cached + len(ids))]
         paged = build_paged_batch(self.pool, [block_tables[s.seq_id] for s in seqs],
                                   [seq.num_cached + len(ids) for seq, ids in zip(seqs, fed)], list(map(len, fed)),
-                                  self.device, self.backend)
+                                  self.device, self.backend, deterministic=self.config.deterministic)
         # one host-to-device copy for ids and positions, before the forward
         ids_and_positions = torch.tensor([[t for ids in fed for t in ids], positions]).to(self.device)  # [2, n_fed]
         return self._model_forward(ids_and_positions[0], ids_and_positions[1], paged)

@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from decode_gpu.attention.length_groups import length_groups
-from decode_gpu.attention.paged_batch import PagedBatch, choose_num_splits
+from decode_gpu.attention.paged_batch import PagedBatch, choose_num_splits, deterministic_splits
 from decode_gpu.core.sequence import Sequence
 from decode_gpu.kv.pool import KVPool
 
@@ -28,8 +28,10 @@ IDS, POSITIONS, SLOTS, CONTEXT = range(4)
 
 class StepInputs:
     def __init__(self, pool: KVPool, scratch_block: int, capacity: int, max_blocks: int,
-                 device: torch.device, backend: str) -> None:
+                 device: torch.device, backend: str, deterministic: bool = False) -> None:
+        """deterministic: batches whose attention of a row does not depend on the other rows (build_paged_batch)."""
         self.pool = pool
+        self.deterministic = deterministic
         self.block_size = pool.shape.block_size
         self.scratch_block = scratch_block
         self.device = device
@@ -96,12 +98,16 @@ class StepInputs:
         """The PagedBatch of the first `rows` rows. On the torch path it also carries the block view its decode
         attention gathers (blocks up to max_context) and the mask of each row's context; on the CPU, rows of very
         different lengths get them in groups (PagedBatch.groups), each up to its own longest context."""
+        if self.deterministic:
+            num_splits = deterministic_splits(self.device)
         num_splits = num_splits or choose_num_splits(rows, self.pool.shape.num_kv_heads, max_context, self.device)
         dense = {}
         if self.backend == "torch":
             # on the CPU the host buffer is the device's: the lengths read without a sync
             groups = length_groups(self._columns[CONTEXT, :rows].tolist(), self.block_size) \
                 if self.device.type == "cpu" and rows > 1 else []
+            if self.deterministic and rows > 1:  # each row its own group, padded to its own context only
+                groups = [[i] for i in range(rows)]
             if len(groups) > 1:
                 dense["groups"] = tuple(self._group(rows_, num_splits) for rows_ in groups)
             else:

@@ -80,7 +80,8 @@ class TTFTPredictor:
                 ) -> tuple[float, float, float] | None:
         """(predicted TTFT, the same without the learned offset, prompt tokens ahead) of a request about to be
         queued with this priority and deadline; None while no prefill was measured or no worker is ready."""
-        ready = [w for w in self.pool.workers.values() if w.state == "ready" and w.engine_connected]
+        workers = self.pool.workers.values() if self.pool is not None else ()  # (tests may pass no pool)
+        ready = [w for w in workers if w.state == "ready" and w.engine_connected]
         if self.rate.value is None or not ready:
             return None
         rank = (priority, deadline_at or math.inf)
@@ -137,7 +138,7 @@ class SloControl:
 
     def __init__(self, pool: PrefillPool, metrics: Metrics, clock=time.monotonic) -> None:
         self.predictor = TTFTPredictor(pool)
-        self.metrics = SloMetrics(metrics)
+        self.metrics = SloMetrics(metrics if metrics is not None else Metrics(""))  # (tests may pass none)
         self.clock = clock
         self.pending: dict[str, Pending] = {}  # request id -> what is known of it, from queued to its end
         # per class: (time, met every objective, judged against one) of each request that ended or was refused

@@ -1,9 +1,11 @@
 """edge serve --ray on a local multi-node Ray cluster (ray.cluster_utils.Cluster): a head with no resources, a CPU
 node for 2 prefill workers and a node offering 2 units of the decode resource (two engines). The gateway runs as
-`edge serve --ray ADDRESS`, and the answers are compared with single-box mode's."""
+`edge serve --ray ADDRESS` with its control links inside mutual TLS (a test CA made by trustme), and the answers are
+compared with single-box mode's."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -15,6 +17,9 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from contracts.control_tls import ControlTLS  # noqa: E402
+from contracts.framing import read_message  # noqa: E402
+from contracts.messages import Challenge  # noqa: E402
 from server_process import ServerProcess, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -47,8 +52,22 @@ PROMPTS = ["Once upon a time", "The capital of France is"]
 STARTED = time.time()
 
 
-def ray_config(address: str) -> str:
-    return f'ray = "{address}"\n' + RAY_CONFIG
+def ray_config(address: str, tls: ControlTLS) -> str:
+    return (f'ray = "{address}"\ncontrol_tls_certfile = "{tls.certfile}"\ncontrol_tls_keyfile = "{tls.keyfile}"\n'
+            f'control_tls_ca = "{tls.ca}"\n' + RAY_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def control_tls(tmp_path_factory) -> ControlTLS:
+    """One certificate for every process (they share the config), signed by a CA made for this module."""
+    trustme = pytest.importorskip("trustme")
+    folder = tmp_path_factory.mktemp("control-pki")
+    ca = trustme.CA()
+    leaf = ca.issue_cert("localhost", "127.0.0.1")
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    leaf.cert_chain_pems[0].write_to_path(str(folder / "node.pem"))
+    leaf.private_key_pem.write_to_path(str(folder / "node.key"))
+    return ControlTLS(str(folder / "node.pem"), str(folder / "node.key"), str(folder / "ca.pem")).check()
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +92,8 @@ def cluster(single_box_answers):
 
 
 @pytest.fixture(scope="module")
-def server(cluster, tmp_path_factory):
-    server = ServerProcess(ray_config(cluster.address), tmp_path_factory.mktemp("ray"), POLICY)
+def server(cluster, control_tls, tmp_path_factory):
+    server = ServerProcess(ray_config(cluster.address, control_tls), tmp_path_factory.mktemp("ray"), POLICY)
     try:
         server.start(timeout_s=180)  # healthy: one worker and one engine are ready; the test needs them all
         assert wait_for(lambda: set(server.health()["components"].values()) == {"ready"}
@@ -109,6 +128,24 @@ def test_greedy_text_through_the_cluster_equals_single_box_mode(server, single_b
         answer = complete(server, prompt, 16)
         assert answer["status"] == 200, answer
         assert answer["choices"][0]["text"] == expected
+
+
+def test_the_actors_listen_inside_tls(server, control_tls):
+    """Every worker and engine the actors host listens inside TLS: with the CA's certificate a peer gets the
+    handshake's challenge over it (the links above worked through the same)."""
+    ports = []
+    for process in psutil.process_iter(["cmdline"]):
+        if re.search(r"edge\.child_main.*tcp://0\.0\.0\.0", " ".join(process.info["cmdline"] or [])):
+            ports += [c.laddr.port for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert len(ports) == 4  # 2 workers, 2 engines
+
+    async def challenged(port: int) -> bool:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=control_tls.client_context)
+        try:
+            return isinstance(await asyncio.wait_for(read_message(reader), 10), Challenge)
+        finally:
+            writer.close()
+    assert all(asyncio.run(challenged(port)) for port in ports)
 
 
 def test_new_requests_go_to_the_less_loaded_engine(server):

@@ -165,8 +165,9 @@ async def introduce(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     if challenge is None:
         raise PeerRefusedError("the listener closed the connection before its challenge" + (
             " (a TLS listener that refuses this peer's certificate does so: is it signed by the listener's "
-            "control_tls_ca?)" if bound else " (a listener with control TLS closes a plain connection: give this "
-                                             "process the control_tls_* files too)"))
+            "control_tls_ca?)" if bound else " (a listener with control TLS closes a plain connection: then give "
+                                             "this process the control_tls_* files too; a listener with too many "
+                                             "handshakes pending closes new ones)"))
     if not isinstance(challenge, Challenge):
         raise PeerRefusedError(f"the listener did not start a handshake (got {type(challenge).__name__})")
     if challenge.protocol_version != PROTOCOL_VERSION:

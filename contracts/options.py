@@ -131,6 +131,12 @@ _KNOBS = (
          "memory", gt=0, le=1),
     Knob("enforce_eager", bool, False, "no CUDA graphs in the decode step (slower; for debugging a GPU problem)",
          flag=True),
+    Knob("decode_forward", str, "native", "the decode step's model code: our own (native) or transformers' with the "
+         "paged attention plugged in (kept for comparison; docs/decode.md)", choices=("native", "transformers"),
+         flag=True),
+    Knob("deterministic", bool, False, "a sequence's tokens independent of the batch it shares and of preemption: "
+         "fixed weight precision, batch-invariant reductions; implies the native forward, swap preemption and no "
+         "speculation (slower; docs/decode.md)", flag=True),
     Knob("block_size", int, 16, "tokens per KV pool block", ge=1),
     Knob("max_num_seqs", int, 32, "sequences decoded together", ge=1),
     Knob("max_model_len", int, 4096, "prompt + output tokens of one request", ge=1),

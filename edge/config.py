@@ -62,6 +62,8 @@ class ServeConfig:
     kv_cache_tokens: int | None = knob("kv_cache_tokens")
     gpu_memory_utilization: float = knob("gpu_memory_utilization")
     enforce_eager: bool = knob("enforce_eager")
+    decode_forward: str = knob("decode_forward")
+    deterministic: bool = knob("deterministic")
     max_num_seqs: int = knob("max_num_seqs")
     max_model_len: int = knob("max_model_len")
     swap_space_gib: float = knob("swap_space_gib")

@@ -11,6 +11,7 @@ ggml_linear.py (q8_0) and packed_linear.py (prepacked bfloat16 on the CPU); `aut
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -118,9 +119,11 @@ def held_weight_dtype(model: nn.Module) -> str:
 
 
 def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtype: str,
-                 max_batch: int) -> tuple[nn.Module, WeightReport]:
+                 max_batch: int, fixed_precision: bool = False) -> tuple[nn.Module, WeightReport]:
     """The decode model on `device` with its weights as `weight_dtype` says (WEIGHT_DTYPES). A model to be quantized
-    is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there."""
+    is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there.
+    fixed_precision (deterministic decoding): one precision for every batch size (auto's plan without its float
+    weights for larger batches)."""
     from decode_gpu.model.fused_projections import fuse_projections
     from decode_gpu.model.loader import load_decode_model
     if weight_dtype not in WEIGHT_DTYPES:
@@ -138,6 +141,9 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     fuse_projections(model)  # before packing and quantizing, which then see the stacked layers
     if measure:
         plan = auto_weight_plan(device, types, model, max_batch)
+        if fixed_precision and plan.float_above is not None:
+            plan = dataclasses.replace(plan, float_above=None, why=plan.why + "; one precision at every batch size "
+                                       "(deterministic)")
     if plan.weight_dtype == "float":
         model.to(device)
         pack_linears(model, plan.packed)

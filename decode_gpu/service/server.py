@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import signal
@@ -41,13 +42,15 @@ log = logging.getLogger("decode_gpu.service.server")
 
 
 def build_engine(config: EngineProcessConfig) -> DecodeEngine:
+    config = deterministic_config(config)
     identity = read_gguf_identity(config.model)
     device = resolve_device(config.device)
     # float weights are the model's dtype (contracts.options refused a contradicting pair)
     float_weights = config.weight_dtype in FLOAT_WEIGHT_DTYPES
     dtype = resolve_dtype(config.weight_dtype if float_weights else config.dtype, device)
     spec = spec_config(config)
-    model, _ = load_weights(identity, device, dtype, config.weight_dtype, spec.max_rows(config.max_num_seqs))
+    model, _ = load_weights(identity, device, dtype, config.weight_dtype, spec.max_rows(config.max_num_seqs),
+                            fixed_precision=config.deterministic)
     tokenizer = load_tokenizer(identity)
     # decode and llama.cpp prefill share the cores only when decode runs on the CPU
     yields = config.decode_yields_to_prefill == "on" or (config.decode_yields_to_prefill == "auto"
@@ -68,7 +71,21 @@ def runner_config(config: EngineProcessConfig, spec: SpecConfig) -> RunnerConfig
                         kv_cache_tokens=config.kv_cache_tokens, gpu_memory_utilization=config.gpu_memory_utilization,
                         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         enforce_eager=config.enforce_eager,
-                        num_speculative_tokens=spec.num_speculative_tokens if spec.enabled else 0)
+                        num_speculative_tokens=spec.num_speculative_tokens if spec.enabled else 0,
+                        forward=config.decode_forward, deterministic=config.deterministic)
+
+
+def deterministic_config(config: EngineProcessConfig) -> EngineProcessConfig:
+    """deterministic implies the native forward, swap preemption (a worker's recomputed KV is not the engine's) and
+    no speculation (a verify step's multi-token query computes a position's logits otherwise than a plain step)."""
+    if not config.deterministic:
+        return config
+    implied = {"decode_forward": "native", "preemption_mode": "swap", "speculative": "off"}
+    overridden = {k: getattr(config, k) for k, v in implied.items() if getattr(config, k) != v}
+    if overridden:
+        log.warning("deterministic decoding: %s set to %s", ", ".join(f"{k} {v}" for k, v in overridden.items()),
+                    ", ".join(implied[k] for k in overridden))
+    return dataclasses.replace(config, **implied)
 
 
 def spec_config(config: EngineProcessConfig) -> SpecConfig:

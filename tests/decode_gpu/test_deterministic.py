@@ -124,3 +124,17 @@ def test_fixed_rows_computes_each_row_in_blocks_of_the_same_size():
     x = torch.randn(11, 3)
     assert torch.allclose(fixed_rows(product, x, 4), x @ weight.T)
     assert calls == [4, 4, 4]
+
+
+def test_deterministic_implies_the_native_forward_swap_and_no_speculation():
+    from contracts.process_config import EngineProcessConfig
+    from decode_gpu.service.server import deterministic_config
+    wiring = {"model": "m.gguf", "listen": "unix:/tmp/x.sock"}
+    asked = EngineProcessConfig(**wiring, deterministic=True, preemption_mode="recompute",
+                                decode_forward="transformers", speculative="ngram")
+    got = deterministic_config(asked)
+    assert (got.decode_forward, got.preemption_mode, got.speculative) == ("native", "swap", "off")
+    plain = EngineProcessConfig(**wiring, preemption_mode="recompute")
+    assert deterministic_config(plain) is plain
+    with pytest.raises(ValueError, match="deterministic decoding needs the native forward"):
+        ModelRunner(torch.nn.Module(), None, RunnerConfig(deterministic=True, forward="transformers"), CPU)

@@ -10,9 +10,13 @@ lengths cycling through --outputs. Three systems in one run, each doing prefill 
   cb       transformers generate_batch-style continuous batching (init_continuous_batching, per-request
            max_new_tokens)
 Useful tokens are the tokens each request asked for; latency is from t=0 to the request's last token.
-Then the decode step time at batch 1/8/32 and context 256: our paged step vs a plain transformers
-forward with its own DynamicCache; the cost of structured-output masks; and the step by weight_dtype
-(bench/weights_bench.py).
+Then the engine's step at batch 1/8/32 and context 256 with the serving weights (weight_dtype auto, fused
+projections) by forward: transformers' model code with the paged attention plugged in, our native forward, and
+the native forward with deterministic numerics, beside the linear layers alone (what is not overhead); the step
+time against a plain transformers forward with its own DynamicCache; the cost of structured-output masks; and the
+step by weight_dtype (bench/weights_bench.py).
+
+    .venv/bin/python -m bench.decode_bench --skip ours,static,cb,steps,grammar,weights   # the forwards' table only
 """
 
 from __future__ import annotations
@@ -126,7 +130,8 @@ def step_times(prefiller, model, device, batches, context=256, steps=9) -> list[
     handoff = prefiller.prefill(PrefillRequest("s", tokens, SamplingParams(temperature=0.0, max_tokens=64))).handoff
     rows = []
     for batch in batches:
-        runner = ModelRunner(model, prefiller.identity, RunnerConfig(kv_cache_tokens=(context + 80) * batch), device)
+        runner = ModelRunner(model, prefiller.identity, RunnerConfig(kv_cache_tokens=(context + 80) * batch,
+                                                                     forward="transformers"), device)
         engine = DecodeEngine(runner, EngineConfig())
         for i in range(batch):
             engine.add(_renamed(handoff, f"s{i}"))
@@ -146,6 +151,59 @@ def step_times(prefiller, model, device, batches, context=256, steps=9) -> list[
                 nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         rows.append((batch, before, ours, _timed(plain_step, steps, device)))
     return rows
+
+
+FORWARDS = {"transformers": {"forward": "transformers"}, "native": {"forward": "native"},
+            "native deterministic": {"forward": "native", "deterministic": True}}
+
+
+def forward_step_times(prefiller, device, batches, context=256, steps=15, rounds=3) -> tuple[str, list]:
+    """The engine's step by forward at each batch size, with the serving weights (load_weights, weight_dtype auto):
+    per batch, `rounds` rounds that time each forward's `steps` steps in turn (a burst of other work on the machine
+    lands on all of them alike), the median of all; and one pass over the linear layers alone at that batch.
+    Returns (the weights' description, rows of (batch, {forward: ms}, linear layers ms))."""
+    from decode_gpu.model.weight_plan import _pass_seconds
+    from decode_gpu.model.weight_quant import load_weights
+    dtype = resolve_dtype("auto", device)
+    model, report = load_weights(prefiller.identity, device, dtype, "auto", max(batches))
+    tokens = tuple(prefiller.tokenize(TEXT * 8)[:context])
+    handoff = prefiller.prefill(PrefillRequest("s", tokens, SamplingParams(temperature=0.0, max_tokens=1024))).handoff
+    linears = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")
+               and not list(m.children()) and type(m).__name__ != "FusedSlice"]
+    rows = []
+    for batch in batches:
+        engines = {}
+        for name, options in FORWARDS.items():
+            runner = ModelRunner(model, prefiller.identity, RunnerConfig(
+                kv_cache_tokens=(context + rounds * steps * 2 + 80) * batch, max_num_seqs=max(batches), **options),
+                device)
+            engine = DecodeEngine(runner, EngineConfig())
+            for i in range(batch):
+                engine.add(_renamed(handoff, f"s{i}"))
+            engine.step()  # imports and the first step
+            engines[name] = engine
+        times = {name: [] for name in engines}
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                times[name] += _step_times(engine.step, steps, device)
+        inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype, device=device) for m in linears}
+        linear_ms = _pass_seconds(linears, inputs) * 1e3
+        rows.append((batch, {name: statistics.median(t) for name, t in times.items()}, linear_ms))
+        del engines
+    return report.describe(), rows
+
+
+def print_forward_step_times(weights: str, rows) -> None:
+    print(f"\nThe engine's step by forward, context 256, median of 3 rounds x 15 steps; {weights}; linear layers: "
+          f"one pass over the model's linear layers alone (best of 3), the rest of a step is overhead")
+    names = list(FORWARDS)
+    print("| batch | " + " | ".join(f"{n} ms" for n in names) + " | linear layers ms | overhead transformers ms | "
+          "overhead native ms | native / transformers | deterministic / native |")
+    print("|" + "---|" * (len(names) + 6))
+    for batch, ms, linear in rows:
+        print(f"| {batch} | " + " | ".join(f"{ms[n]:.1f}" for n in names) + f" | {linear:.1f} | "
+              f"{ms['transformers'] - linear:.1f} | {ms['native'] - linear:.1f} | "
+              f"{ms['native'] / ms['transformers']:.2f}x | {ms['native deterministic'] / ms['native']:.2f}x |")
 
 
 SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": '
@@ -180,6 +238,10 @@ def _renamed(handoff, request_id):
 
 
 def _timed(fn, steps, device) -> float:
+    return statistics.median(_step_times(fn, steps, device))
+
+
+def _step_times(fn, steps, device) -> list[float]:
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -187,7 +249,7 @@ def _timed(fn, steps, device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def main() -> None:
@@ -197,7 +259,7 @@ def main() -> None:
     parser.add_argument("--outputs", default="16,32,64,128", help="output lengths, cycled over the 16 requests")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: ours,static,cb,steps,grammar,weights")
+                        help="comma list of parts to skip: ours,static,cb,forwards,steps,grammar,weights")
     args = parser.parse_args()
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
@@ -223,6 +285,8 @@ def main() -> None:
         kv = f"{r['kv_bytes'] / 2**20:.1f}" if r["kv_bytes"] is not None else "n/a (pool preallocated)"
         print(f"| {name} | {useful / r['wall']:.1f} | {percentile(r['latencies'], 50):.2f} | "
               f"{percentile(r['latencies'], 99):.2f} | {r['wall']:.1f} | {kv} |")
+    if "forwards" not in args.skip:
+        print_forward_step_times(*forward_step_times(prefiller, device, [int(b) for b in args.batches.split(",")]))
     if "steps" not in args.skip:
         print_step_times(step_times(prefiller, load_decode_model(ident, device, dtype), device,
                                     [int(b) for b in args.batches.split(",")]))

@@ -42,6 +42,11 @@ def run_benchmarks(args, device, report: Report, deadline: Deadline) -> None:
         report.stage(f"weights {name}", weight_stage, gm, report, name, models[name], device, args.contexts[0],
                      [b for b in args.batches if b in (1, 32)] or args.batches[:1], args.warmup, args.steps,
                      lambda: deadline.left() - 60)
+    if models and deadline.left() > 90:
+        from checks.gpu_forward import forward_stage
+        name = list(models)[0]  # the smallest shape: where the per-layer overhead shows, and graphs matter most
+        report.stage(f"native forward {name}", forward_stage, gm, report, name, models[name], device,
+                     args.contexts[0], min(8, max(args.batches)), args.steps, lambda: deadline.left() - 45)
     if args.skip_baselines:
         return
     for context in args.contexts:

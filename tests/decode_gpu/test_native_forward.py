@@ -146,3 +146,27 @@ def test_the_forward_is_chosen_by_name_or_environment(monkeypatch):
     assert resolve_forward() == "transformers"
     with pytest.raises(ValueError, match="forward must be one of native, transformers, not 'eager'"):
         resolve_forward("eager")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_hold_the_native_step_and_give_the_eager_tokens():
+    """On CUDA the native forward is captured whole (a graph per batch bucket); in deterministic mode its tokens
+    equal the eager path's, and the default graphs decode too."""
+    from tiny_llama import tiny_engine_setup
+    model, identity, handoffs = tiny_engine_setup("cuda")
+    fuse_projections(model)
+    model.to(torch.bfloat16)
+    got = {}
+    for name, options in {"graphs": {}, "eager": {"enforce_eager": True}}.items():
+        runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=256, max_num_seqs=4, deterministic=True,
+                                                           **options), torch.device("cuda"))
+        assert (runner.graphs is not None) == (name == "graphs")
+        engine = DecodeEngine(runner)
+        out: dict[str, list[int]] = {}
+        for event in [e for h in handoffs for e in engine.add(h)]:
+            out.setdefault(event.request_id, []).extend(event.token_ids)
+        while engine.has_work:
+            for event in engine.step():
+                out.setdefault(event.request_id, []).extend(event.token_ids)
+        got[name] = out
+    assert got["graphs"] == got["eager"]

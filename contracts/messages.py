@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.events import EngineStats, TokenEvent
+from contracts.events import EngineStats, Logprob, TokenEvent
 from contracts.handoff import SamplingParams
 
 
@@ -73,9 +73,34 @@ class PrefillJob:  # gateway -> prefill worker
     # batch does not grow past what the tightest TPOT objective allows; the handoff carries both (KVHandoff)
     deadline: float = 0.0
     tpot_slo_ms: int = 0
+    # >= 0: also report every prompt token's logprob and its top `prompt_logprobs` alternatives (PromptLogprobs,
+    # before the handoff); the worker then asks llama.cpp for the logits of every prompt position
+    prompt_logprobs: int = -1
+    # "embed": no prefill; the worker answers with EmbedDone for embed_texts (or embed_tokens), one vector each
+    task: str = "generate"
+    embed_texts: tuple[str, ...] = ()
+    embed_tokens: tuple[tuple[int, ...], ...] = ()
     # the request's tools as JSON text (OpenAI's list), for a chat template that renders them; "": none (the gateway
     # then wrote them into the messages itself, edge.tools)
     tools: str = ""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:  # prefill worker -> gateway, before the handoff, for a job with prompt_logprobs >= 0
+    request_id: str
+    tokens: tuple[int, ...]  # the prompt as prefilled
+    pieces: tuple[str, ...]  # each prompt token's text
+    entries: tuple[Logprob, ...]  # tokens[1:]: each one's logprob given the tokens before it, and the top alternatives
+    ranks: tuple[int, ...] = ()  # tokens[1:]: each one's rank in its distribution (1: the likeliest)
+
+
+@dataclass(frozen=True)
+class EmbedDone:  # prefill worker -> gateway: the answer to a job with task "embed"
+    request_id: str
+    dim: int
+    vectors: bytes  # float32 little-endian, one row of `dim` per input, in the inputs' order, L2-normalized
+    num_tokens: tuple[int, ...]  # each input's tokens
+    embed_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +112,7 @@ class PrefillDone:  # prefill worker -> gateway, after the handoff went to the e
     handoff_ms: float  # export + encode + send
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prompt cache
     resumed: bool = False  # the job was a recompute (PrefillJob.resume_index >= 0)
+    handed_off: bool = True  # False: max_tokens was 0, so nothing went to an engine and the request is done
 
 
 @dataclass(frozen=True)
@@ -111,6 +137,8 @@ class WorkerStatus:  # prefill worker -> gateway, right after the handshake
     kv_type: str
     vocab_size: int  # the gateway checks token ids against it
     engine_connected: bool = True
+    n_embd: int = 0  # the size of an embedding (0: unknown)
+    pooling: str = ""  # how embeddings are pooled: "mean", "cls", "last", "rank" (a reranker's head)
 
 
 @dataclass(frozen=True)
@@ -163,5 +191,5 @@ class Stats:  # decode engine -> gateway, periodically
 
 
 MESSAGES = (Challenge, Hello, Welcome, Refused, PrefillJob, PrefillDone, PrefillFailed, CancelPrefill, WorkerStatus,
-            Heartbeat, Handoff, Abort, DecodeYield, Speculate, Recompute, Token, Stats)
+            Heartbeat, PromptLogprobs, EmbedDone, Handoff, Abort, DecodeYield, Speculate, Recompute, Token, Stats)
 HEARTBEAT_INTERVAL_S = 1.0

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from contracts.events import EngineStats, FinishReason, TokenEvent
 from contracts.handoff import SamplingParams
-from contracts.messages import ChatMessage, PrefillDone, PrefillFailed, PrefillJob, Recompute
+from contracts.messages import ChatMessage, EmbedDone, PrefillDone, PrefillFailed, PrefillJob, PromptLogprobs, Recompute
 from contracts.tasks import spawn
 from edge.affinity import prefix_key
 from edge.api_errors import decode_error, policy_error, prefill_error
@@ -49,6 +49,7 @@ class Run:
     key_id: str | None = None
     tenant: str | None = None
     client: str = ""
+    prompt_logprobs: PromptLogprobs | None = None  # the worker's scores of the prompt, when the request asked
 
     @property
     def headers(self) -> dict[str, str]:
@@ -125,7 +126,7 @@ class Gateway:
         decision, slo = self.slo.judge(decision, request, priority, self.enforcer)  # may refuse: 429 slo_unattainable
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)
-        prefix = "chatcmpl-" if request.kind == "chat" else "cmpl-"
+        prefix = {"chat": "chatcmpl-", "embedding": "embd-"}.get(request.kind, "cmpl-")
         inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt)
         messages = tuple(ChatMessage(m["role"], m["content"], m.get("tool_calls_json", ""), m.get("tool_call_id", ""))
                          for m in request.messages) if request.messages else None
@@ -133,7 +134,11 @@ class Gateway:
                          deadline=slo.deadline, tpot_slo_ms=decision.tpot_slo_ms,
                          messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
-                         max_total_tokens=self._context_tokens(), cache_salt=salt, tools=request.template_tools)
+                         max_total_tokens=self._context_tokens(), cache_salt=salt,
+                         prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs,
+                         task="embed" if request.kind == "embedding" else "generate",
+                         embed_texts=request.embed_texts, embed_tokens=request.embed_tokens,
+                         tools=request.template_tools)
         inflight.prefix_key = prefix_key(request.prompt, request.messages, request.prompt_tokens,
                                          f"{decision.kv_type}/{salt}")
         self.registry.add(inflight)
@@ -223,10 +228,29 @@ class Gateway:
                                error_type="server_error", code="timeout") from None
             if isinstance(message, PrefillDone):
                 self._prefilled(run, message)
+                if not message.handed_off:  # max_tokens 0: the prompt was all there was to compute
+                    return self._token(run, TokenEvent.ending(run.inflight.request_id, FinishReason.LENGTH,
+                                                              num_prompt_tokens=message.num_prompt_tokens))
+            elif isinstance(message, PromptLogprobs):
+                run.prompt_logprobs = message
             elif isinstance(message, PrefillFailed):
                 raise prefill_error(message)
             else:
                 return self._token(run, message)
+
+    async def embeddings(self, run: Run) -> EmbedDone:
+        """The worker's answer to an embeddings request; failures raise ApiError."""
+        remaining = run.deadline - time.monotonic()
+        try:
+            message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
+        except TimeoutError:
+            raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} s",
+                           error_type="server_error", code="timeout") from None
+        if isinstance(message, PrefillFailed):
+            raise prefill_error(message)
+        m = self.metrics
+        m.label(m.prompt_tokens).inc(sum(message.num_tokens))
+        return message
 
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
         self.slo.prefilled(run.inflight, done)  # the measured prefill rate the TTFT prediction uses

@@ -40,6 +40,9 @@ class GenerateRequest:
     tools: ToolSpec | None = None  # chat: the tools and tool_choice
     user_text: str = ""  # every piece of client text, for content filters
     cache_salt: str = ""  # the client's own cache salt (vLLM's field); the gateway mixes it with the key's
+    prompt_logprobs: int | None = None  # completions: every prompt token's logprob and this many top alternatives
+    embed_texts: tuple[str, ...] = ()  # kind "embedding": the inputs as text, or
+    embed_tokens: tuple[tuple[int, ...], ...] = ()  # ... as token ids
     chat: ChatFormat | None = None  # chat: the model's template (tool-call format, reasoning), edge.tool_formats
     template_tools: str = ""  # chat: the tools as JSON text, for a template that renders them itself
 
@@ -73,7 +76,10 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None,
         logprobs = get_int(body, "logprobs", 0, 20, default=None)
         text = prompt or ""
     echo = _echo(body, kind, prompt, logprobs)
+    prompt_logprobs = _prompt_logprobs(body, kind, echo, logprobs)
     sampling = _sampling(body, kind, logprobs, vocab_size)
+    if sampling["max_tokens"] == 0 and sampling["n"] > 1:
+        raise ApiError(400, "'max_tokens' 0 computes the prompt alone, once: n must be 1", "n", "invalid_value")
     param, sampling["structured"] = structured_constraint(body)
     if tools is not None and tools.constrained:
         if sampling["structured"] is not None:
@@ -97,7 +103,7 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None,
     priority = get_int(body, "priority", -1_000_000, 1_000_000, default=None)
     return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
                            prompt_tokens, messages, chat_logprobs, echo, param, tools, text, _cache_salt(body),
-                           chat=chat, template_tools=template_tools(tools, chat))
+                           prompt_logprobs, chat=chat, template_tools=template_tools(tools, chat))
 
 
 def _cache_salt(body: dict) -> str:
@@ -116,13 +122,22 @@ def _echo(body: dict, kind: str, prompt: str | None, logprobs: int | None) -> bo
     if kind == "chat":
         raise ApiError(400, "'echo' is a completions parameter; chat completions do not take it", "echo",
                        "unsupported_parameter")
-    if prompt is None:
-        raise ApiError(400, "'echo' needs a text prompt here (a prompt of token ids is not echoed)", "echo",
-                       "unsupported_parameter")
-    if logprobs is not None:
-        raise ApiError(400, "'echo' with 'logprobs' is not supported: this server does not compute the prompt's "
-                            "logprobs", "echo", "unsupported_parameter")
+    if prompt is None and logprobs is None:
+        raise ApiError(400, "'echo' of a prompt of token ids needs 'logprobs' (the prompt's tokens then come back "
+                            "with their text); or send the prompt as text", "echo", "unsupported_parameter")
     return True
+
+
+def _prompt_logprobs(body: dict, kind: str, echo: bool, logprobs: int | None) -> int | None:
+    """How many top alternatives each prompt token is reported with (None: the prompt is not scored): vLLM's
+    `prompt_logprobs`, or a completion's `echo` with `logprobs` (OpenAI's way, which lm-eval uses)."""
+    value = get_int(body, "prompt_logprobs", 0, 20, default=None)
+    if value is not None and kind == "chat":
+        raise ApiError(400, "'prompt_logprobs' is a completions parameter here", "prompt_logprobs",
+                       "unsupported_parameter")
+    if echo and logprobs is not None:
+        return max(logprobs, value or 0)
+    return value
 
 
 def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | None) -> dict:
@@ -182,8 +197,9 @@ def _max_tokens(body: dict, kind: str) -> int | None:
     name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     value = get_field(body, name, int, default=None)
-    if value is not None and not 1 <= value <= MAX_TOKENS_LIMIT:
-        raise ApiError(400, f"{name!r} must be between 1 and {MAX_TOKENS_LIMIT}, got {show(value)}", name,
+    low = 1 if kind == "chat" else 0  # a completion of max_tokens 0 scores its prompt (echo, prompt_logprobs)
+    if value is not None and not low <= value <= MAX_TOKENS_LIMIT:
+        raise ApiError(400, f"{name!r} must be between {low} and {MAX_TOKENS_LIMIT}, got {show(value)}", name,
                        "invalid_value")
     return value  # None: the policy's default applies
 
@@ -224,6 +240,9 @@ def _prompt(body: dict, vocab_size: int | None) -> tuple[str | None, tuple[int, 
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return _prompt_text(prompt[0], "prompt[0]"), None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] \
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt[0]):  # a batch of one, as lm-eval
+        return None, _token_ids(prompt[0], "prompt[0]", vocab_size)
     if isinstance(prompt, str):
         return _prompt_text(prompt, "prompt"), None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -31,7 +31,16 @@ from dataclasses import dataclass, replace
 import msgspec
 
 from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, pack, read_message
-from contracts.messages import CancelPrefill, Heartbeat, PrefillDone, PrefillFailed, PrefillJob, WorkerStatus
+from contracts.messages import (
+    CancelPrefill,
+    EmbedDone,
+    Heartbeat,
+    PrefillDone,
+    PrefillFailed,
+    PrefillJob,
+    PromptLogprobs,
+    WorkerStatus,
+)
 from contracts.reconnect import Streams, stay_connected
 from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
@@ -107,6 +116,11 @@ class PrefillPool:
     @property
     def num_ready(self) -> int:
         return sum(1 for w in self.workers.values() if w.state == "ready")
+
+    @property
+    def embedding(self) -> WorkerStatus | None:
+        """A ready worker's status: its embeddings' size and pooling (every worker loads the same model)."""
+        return next((w.info for w in self.workers.values() if w.info is not None), None)
 
     @property
     def vocab_size(self) -> int | None:
@@ -198,8 +212,10 @@ class PrefillPool:
         if isinstance(message, WorkerStatus):
             worker.info, worker.state = message, "ready"
             log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)
-        elif isinstance(message, (PrefillDone, PrefillFailed)):
+        elif isinstance(message, (PrefillDone, PrefillFailed, EmbedDone)):
             self._finished(worker, message)
+        elif isinstance(message, PromptLogprobs):  # the job goes on: its PrefillDone follows
+            self.registry.deliver(message.request_id, message)
         elif not isinstance(message, Heartbeat):
             log.warning("ignoring an unexpected %s frame from %s", type(message).__name__, worker.name)
         self._dispatch()
@@ -224,7 +240,7 @@ class PrefillPool:
                     entry.job.request_id, "worker_stuck", f"prefill worker {worker.name} stopped responding"))
         worker.state = "stuck"
 
-    def _finished(self, worker: WorkerClient, message: PrefillDone | PrefillFailed) -> None:
+    def _finished(self, worker: WorkerClient, message: PrefillDone | PrefillFailed | EmbedDone) -> None:
         entry, preempted = worker.current, worker.preempting
         if worker.current_id == message.request_id:
             worker.current, worker.preempting = None, False

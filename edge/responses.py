@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from contracts.events import FinishReason, TokenEvent
 from edge.chat_output import ChatOutputStream, chat_message
 from edge.openai_api import GenerateRequest
+from edge.prompt_scores import echo_text, vllm_prompt_logprobs, with_prompt
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Completion:
     num_prompt_tokens: int = 0
     finish_reason: str | None = None  # the request's end: its last choice's FinishReason value
     error: object = None  # the ApiError that ended the request, if one did
+    prompt_scores: object = None  # the worker's PromptLogprobs, when the request scored its prompt
 
     def __post_init__(self) -> None:
         self.choices = self.choices or [Choice(i) for i in range(self.request.sampling.get("n", 1))]
@@ -67,10 +69,22 @@ class Completion:
             message, reason = chat_message(text, self.request.chat, self.request.tools, reason)
             return {"index": choice.index, "message": message, "finish_reason": reason,
                     "logprobs": chat_logprobs(choice.logprobs) if self.request.chat_logprobs else None}
-        text = self.request.prompt + text if self.request.echo else text
-        return {"index": choice.index, "text": text, "finish_reason": reason,
-                "logprobs": completion_logprobs(choice.logprobs) if self.request.sampling["logprobs"] is not None
-                else None}
+        text = echo_text(self.request.prompt, self.prompt_scores) + text if self.request.echo else text
+        body = {"index": choice.index, "text": text, "finish_reason": reason,
+                "logprobs": self._completion_logprobs(choice.logprobs, echoed=self.request.echo)}
+        return self._with_prompt_logprobs(body)
+
+    def _completion_logprobs(self, entries, echoed: bool) -> dict | None:
+        top_k = self.request.sampling["logprobs"]
+        if top_k is None:
+            return None
+        generated = completion_logprobs(entries)
+        return with_prompt(self.prompt_scores, top_k, generated) if echoed and self.prompt_scores else generated
+
+    def _with_prompt_logprobs(self, body: dict) -> dict:
+        if self.request.prompt_logprobs is not None and self.prompt_scores is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_scores, self.request.prompt_logprobs)
+        return body
 
     def chunk(self, event: TokenEvent) -> dict | None:
         """The stream chunk for one engine event (added already); None when it carries nothing to send."""
@@ -89,10 +103,12 @@ class Completion:
                     "logprobs": chat_logprobs(event.logprobs) if self.request.chat_logprobs else None}
             obj = "chat.completion.chunk"
         else:
-            text = self.request.prompt + event.text if self.request.echo and not choice.sent_role else event.text
+            echoing = self.request.echo and not choice.sent_role
+            text = echo_text(self.request.prompt, self.prompt_scores) + event.text if echoing else event.text
             body = {"index": choice.index, "text": text, "finish_reason": reason,
-                    "logprobs": completion_logprobs(event.logprobs)
-                    if self.request.sampling["logprobs"] is not None else None}
+                    "logprobs": self._completion_logprobs(event.logprobs, echoed=echoing)}
+            if not choice.sent_role:
+                body = self._with_prompt_logprobs(body)
             obj = "text_completion"
         choice.sent_role = True
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,

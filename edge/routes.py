@@ -11,6 +11,7 @@ import time
 from aiohttp import BasicAuth, web
 
 from contracts.grammar_compile import compile_timeout_s
+from edge import embeddings_api, tokenize_api
 from edge.engine_group import EngineGroup
 from edge.gateway import Gateway, Run, _bearer
 from edge.lifecycle import RequestStatus
@@ -112,6 +113,7 @@ async def _collect(gateway: Gateway, run: Run, completion: Completion) -> web.Re
     try:
         while completion.finish_reason is None:
             completion.add(await gateway.next_event(run))
+            completion.prompt_scores = run.prompt_logprobs  # the worker sends it before any token
     except ApiError as err:
         completion.error = err
         return _with_headers(err.response(), run)
@@ -130,6 +132,7 @@ async def _stream(request: web.Request, gateway: Gateway, run: Run, completion: 
     event = first
     try:
         while True:
+            completion.prompt_scores = run.prompt_logprobs
             completion.add(event)
             if (chunk := completion.chunk(event)) is not None:
                 await response.write(sse(chunk))
@@ -150,6 +153,22 @@ async def _stream(request: web.Request, gateway: Gateway, run: Run, completion: 
 def _with_headers(response: web.Response, run: Run) -> web.Response:
     response.headers.update(run.headers)
     return response
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    return await embeddings_api.embeddings(request, _read_json)
+
+
+async def rerank(request: web.Request) -> web.Response:
+    return await embeddings_api.rerank(request, _read_json)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return await tokenize_api.tokenize(request, _read_json, _model_path(request.app[GATEWAY]))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await tokenize_api.detokenize(request, _read_json, _model_path(request.app[GATEWAY]))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -279,6 +298,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/rerank", rerank)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", status_page)

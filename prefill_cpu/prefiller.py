@@ -36,6 +36,7 @@ from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
 from prefill_cpu.prefill_weights import prefill_weights_path
 from prefill_cpu.prefix_cache import PrefixCache
+from prefill_cpu.prompt_logprobs import LOGITS_CHUNK, PromptLogprobCollector
 
 log = logging.getLogger(__name__)
 SEQ = 0  # the llama.cpp sequence a prompt occupies while it is prefilled (cached prompts use 1, 2, ...)
@@ -75,14 +76,16 @@ class PrefillRequest:
     sampling: SamplingParams = SamplingParams()
     priority: int = 0
     cache_salt: str = ""  # only cached prompts of this salt are reused, and this one is kept under it
+    prompt_logprobs: int = -1  # >= 0: every prompt token's logprob and this many top alternatives (no prefix reuse)
 
 
 @dataclass(frozen=True)
 class PrefillOutcome:
-    handoff: KVHandoff
+    handoff: KVHandoff | None  # None: max_tokens 0, nothing to decode
     prefill_s: float  # llama_decode over the prompt, and sampling the first token
     export_s: float  # llama_state_seq_get_data, parsing, building the handoff
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache (not computed)
+    prompt_logprobs: PromptLogprobCollector | None = None  # when the request asked
 
 
 class Prefiller:
@@ -195,17 +198,21 @@ class Prefiller:
         grammar = self.grammars.matcher(request.sampling.structured)  # likewise: a bad constraint fails first
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
-        cached = self._reuse_cached_prefix(memory, tokens, request.cache_salt)
+        scored = PromptLogprobCollector(tokens, request.prompt_logprobs) if request.prompt_logprobs >= 0 else None
+        # every position's logits are needed then, so no cached prefix stands in for computing them
+        cached = 0 if scored is not None else self._reuse_cached_prefix(memory, tokens, request.cache_salt)
         self._should_cancel = should_cancel
         self._priority = request.priority
+        decoding = request.sampling.max_tokens > 0
         try:
             started = time.perf_counter()
-            self._decode_prompt(tokens, should_cancel, cached)
+            self._decode_prompt(tokens, should_cancel, cached, scored)
             self._should_cancel = _never  # sampling and export are short; finish them
             # one per choice; llama.cpp's logits are read, not changed
-            first = sample_first(self._last_logits(), request.sampling, tokens, self._eog_ids, grammar)
+            first = sample_first(self._last_logits(), request.sampling, tokens, self._eog_ids, grammar) \
+                if decoding else []
             exported = time.perf_counter()
-            state = self._export_state()
+            state = self._export_state() if decoding else None
             self._remember(memory, tokens, request.cache_salt)
         except PrefillCancelledError:
             done = llama_cpp.llama_memory_seq_pos_max(memory, SEQ) + 1  # the chunks finished before the cancel
@@ -214,9 +221,10 @@ class Prefiller:
         finally:
             self._should_cancel = _never
             llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)  # the next prompt starts from an empty sequence
-        handoff = self._handoff(request, state, first)
+        handoff = self._handoff(request, state, first) if decoding else None
         done = time.perf_counter()
-        return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached)
+        return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached,
+                              prompt_logprobs=scored)
 
     def _reuse_cached_prefix(self, memory, tokens: list[int], salt: str) -> int:
         """Share the cells of the longest cached prefix into SEQ; returns how many prompt tokens that covers.
@@ -235,8 +243,12 @@ class Prefiller:
             llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
             llama_cpp.llama_memory_seq_cp(memory, SEQ, seq_id, -1, -1)
 
-    def _decode_prompt(self, tokens: list[int], should_cancel, start: int = 0) -> None:
-        batch, n_batch = self._batch, self.config.n_batch
+    def _decode_prompt(self, tokens: list[int], should_cancel, start: int = 0,
+                       scored: PromptLogprobCollector | None = None) -> None:
+        """scored: every position's logits go to it, in smaller chunks (llama.cpp keeps an output buffer the size
+        of the largest chunk's logits)."""
+        batch = self._batch
+        n_batch = self.config.n_batch if scored is None else min(self.config.n_batch, LOGITS_CHUNK)
         for begin in range(start, len(tokens), n_batch):
             if should_cancel():
                 raise PrefillCancelledError(f"cancelled after {begin} of {len(tokens)} prompt tokens")
@@ -248,7 +260,8 @@ class Prefiller:
                 batch.pos[i] = begin + i
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = SEQ
-                batch.logits[i] = begin + i == len(tokens) - 1  # only the last prompt token's logits
+                # only the last prompt token's logits, unless every prompt token is scored
+                batch.logits[i] = scored is not None or begin + i == len(tokens) - 1
             rc = llama_cpp.llama_decode(self.ctx, batch)
             if rc == 1 and self.cache.entries:  # no room for this chunk: the cached prompts make room
                 _free_sequences(llama_cpp.llama_get_memory(self.ctx), self.cache.clear())
@@ -257,6 +270,9 @@ class Prefiller:
                 raise PrefillCancelledError(f"cancelled within the chunk at {begin} of {len(tokens)} prompt tokens")
             if rc != 0:
                 raise PrefillError(f"llama_decode returned {rc} at prompt token {begin}")
+            if scored is not None:  # [chunk, vocab] float32, a view of llama.cpp's buffer until the next decode
+                scored.add(begin, np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx),
+                                                        shape=(len(chunk), self.vocab_size)))
 
     def _set_threads(self) -> None:
         """Follow threads_now (the decode engine may share these cores) between two llama.cpp chunks."""

@@ -35,15 +35,18 @@ from contracts.handoff import encode_handoff
 from contracts.messages import (
     HEARTBEAT_INTERVAL_S,
     CancelPrefill,
+    EmbedDone,
     Handoff,
     Heartbeat,
     PrefillDone,
     PrefillFailed,
     PrefillJob,
+    PromptLogprobs,
     WorkerStatus,
 )
 from contracts.process_config import WorkerProcessConfig, parse_config
 from contracts.tasks import spawn
+from prefill_cpu.embedder import EmbedCancelledError, Embedder, EmbedError
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
 from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest, PromptTooLongError
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
@@ -59,6 +62,8 @@ class PrefillWorker:
         # contexts for the other KV types a degradation tier may ask for, built at startup (prepare_extra_contexts)
         self.prefillers = {p.config.kv_type: p for p in (prefiller, *extra_prefillers)}
         self.renderer = PromptRenderer(prefiller)
+        # its llama.cpp context is built on the first embeddings job, on the same weights
+        self.embedder = Embedder(prefiller.llm, prefiller.config.n_ctx, prefiller.threads)
         self.name = name
         self.secret = secret
         self.links = EngineLinks(engine, name, secret)  # engine: this worker's own, or None
@@ -76,7 +81,8 @@ class PrefillWorker:
         cfg = self.prefiller.config
         vocab_size = self.prefiller.vocab_size
         await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
-                                                vocab_size, self.links.default_connected))
+                                                vocab_size, self.links.default_connected, self.embedder.n_embd,
+                                                self.embedder.pooling_name))
         jobs: dict[str, asyncio.Task] = {}  # request id -> its job, until it has answered
         heartbeat = spawn(self._heartbeat(writer, jobs), "heartbeat to the gateway", log)
         try:
@@ -112,7 +118,7 @@ class PrefillWorker:
     async def run_job(self, job: PrefillJob, writer: asyncio.StreamWriter) -> None:
         try:
             async with self.lock:
-                reply = await self._answer(job)
+                reply = await (self._embed(job) if job.task == "embed" else self._answer(job, writer))
         finally:
             self.cancelled.discard(job.request_id)
             _release_freed_memory()
@@ -121,10 +127,49 @@ class PrefillWorker:
         except (ConnectionError, RuntimeError) as err:
             log.warning("could not answer %s: the gateway went away (%s)", job.request_id, err)
 
-    async def _answer(self, job: PrefillJob) -> PrefillDone | PrefillFailed:
+    async def _embed(self, job: PrefillJob) -> EmbedDone | PrefillFailed:
+        """An embeddings job: no engine takes part; the answer carries the vectors."""
+        rid = job.request_id
+        if rid in self.cancelled:
+            return PrefillFailed(rid, "cancelled", "cancelled before its embeddings were computed")
+        future = asyncio.get_running_loop().run_in_executor(self.thread, self._embed_now, job)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:  # the gateway went away: stop llama.cpp, and wait for the thread
+            self.cancelled.add(rid)
+            await asyncio.wait([future])
+            raise
+
+    def _embed_now(self, job: PrefillJob) -> EmbedDone | PrefillFailed:
+        rid = job.request_id
+        try:
+            inputs = [list(t) for t in job.embed_tokens] if job.embed_tokens else \
+                [self.renderer.completion_tokens(text) for text in job.embed_texts]
+            vocab_size = self.prefiller.vocab_size
+            if (bad := next((t for i in inputs for t in i if not 0 <= t < vocab_size), None)) is not None:
+                raise EmbedError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+            if (longest := max(map(len, inputs), default=0)) > job.max_prompt_tokens:
+                return PrefillFailed(rid, "prompt_too_long", f"an input has {longest} tokens; the limit is "
+                                     f"{job.max_prompt_tokens}", longest, job.max_prompt_tokens)
+            started = time.perf_counter()
+            result = self.embedder.embed(inputs, lambda: rid in self.cancelled)
+            return EmbedDone(rid, self.embedder.n_embd, result.vectors.astype("<f4").tobytes(), result.num_tokens,
+                             (time.perf_counter() - started) * 1e3)
+        except EmbedCancelledError as err:
+            return PrefillFailed(rid, "cancelled", str(err))
+        except EmbedError as err:
+            return PrefillFailed(rid, "bad_prompt", str(err))
+        except Exception as err:  # the gateway must hear of every failure, whatever it is
+            log.exception("embeddings of %s failed", rid)
+            return PrefillFailed(rid, "internal", f"embeddings failed: {err}")
+
+    async def _answer(self, job: PrefillJob, writer: asyncio.StreamWriter) -> PrefillDone | PrefillFailed:
         rid = job.request_id
         if rid in self.cancelled:
             return PrefillFailed(rid, "cancelled", "cancelled before prefill started")
+        if job.sampling.max_tokens == 0:  # nothing to decode: no engine takes part
+            result = await self._in_thread(job, self._prefiller_for(job.kv_type), lambda: rid in self.cancelled)
+            return result if isinstance(result, PrefillFailed) else await self._scored(writer, *result)
         link = await self.links.link_for(job.engine)
         if link is None or not link.connected:  # prefilling would be for nothing: the KV has nowhere to go
             where = f" at {job.engine}" if job.engine else ""
@@ -136,7 +181,17 @@ class PrefillWorker:
         if link.num_losses != losses and (isinstance(result, tuple) or result.kind == "cancelled"):
             return PrefillFailed(rid, "engine_unavailable", "the decode engine went away while this prompt was "
                                  "prefilled; retry shortly")
-        return result if isinstance(result, PrefillFailed) else await self._hand_off(link, rid, *result)
+        if isinstance(result, PrefillFailed):
+            return result
+        data, done, scored = result
+        await self._scored(writer, data, done, scored)  # before the handoff: the gateway hears it before any token
+        return await self._hand_off(link, rid, data, done)
+
+    async def _scored(self, writer: asyncio.StreamWriter, data: bytes | None, done: PrefillDone,
+                      scored: PromptLogprobs | None) -> PrefillDone:
+        if scored is not None:
+            await send_message(writer, scored)
+        return done
 
     async def _in_thread(self, job: PrefillJob, prefiller: Prefiller, should_cancel):
         """The prefill on a thread. If this task is cancelled (the gateway went away), llama.cpp is told to stop
@@ -171,14 +226,18 @@ class PrefillWorker:
             failed = _check_lengths(job, tokens, prefiller.config.n_ctx)
             if failed is not None:
                 return failed
-            request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority, job.cache_salt)
+            request = PrefillRequest(job.request_id, tuple(tokens), job.sampling, job.priority, job.cache_salt,
+                                     job.prompt_logprobs)
             outcome = prefiller.prefill(request, should_cancel=should_cancel)
             started = time.perf_counter()
-            data = encode_handoff(replace(outcome.handoff, resume_index=job.resume_index, cache_salt=job.cache_salt,
-                                          deadline=job.deadline, tpot_slo_ms=job.tpot_slo_ms))
+            data = None if outcome.handoff is None else \
+                encode_handoff(replace(outcome.handoff, resume_index=job.resume_index, cache_salt=job.cache_salt,
+                                       deadline=job.deadline, tpot_slo_ms=job.tpot_slo_ms))
             handoff_ms = (outcome.export_s + time.perf_counter() - started) * 1e3
-            return data, PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data), handoff_ms,
-                                     cached_tokens=outcome.cached_tokens, resumed=job.resume_index >= 0)
+            done = PrefillDone(job.request_id, len(tokens), outcome.prefill_s * 1e3, len(data or b""), handoff_ms,
+                               cached_tokens=outcome.cached_tokens, resumed=job.resume_index >= 0,
+                               handed_off=data is not None)
+            return data, done, self._prompt_logprobs(job, tokens, outcome)
         except PrefillCancelledError as err:
             return PrefillFailed(job.request_id, "cancelled", str(err))
         except (BadPromptError, PromptTooLongError) as err:
@@ -188,6 +247,19 @@ class PrefillWorker:
         except Exception as err:  # the gateway must hear of every failure, whatever it is
             log.exception("prefill of %s failed", job.request_id)
             return PrefillFailed(job.request_id, "internal", f"prefill failed: {err}")
+
+    def _prompt_logprobs(self, job: PrefillJob, tokens: list[int], outcome) -> PromptLogprobs | None:
+        if outcome.prompt_logprobs is None:
+            return None
+        pieces: dict[int, str] = {}
+
+        def piece(token: int) -> str:
+            if token not in pieces:
+                pieces[token] = self.prefiller.detokenize([token])
+            return pieces[token]
+        return PromptLogprobs(job.request_id, tuple(tokens), tuple(piece(t) for t in tokens),
+                              outcome.prompt_logprobs.entries(piece),
+                              tuple(int(r) for r in outcome.prompt_logprobs.ranks))
 
     def _prefiller_for(self, kv_type: str) -> Prefiller:
         """The context for the KV type a job asks for. One not prepared at startup falls back to the worker's own

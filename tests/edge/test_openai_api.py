@@ -151,10 +151,21 @@ def test_a_cache_salt_is_kept_for_the_gateway():
     assert parse_request(_chat(), "chat").cache_salt == ""
 
 
-def test_echo_takes_a_text_prompt_without_logprobs():
+def test_echo_takes_a_text_prompt_or_logprobs():
     assert parse_request(_completion(echo=True), "completion").echo
     assert not parse_request(_completion(), "completion").echo
-    for body, kind in ((_chat(echo=True), "chat"), (_completion(prompt=[1, 2], echo=True), "completion"),
-                       (_completion(echo=True, logprobs=1), "completion")):
+    for body, kind in ((_chat(echo=True), "chat"), (_completion(prompt=[1, 2], echo=True), "completion")):
         err = _refused(body, kind)
         assert (err.param, err.code) == ("echo", "unsupported_parameter"), err.message
+
+
+def test_echo_with_logprobs_scores_the_prompt():
+    scored = parse_request(_completion(prompt=[[1, 2, 3]], echo=True, logprobs=2, max_tokens=0), "completion")
+    assert (scored.prompt_tokens, scored.prompt_logprobs, scored.sampling["max_tokens"]) == ((1, 2, 3), 2, 0)
+    assert parse_request(_completion(prompt_logprobs=5), "completion").prompt_logprobs == 5
+    assert parse_request(_completion(logprobs=1), "completion").prompt_logprobs is None  # not echoed: not scored
+    for body, kind, param in ((_chat(prompt_logprobs=1), "chat", "prompt_logprobs"),
+                              (_completion(prompt_logprobs=21), "completion", "prompt_logprobs"),
+                              (_completion(max_tokens=0, n=2), "completion", "n"),
+                              (_chat(max_tokens=0), "chat", "max_tokens")):
+        assert _refused(body, kind).param == param

@@ -208,12 +208,13 @@ class Prefiller:
             started = time.perf_counter()
             self._decode_prompt(tokens, should_cancel, cached, scored)
             self._should_cancel = _never  # sampling and export are short; finish them
-            # one per choice; llama.cpp's logits are read, not changed
-            first = sample_first(self._last_logits(), request.sampling, tokens, self._eog_ids, grammar) \
+            logits = self._prompt_logits(tokens, cached, request.cache_salt)
+            # one per choice; the logits are read, not changed
+            first = sample_first(logits, request.sampling, tokens, self._eog_ids, grammar) \
                 if decoding else []
             exported = time.perf_counter()
             state = self._export_state() if decoding else None
-            self._remember(memory, tokens, request.cache_salt)
+            self._remember(memory, tokens, request.cache_salt, logits)
         except PrefillCancelledError:
             done = llama_cpp.llama_memory_seq_pos_max(memory, SEQ) + 1  # the chunks finished before the cancel
             self._remember(memory, tokens[:done], request.cache_salt)  # so the requeued prompt resumes from here
@@ -228,16 +229,31 @@ class Prefiller:
 
     def _reuse_cached_prefix(self, memory, tokens: list[int], salt: str) -> int:
         """Share the cells of the longest cached prefix into SEQ; returns how many prompt tokens that covers.
-        The last prompt token is always computed again: its logits give the first token."""
-        seq_id, shared = self.cache.match(tokens, salt)
-        shared = min(shared, len(tokens) - 1)
+        The last prompt token is computed again, its logits give the first token, unless this very prompt is
+        cached with its last logits: then every cell is shared and nothing is computed, so a repeated prompt gets
+        the KV and logits its first computation gave (llama.cpp rounds a token computed alone otherwise than
+        inside a chunk, and the same seed's text would part between a miss and a hit)."""
+        repeat = self.cache.repeat(tokens, salt)
+        if repeat is not None:
+            seq_id, shared = repeat.seq_id, len(tokens)
+        else:
+            seq_id, shared = self.cache.match(tokens, salt)
+            shared = min(shared, len(tokens) - 1)
         if seq_id is None or shared <= 0:
             return 0
         llama_cpp.llama_memory_seq_cp(memory, seq_id, SEQ, 0, shared)
         return shared
 
-    def _remember(self, memory, tokens: list[int], salt: str) -> None:
-        seq_id, evicted = self.cache.place(tuple(tokens), salt)
+    def _prompt_logits(self, tokens: list[int], cached: int, salt: str) -> np.ndarray:
+        """The last prompt token's logits: those kept with this prompt when all of it came from the cache, else
+        a copy of llama.cpp's (which the cache keeps with the prompt). # [vocab] float32"""
+        if cached == len(tokens):
+            return self.cache.repeat(tokens, salt).last_logits
+        return self._last_logits().copy()
+
+    def _remember(self, memory, tokens: list[int], salt: str, last_logits: np.ndarray | None = None) -> None:
+        """Keep the prompt's cells (and, for a whole prompt, its last logits) in the prompt cache."""
+        seq_id, evicted = self.cache.place(tuple(tokens), salt, last_logits)
         _free_sequences(memory, evicted)
         if seq_id is not None:
             llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -21,6 +22,9 @@ class CachedPrompt:
     tokens: tuple[int, ...]
     last_used: int
     salt: str = ""  # the request's cache salt: only prompts of the same salt reuse these cells
+    # the last prompt token's logits when the whole prompt was computed ([vocab] float32): the same prompt again
+    # takes them with every cell and computes nothing, so it gets the bits the first computation gave
+    last_logits: Any = None
 
 
 class PrefixCache:
@@ -52,10 +56,20 @@ class PrefixCache:
             self.entries[best_id].last_used = next(self._clock)
         return best_id, best_len
 
-    def place(self, tokens: tuple[int, ...], salt: str = "") -> tuple[int | None, list[int]]:
+    def repeat(self, tokens: tuple[int, ...] | list[int], salt: str = "") -> CachedPrompt | None:
+        """The entry of this salt holding exactly these tokens with their last logits, or None."""
+        tokens = tuple(tokens)
+        for entry in self.entries.values():
+            if entry.salt == salt and entry.last_logits is not None and entry.tokens == tokens:
+                entry.last_used = next(self._clock)
+                return entry
+        return None
+
+    def place(self, tokens: tuple[int, ...], salt: str = "",
+              last_logits: Any = None) -> tuple[int | None, list[int]]:
         """Where to keep this prompt: (seq id to store it under, or None if it does not fit, seq ids whose
-        cells must be removed first). An entry this prompt extends is replaced; otherwise the least
-        recently used entries go until the budget holds."""
+        cells must be removed first). An entry this prompt extends (or repeats) is replaced; otherwise the least
+        recently used entries go until the budget holds. last_logits: the last token's, for a whole prompt."""
         if not self.enabled or not tokens or len(tokens) > self.max_tokens:
             return None, []
         evicted = [e.seq_id for e in self.entries.values() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens]
@@ -66,7 +80,7 @@ class PrefixCache:
             self._drop(oldest)
             evicted.append(oldest)
         seq_id = self.free_ids.pop()
-        self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock), salt)
+        self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock), salt, last_logits)
         return seq_id, evicted
 
     def clear(self) -> list[int]:

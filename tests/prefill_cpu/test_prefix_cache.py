@@ -21,3 +21,15 @@ def test_an_extending_prompt_replaces_only_its_own_salts_entry():
     c, evicted = cache.place(PROMPT + (4,), salt="a")
     assert evicted == [a] and cache.match(PROMPT, salt="a") == (c, len(PROMPT))
     assert cache.match(PROMPT, salt="b") == (b, len(PROMPT))
+
+
+def test_only_an_exact_prompt_of_the_same_salt_with_its_logits_is_a_repeat():
+    cache = PrefixCache([1, 2, 3], max_tokens=1000)
+    logits = [0.5, 1.5]
+    seq_id, _ = cache.place(PROMPT, salt="a", last_logits=logits)
+    cache.place(PROMPT[:20], salt="a")  # a prompt cut short (a preempted prefill) keeps no logits
+    assert cache.repeat(PROMPT, salt="a").seq_id == seq_id and cache.repeat(list(PROMPT), "a").last_logits is logits
+    assert cache.repeat(PROMPT, salt="b") is None and cache.repeat(PROMPT[:20], salt="a") is None
+    assert cache.repeat(PROMPT + (1,), salt="a") is None and cache.repeat(PROMPT[:-1], salt="a") is None
+    again, evicted = cache.place(PROMPT, salt="a", last_logits=logits)  # replaces its own entry (and the cut one)
+    assert seq_id in evicted and cache.repeat(PROMPT, salt="a").seq_id == again

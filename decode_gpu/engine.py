@@ -9,6 +9,7 @@ One thread owns all of it (the engine thread, decode_gpu.service.engine_loop); o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,17 @@ class EngineConfig:
     speculative: SpecConfig = SpecConfig()  # n-gram speculative decoding (off by default)
 
 
+def _cost_record(runner, config: EngineConfig):
+    """Where this engine's start-up cost model is recorded by a quiet start: beside the model's converted weights
+    (None for a model without a GGUF file, e.g. tests' and benchmarks' synthetic ones)."""
+    identity = runner.identity
+    if not os.path.isfile(identity.path):
+        return None
+    from contracts.cache import converted_dir
+    key = runner.cost_record_key(config.scheduler.max_num_seqs, config.speculative.num_speculative_tokens)
+    return converted_dir(identity) / "step_costs" / f"{key}.json"
+
+
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig(), tokenizer=None,
                  eos_token_ids: tuple[int, ...] = (), step_costs: StepCosts | None = None) -> None:
@@ -70,8 +82,9 @@ class DecodeEngine:
         self.admission = Admission(self.table, self.stops, tokenizer, limits, model_side)
         self.sampler = StepSampler(self.stops, matchers)
         spec = config.speculative
-        if spec.enabled and spec.planned and step_costs is None:  # measured once, before any request
-            step_costs = runner.step_costs(config.scheduler.max_num_seqs, spec.num_speculative_tokens)
+        if spec.enabled and spec.planned and step_costs is None:  # probed (or reused), before any request
+            step_costs = runner.step_costs(config.scheduler.max_num_seqs, spec.num_speculative_tokens,
+                                           record=_cost_record(runner, config))
         self.speculator = Speculator(spec, step_costs)
         # sequences preempted by recompute whose tokens the engine's owner must have prefilled again (it drains this)
         self.recompute_requests: list[Sequence] = []
@@ -144,6 +157,7 @@ class DecodeEngine:
         if not decode:
             return 0
         fed = [drafts.get(seq.seq_id, []) for seq in decode]  # [] for a sequence without a draft this step
+        started = time.perf_counter()
         if any(fed):
             logits = self.runner.verify(decode, self.blocks.block_tables, fed)  # [sum(1 + len(draft)), vocab]
         else:
@@ -152,6 +166,10 @@ class DecodeEngine:
         # as accepted
         rows = iter(self.sampler.sample([(seq, draft[:j]) for seq, draft in zip(decode, fed)
                                          for j in range(1 + len(draft))], logits))
+        # the forward and its sampling (which reads the logits back: on CUDA, the step's end) as speculation's live
+        # cost model sees it
+        self.speculator.observe(any(fed), len(decode) + sum(map(len, fed)), len(decode),
+                                (time.perf_counter() - started) * 1e3)
         first = len(events)
         for seq, draft in zip(decode, fed):
             events.append(self._emit(seq, draft, [next(rows) for _ in range(1 + len(draft))]))

@@ -11,7 +11,12 @@ or seeded (given the same logits: a forward of another shape may round different
 
 Speculation costs compute, and how much depends on the device and the weights: on a GPU a forward of a few more
 rows costs almost nothing; on a CPU with int8 weights each row costs nearly as much as the first. So the step is
-planned against a cost model measured once at start-up (StepCosts: a forward's milliseconds by the rows it feeds).
+planned against a cost model (StepCosts: a forward's milliseconds by the rows it feeds), measured by a short probe
+at start-up (or reused from a quiet start) and then corrected by the steps as they run (LiveCosts: a moving estimate
+of observed against modelled time, for plain and for verify steps apart). A plan that drafts must beat the plain step
+by `margin` to start drafting and by `keep_margin` to go on (hysteresis); when no verify step has run for
+`probe_steps` steps while drafts were proposed, one sequence's draft is verified anyway, so that a cost model taken
+in a noisy second cannot keep speculation off for the day.
 Each sequence estimates the chance that its next draft token is accepted (from its recent drafts, decayed); the
 planner takes draft tokens in order of their expected worth (the chance that they and the ones before them are
 accepted) as long as expected tokens per millisecond rise, and drafts nothing when the plain step makes more. A
@@ -21,12 +26,15 @@ does not draft, so it probes again later.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from decode_gpu.core.block_manager import BlockCopy, BlockManager
 from decode_gpu.core.sequence import SeqState, Sequence
 
+log = logging.getLogger(__name__)
 METHODS = ("off", "ngram")
 
 
@@ -46,6 +54,8 @@ class SpecConfig:
     # batch 1 and 1.41-1.50x against 1.39-1.44x at batch 4, non-repetitive text no worse (docs/decode.md)
     margin: float = 0.3
     planned: bool = True  # plan drafts against the measured StepCosts; False: every proposal is drafted in full
+    keep_margin: float = 0.1  # while drafting, a plan need beat the plain step by only this much (hysteresis)
+    probe_steps: int = 64  # steps without a verify (while drafts were proposed) before one is verified anyway
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,10 +93,57 @@ class StepCosts:
     def verify_ms(self, rows: int, seqs: int) -> float:
         return _interpolate(self.verify, rows) + self.seq_ms * max(0, seqs - -(-rows // self.width))
 
+    def to_json(self) -> str:
+        return json.dumps({"plain": self.plain, "verify": self.verify, "width": self.width, "seq_ms": self.seq_ms})
+
+    @classmethod
+    def from_json(cls, text: str) -> StepCosts:
+        data = json.loads(text)
+        points = lambda key: tuple((int(r), float(ms)) for r, ms in data[key])  # noqa: E731
+        return cls(points("plain"), points("verify"), int(data["width"]), float(data["seq_ms"]))
+
     def describe(self) -> str:
         return "; ".join(f"{name} " + " ".join(f"{rows}:{ms:.1f}" for rows, ms in points)
                          for name, points in (("plain", self.plain), ("verify", self.verify))) + \
             f"; {self.seq_ms:.2f} a sequence more"
+
+
+class LiveCosts:
+    """StepCosts corrected by what real steps take: the start-up curves' shape, times a level per kind of step (plain,
+    verify) that follows observed / modelled ms as a moving estimate (each step weighs `weight`; one observation is
+    clamped to 1/8..8x, so a stall does not swing it). Verify steps not yet observed follow the plain level (a busy
+    machine slows both)."""
+
+    def __init__(self, prior: StepCosts, weight: float = 0.2) -> None:
+        self.prior = prior
+        self.weight = weight
+        self.plain_level = 1.0
+        self.verify_level: float | None = None
+        self.observed = {"plain": 0, "verify": 0}
+
+    def plain_ms(self, rows: int) -> float:
+        return self.prior.plain_ms(rows) * self.plain_level
+
+    def verify_ms(self, rows: int, seqs: int) -> float:
+        return self.prior.verify_ms(rows, seqs) * (self.verify_level or self.plain_level)
+
+    def observe(self, kind: str, rows: int, seqs: int, ms: float) -> None:
+        """A real step of `kind` ("plain" or "verify") fed `rows` rows of `seqs` sequences and took `ms`."""
+        modelled = self.prior.plain_ms(rows) if kind == "plain" else self.prior.verify_ms(rows, seqs)
+        if modelled <= 0 or ms <= 0:
+            return
+        ratio = min(8.0, max(0.125, ms / modelled))
+        self.observed[kind] += 1
+        if kind == "plain":
+            self.plain_level += self.weight * (ratio - self.plain_level)
+        else:
+            level = self.verify_level or self.plain_level
+            self.verify_level = level + self.weight * (ratio - level)
+
+    def describe(self) -> str:
+        verify = f"{self.verify_level:.2f}" if self.verify_level is not None else "as plain"
+        return (f"levels against the start-up model: plain {self.plain_level:.2f} ({self.observed['plain']} steps), "
+                f"verify {verify} ({self.observed['verify']} steps)")
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], rows: int) -> float:
@@ -176,7 +233,7 @@ class DraftState:
         self.tried = config.recovery * self.tried + (1 - config.recovery)
 
 
-def plan_drafts(proposals: list[list[int]], acceptance: list[float], costs: StepCosts | None,
+def plan_drafts(proposals: list[list[int]], acceptance: list[float], costs: StepCosts | LiveCosts | None,
                 margin: float = 0.0) -> list[int]:
     """How many tokens of each proposal to verify this step, for the most expected tokens per ms.
 
@@ -224,9 +281,16 @@ class Speculator:
 
     def __init__(self, config: SpecConfig, costs: StepCosts | None = None) -> None:
         self.config = config
-        self.costs = costs if config.planned else None
+        self.costs = LiveCosts(costs) if config.planned and costs is not None else None
         self.enabled = config.enabled  # a policy may turn speculation off under load, and on again
         self.counters = SpecCounters()
+        self.drafting = False  # whether the last step drafted (the hysteresis' state)
+        self.steps_since_verify = 0  # steps with proposals but no verify
+
+    def observe(self, verified: bool, rows: int, seqs: int, ms: float) -> None:
+        """A real step's time (forward and sampling), for the live cost model."""
+        if self.costs is not None:
+            self.costs.observe("verify" if verified else "plain", rows, seqs, ms)
 
     def plan(self, seqs: list[Sequence], blocks: BlockManager, max_model_len: int,
              copies: list[BlockCopy]) -> dict[str, list[int]]:
@@ -238,7 +302,7 @@ class Speculator:
         if not self.enabled:
             return {}
         proposals = [self._proposal(seq, max_model_len) for seq in seqs]
-        lengths = plan_drafts(proposals, [self._state(seq).acceptance for seq in seqs], self.costs, self.config.margin)
+        lengths = self.lengths(proposals, [self._state(seq).acceptance for seq in seqs])
         drafts = {}
         for seq, proposal, k in zip(seqs, proposals, lengths):
             if k and self._reserve(seq, k, blocks, len(seqs), copies):
@@ -246,6 +310,24 @@ class Speculator:
             elif seq.state is SeqState.RUNNING:
                 self._state(seq).rest(self.config)
         return drafts
+
+    def lengths(self, proposals: list[list[int]], acceptance: list[float]) -> list[int]:
+        """How many tokens of each proposal to verify: plan_drafts with the margin of the state (start or keep
+        drafting), or one sequence's whole proposal when no verify step has run for probe_steps steps."""
+        margin = self.config.keep_margin if self.drafting else self.config.margin
+        lengths = plan_drafts(proposals, acceptance, self.costs, margin)
+        if any(proposals) and not any(lengths):
+            self.steps_since_verify += 1
+            if self.steps_since_verify >= self.config.probe_steps:  # verify the likeliest draft: the costs may be stale
+                best = max((i for i, p in enumerate(proposals) if p), key=acceptance.__getitem__)
+                lengths[best] = len(proposals[best])
+        if any(lengths):
+            self.steps_since_verify = 0
+        if any(lengths) != self.drafting and self.costs is not None:
+            log.info("speculative decoding %s drafting (%s)", "starts" if any(lengths) else "stops",
+                     self.costs.describe())
+        self.drafting = any(lengths)
+        return lengths
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         self.counters.record(num_drafted, num_accepted)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -43,6 +45,7 @@ from sampling.sampling_params import SamplingBatch, SamplingRow
 log = logging.getLogger(__name__)
 PROFILE_LOGPROBS = 20  # the profiling forward samples with this many top logprobs, OpenAI's maximum
 COST_CONTEXT = 256  # the context of the dummy sequences speculative decoding's cost model is measured on
+PROBE_BUDGET_S = 3.0  # the start-up probe of that cost model: rounds past this are left out
 
 
 @dataclass
@@ -213,14 +216,46 @@ class ModelRunner:
         ids_and_positions = torch.tensor([[t for ids in fed for t in ids], positions]).to(self.device)  # [2, n_fed]
         return self._model_forward(ids_and_positions[0], ids_and_positions[1], paged)
 
+    def step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5, budget_s: float = PROBE_BUDGET_S,
+                   record: Path | None = None) -> StepCosts:
+        """Speculation's start-up cost model: the one recorded in `record` by an earlier quiet start of the same
+        model, weights, device, threads and batch limits if there is one, else a probe (measure_step_costs) within
+        about budget_s, recorded there when the machine was quiet through it (load average under half the cores).
+        The engine corrects it by its real steps from then on (core.speculative.LiveCosts)."""
+        if record is not None and record.is_file():
+            try:
+                costs = StepCosts.from_json(record.read_text())
+                log.info("speculative decoding's cost model recorded by a quiet start (%s): %s", record,
+                         costs.describe())
+                return costs
+            except (ValueError, KeyError, TypeError) as err:
+                log.warning("ignoring the recorded cost model %s: %s", record, err)
+        quiet = _quiet()
+        costs = self.measure_step_costs(max_num_seqs, num_draft, reps, budget_s)
+        if record is not None and quiet and _quiet():
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial = record.with_name(record.name + f".partial-{os.getpid()}")
+            partial.write_text(costs.to_json())
+            os.replace(partial, record)
+            log.info("recorded the cost model in %s (a quiet start): later starts reuse it", record)
+        return costs
+
+    def cost_record_key(self, max_num_seqs: int, num_draft: int) -> str:
+        """What a recorded cost model must match: weights, device, threads, batch limits."""
+        from decode_gpu.model.weight_quant import held_weight_dtype
+        held = held_weight_dtype(self.model).replace(" ", "_").replace("(", "").replace(")", "")
+        return (f"{self.device.type}-{held}-{self.forward_name}-t{torch.get_num_threads()}-s{max_num_seqs}-"
+                f"k{num_draft}-{self.pool.shape.storage}")
+
     @torch.inference_mode()
-    def step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5) -> StepCosts:
+    def measure_step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5,
+                           budget_s: float = PROBE_BUDGET_S) -> StepCosts:
         """What a plain step and a verify step cost by rows fed (speculative decoding plans its drafts with it),
         measured before any request: dummy sequences of COST_CONTEXT tokens (fewer when the pool is small) write
         into the pool's blocks, which nothing holds yet; a verify of r rows feeds 1 + num_draft tokens per
-        sequence. Each point is the median of `reps` forwards after a warm-up, taken in rounds over every point,
-        so that a burst of other work on the machine (a prefill worker starting on the same cores) lands on
-        all of them alike rather than on a few."""
+        sequence. Each point is the median of up to `reps` forwards after a warm-up, taken in rounds over every
+        point, so that a burst of other work on the machine (a prefill worker starting on the same cores) lands on
+        all of them alike rather than on a few; as many rounds as fit in budget_s (at least one)."""
         bs = self.pool.shape.block_size
         limit = max_num_seqs * (1 + num_draft)
         per_seq = max(1, min(-(-(COST_CONTEXT + 1 + num_draft) // bs), self.num_blocks // max_num_seqs))
@@ -251,7 +286,7 @@ class ModelRunner:
         points = {("plain", r): plain(r) for r in plain_rows} | {("verify", r): verify(r) for r in verify_rows}
         if many > few:
             points |= {("many", 2 * many): verify(2 * many, many), ("few", 2 * many): verify(2 * many)}
-        ms = self._median_ms(points, reps)
+        ms = self._median_ms(points, reps, budget_s)
         seq_ms = max(0.0, (ms["many", 2 * many] - ms["few", 2 * many]) / (many - few)) if many > few else 0.0
         costs = StepCosts(tuple((r, ms["plain", r]) for r in plain_rows),
                           tuple((r, ms["verify", r]) for r in verify_rows), 1 + num_draft, seq_ms)
@@ -259,11 +294,15 @@ class ModelRunner:
                  time.perf_counter() - started, costs.describe())
         return costs
 
-    def _median_ms(self, forwards: dict, reps: int) -> dict:
-        """The median ms of each forward over `reps` rounds that run every forward once, after a warm-up round:
-        what a step in a run of many costs (the best of them would be optimistic)."""
+    def _median_ms(self, forwards: dict, reps: int, budget_s: float = float("inf")) -> dict:
+        """The median ms of each forward over up to `reps` rounds that run every forward once, after a warm-up round,
+        as many as fit in budget_s (at least one): what a step in a run of many costs (the best of them would be
+        optimistic)."""
         times = {key: [] for key in forwards}
+        started = time.perf_counter()
         for rep in range(reps + 1):
+            if rep > 1 and (time.perf_counter() - started) * (rep + 1) / rep > budget_s:
+                break  # another round would overrun the budget
             for key, forward in forwards.items():
                 started = time.perf_counter()
                 forward()
@@ -353,6 +392,14 @@ def _shared_threads(device: torch.device, gate: PriorityGate | None) -> tuple[in
     shared = max(1, alone // 2)
     log.info("decode on the CPU: %d threads, %d while a prompt is queued for or in prefill", alone, shared)
     return alone, shared
+
+
+def _quiet() -> bool:
+    """Whether the machine is quiet now: its 1-minute load average under half its cores."""
+    try:
+        return os.getloadavg()[0] < 0.5 * (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def _attempt(failed: list[tuple[str, str]], seq_id: str, what: str, action, *args) -> None:

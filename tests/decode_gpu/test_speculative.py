@@ -15,8 +15,10 @@ import torch
 from contracts.handoff import SamplingParams
 from decode_gpu.core.speculative import (
     DraftState,
+    LiveCosts,
     NgramIndex,
     SpecConfig,
+    Speculator,
     StepCosts,
     accepted_length,
     measurement_rows,
@@ -172,7 +174,7 @@ def test_the_engine_measures_its_cost_model_at_start_and_its_output_is_unchanged
     """The measurement writes dummy K/V into blocks nothing owns yet: the requests after it decode as before."""
     request = _with(tiny[3], max_tokens=40)
     engine = _engine(tiny, SpecConfig(method="ngram", num_speculative_tokens=4))
-    costs = engine.speculator.costs
+    costs = engine.speculator.costs.prior  # the start-up model; the live one corrects it step by step
     assert [rows for rows, _ in costs.plain] == measurement_rows(engine.config.scheduler.max_num_seqs)
     assert [rows for rows, _ in costs.verify] == [r for r in measurement_rows(engine.config.scheduler.max_num_seqs * 5)
                                                   if r > 1]
@@ -387,3 +389,73 @@ def test_a_sequence_swapped_out_with_unfilled_draft_blocks_swaps_back_into_fewer
     assert runner.prepare(ScheduledStep(swap_in=[("s", [7, 8])])) == []
     after = pool.read_blocks([7, 8])
     assert all(torch.equal(a, b[:2]) for a, b in zip(after, before))
+
+
+# --- decisions measured while serving -----------------------------------------------------------------------
+def test_the_live_cost_model_follows_injected_step_times():
+    """Plain steps twice as slow as modelled move the plain level towards 2 (and the verify cost with it, none
+    observed yet); verify steps observed at the model's time then bring the verify level back on their own; one
+    stall is clamped."""
+    live = LiveCosts(FLAT)
+    for _ in range(30):
+        live.observe("plain", 1, 1, 2 * FLAT.plain_ms(1))
+    assert live.plain_ms(1) == pytest.approx(2 * FLAT.plain_ms(1), rel=0.01)
+    assert live.verify_ms(5, 1) == pytest.approx(2 * FLAT.verify_ms(5, 1), rel=0.01)
+    for _ in range(30):
+        live.observe("verify", 5, 1, FLAT.verify_ms(5, 1))
+    assert live.verify_ms(5, 1) == pytest.approx(FLAT.verify_ms(5, 1), rel=0.01)
+    assert live.plain_ms(1) == pytest.approx(2 * FLAT.plain_ms(1), rel=0.01)
+    before = live.plain_level
+    live.observe("plain", 1, 1, 1e6 * FLAT.plain_ms(1))  # a stall: counts as 8x at most
+    assert live.plain_level == pytest.approx(before + 0.2 * (8 - before))
+    assert "plain 2" in live.describe() or "plain 3" in live.describe()
+
+
+def test_speculation_starts_at_one_margin_and_keeps_going_at_a_smaller_one():
+    """Hysteresis: a plan 20% better than the plain step does not start drafting (margin 0.3) but keeps it going
+    (keep_margin 0.1); when the live costs say verify got dearer, drafting stops."""
+    costs = StepCosts(plain=((1, 10.0), (8, 12.0)), verify=((2, 12.0), (8, 14.0)), width=5)
+    speculator = Speculator(dataclasses.replace(NGRAM, planned=True), costs)
+    proposals, acceptance = [[1, 2, 3, 4]], [0.6]
+    # one row at 10 ms against a draft of 4 at 12 ms with 1 + 0.6 + 0.36 + ... expected: about 1.6x
+    rate = lambda n: (1 + sum(0.6 ** j for j in range(1, n + 1))) / costs.verify_ms(1 + n, 1)  # noqa: E731
+    best = max(rate(n) for n in range(1, 5)) / (1 / costs.plain_ms(1))
+    assert best > 1.3  # starts
+    assert any(speculator.lengths(proposals, acceptance)) and speculator.drafting
+    for _ in range(40):  # verify steps are observed 1.4x dearer than modelled: the plan now beats plain by ~15%
+        speculator.observe(True, 5, 1, 1.4 * costs.verify_ms(5, 1))
+    assert any(speculator.lengths(proposals, acceptance))  # still drafting: above keep_margin
+    speculator.drafting = False
+    assert not any(speculator.lengths(proposals, acceptance))  # would not start at that
+    for _ in range(40):
+        speculator.observe(True, 5, 1, 3 * costs.verify_ms(5, 1))
+    speculator.drafting = True
+    assert not any(speculator.lengths(proposals, acceptance)) and not speculator.drafting  # stops
+
+
+def test_a_speculator_whose_costs_say_never_still_probes_now_and_then():
+    """A cost model taken in a noisy second (every draft too dear) cannot keep speculation off: after probe_steps
+    steps with proposals, the likeliest one is verified, and what that step takes corrects the model."""
+    speculator = Speculator(dataclasses.replace(NGRAM, planned=True, probe_steps=5), LINEAR)
+    proposals, acceptance = [[1, 2], [3, 4, 5]], [0.5, 0.9]
+    planned = [speculator.lengths(proposals, acceptance) for _ in range(5)]
+    assert planned[:4] == [[0, 0]] * 4 and planned[4] == [0, 3]
+    assert speculator.lengths(proposals, acceptance) == [0, 0]  # counting again from the probe
+
+
+def test_the_start_up_probe_is_short_and_a_quiet_start_is_recorded_and_reused(tiny, tmp_path, monkeypatch):
+    from decode_gpu.runner import model_runner
+    model, identity = tiny[:2]
+    runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=512, kv_storage="float32"), torch.device("cpu"))
+    record = tmp_path / "costs.json"
+    monkeypatch.setattr(model_runner, "_quiet", lambda: False)
+    runner.step_costs(4, 2, budget_s=0.0, record=record)  # one round: the budget is spent by the warm-up
+    assert not record.exists()  # not quiet: not recorded
+    monkeypatch.setattr(model_runner, "_quiet", lambda: True)
+    measured = runner.step_costs(4, 2, budget_s=0.0, record=record)
+    assert record.exists()
+    monkeypatch.setattr(runner, "measure_step_costs", lambda *a, **k: pytest.fail("measured again"))
+    assert runner.step_costs(4, 2, record=record) == measured
+    record.write_text("{not json")
+    monkeypatch.undo()
+    assert runner.step_costs(4, 2, budget_s=0.0, record=record).plain  # a broken record is measured anew

@@ -9,7 +9,7 @@ from edge.openai_api import ApiError
 from policies.enforcer import PolicyRejection
 
 PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, code)
-    "prompt_too_long": (413, "invalid_request_error", "context_length_exceeded"),
+    "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded"),  # OpenAI's status and code
     "context_exceeded": (400, "invalid_request_error", "context_length_exceeded"),
     "bad_prompt": (400, "invalid_request_error", "invalid_prompt"),
     "worker_died": (503, "server_error", "prefill_worker_died"),
@@ -25,12 +25,17 @@ PREFILL_FAILURES = {  # worker failure kind -> (HTTP status, OpenAI error type, 
 }
 
 
-def prefill_error(failed: PrefillFailed) -> ApiError:
+def prefill_error(failed: PrefillFailed, context_tokens: int = 0, prompt_param: str = "messages") -> ApiError:
+    """context_tokens: what one request may hold (the model's context, or the KV pool if smaller), named in a
+    too-long prompt's message beside the limit that refused it; prompt_param: the field the prompt came in."""
     status, error_type, code = PREFILL_FAILURES.get(failed.kind, (500, "server_error", failed.kind))
     message = failed.message
     if failed.kind == "prompt_too_long":
-        message = (f"the prompt has {failed.num_prompt_tokens} tokens, more than the limit of {failed.limit}")
-    param = {"prompt_too_long": "messages", "context_exceeded": "max_tokens"}.get(failed.kind)
+        context = f"this model's maximum context length is {context_tokens} tokens" if context_tokens else ""
+        policy = f"prompts are limited to {failed.limit} tokens" if failed.limit < context_tokens - 1 else ""
+        message = (f"{'; '.join(p for p in (context, policy) if p) or f'the limit is {failed.limit} tokens'}. "
+                   f"However, your prompt has {failed.num_prompt_tokens} tokens; shorten it")
+    param = {"prompt_too_long": prompt_param, "context_exceeded": "max_tokens"}.get(failed.kind)
     headers = {"Retry-After": "2"} if status == 503 else {}  # a worker or a compile pool is busy or restarting
     return ApiError(status, message, param, code, error_type, headers)
 

@@ -45,6 +45,7 @@ class GenerateRequest:
     embed_tokens: tuple[tuple[int, ...], ...] = ()  # ... as token ids
     chat: ChatFormat | None = None  # chat: the model's template (tool-call format, reasoning), edge.tool_formats
     template_tools: str = ""  # chat: the tools as JSON text, for a template that renders them itself
+    asked_logprobs: bool = False  # the client asked for logprobs (a degradation tier may have taken them away)
 
 
 def parse_request(body, kind: str, *, vocab_size: int | None = None,
@@ -57,8 +58,11 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None,
     model = checked_text(get_field(body, "model", str, required=True), "model")
     _refuse_unsupported(body)
     stream = get_field(body, "stream", bool, default=False)
-    stream_options = get_field(body, "stream_options", dict, default=None) or {}
-    include_usage = bool(stream_options.get("include_usage", False))
+    stream_options = get_field(body, "stream_options", dict, default=None)
+    if stream_options is not None and not stream:  # as OpenAI and vLLM: the options of a stream need a stream
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
+                       "invalid_value")
+    include_usage = bool((stream_options or {}).get("include_usage", False))
     tools = None
     if kind == "chat":
         try:
@@ -103,7 +107,8 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None,
     priority = get_int(body, "priority", -1_000_000, 1_000_000, default=None)
     return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
                            prompt_tokens, messages, chat_logprobs, echo, param, tools, text, _cache_salt(body),
-                           prompt_logprobs, chat=chat, template_tools=template_tools(tools, chat))
+                           prompt_logprobs, chat=chat, template_tools=template_tools(tools, chat),
+                           asked_logprobs=logprobs is not None)
 
 
 def _cache_salt(body: dict) -> str:
@@ -249,6 +254,10 @@ def _prompt(body: dict, vocab_size: int | None) -> tuple[str | None, tuple[int, 
         return None, _token_ids(prompt, "prompt", vocab_size)
     if prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, f"'prompt' holds a batch of {len(prompt)} prompts; this server takes one prompt per "
+                            "request (a string, a list of token ids, or a list of one of them): send the prompts "
+                            "as separate requests", "prompt", "unsupported_parameter")
     raise ApiError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt",
                    "invalid_type")
 

@@ -10,6 +10,8 @@ from contracts.events import FinishReason, TokenEvent
 from edge.chat_output import ChatOutputStream, chat_message
 from edge.openai_api import GenerateRequest
 from edge.prompt_scores import echo_text, vllm_prompt_logprobs, with_prompt
+from edge.tool_formats import FORMATS
+from edge.tool_parser import new_call_id
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Completion:
     finish_reason: str | None = None  # the request's end: its last choice's FinishReason value
     error: object = None  # the ApiError that ended the request, if one did
     prompt_scores: object = None  # the worker's PromptLogprobs, when the request scored its prompt
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefill worker's prompt cache (its PrefillDone)
 
     def __post_init__(self) -> None:
         self.choices = self.choices or [Choice(i) for i in range(self.request.sampling.get("n", 1))]
@@ -55,20 +58,34 @@ class Completion:
     def usage(self) -> dict:
         completion = sum(choice.num_output_tokens for choice in self.choices)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion}
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": min(self.cached_tokens, self.num_prompt_tokens)}}
+
+    @property
+    def logprobs_stripped(self) -> bool:
+        """The client asked for logprobs and a degradation tier took them away ("strip"): said in the body too."""
+        return self.request.asked_logprobs and self.request.sampling["logprobs"] is None
 
     def body(self) -> dict:
         obj = "chat.completion" if self.request.kind == "chat" else "text_completion"
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [self._choice_body(choice) for choice in self.choices], "usage": self.usage}
+        return {**body, **self._degraded()}
+
+    def _degraded(self) -> dict:
+        if not self.logprobs_stripped:
+            return {}
+        return {"degraded": {"logprobs": "not computed: the server is under load and its policy drops logprobs "
+                                         "(see the X-Edge-Tier and X-Edge-Degraded headers); retry later"}}
 
     def _choice_body(self, choice: Choice) -> dict:
         text = "".join(choice.text)
         reason = choice.finish_reason
         if self.request.kind == "chat":
             message, reason = chat_message(text, self.request.chat, self.request.tools, reason)
-            return {"index": choice.index, "message": message, "finish_reason": reason,
-                    "logprobs": chat_logprobs(choice.logprobs) if self.request.chat_logprobs else None}
+            message, reason = cut_call(message, reason, choice.finish_reason, self.request.tools)
+            logprobs = self._chat_logprobs(choice.logprobs, text, choice.finish_reason)
+            return {"index": choice.index, "message": message, "finish_reason": reason, "logprobs": logprobs}
         text = echo_text(self.request.prompt, self.prompt_scores) + text if self.request.echo else text
         body = {"index": choice.index, "text": text, "finish_reason": reason,
                 "logprobs": self._completion_logprobs(choice.logprobs, echoed=self.request.echo)}
@@ -86,6 +103,34 @@ class Completion:
             body["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_scores, self.request.prompt_logprobs)
         return body
 
+    def _chat_logprobs(self, entries, text: str, finish_reason: str | None) -> dict | None:
+        if not self.request.chat_logprobs or self.logprobs_stripped:
+            return None
+        return chat_logprobs(spoken(entries, text) if finish_reason == "stop" else entries)
+
+    def chunks(self, event: TokenEvent) -> list[dict]:
+        """The OpenAI stream chunks for one engine event (added already), as OpenAI sends them: a chat stream opens
+        with a chunk of the role alone and ends with a chunk that carries finish_reason and no content."""
+        chunk = self.chunk(event)
+        if chunk is None or self.request.kind != "chat":
+            return [chunk] if chunk is not None else []
+        body = chunk["choices"][0]
+        delta, reason = {k: v for k, v in body["delta"].items() if v != ""}, body["finish_reason"]
+        out = []
+        if "role" in delta:
+            del delta["role"]
+            out.append(self._chat_chunk(body["index"], {"role": "assistant", "content": None}, None, None))
+        if delta or (body["logprobs"] or {}).get("content"):
+            out.append(self._chat_chunk(body["index"], delta, None, body["logprobs"]))
+        if reason is not None:
+            out.append(self._chat_chunk(body["index"], {}, reason, None))
+        return out
+
+    def _chat_chunk(self, index: int, delta: dict, reason: str | None, logprobs: dict | None) -> dict:
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
+                                                  "logprobs": logprobs}]}
+
     def chunk(self, event: TokenEvent) -> dict | None:
         """The stream chunk for one engine event (added already); None when it carries nothing to send."""
         choice = self.choices[event.index]
@@ -100,7 +145,7 @@ class Completion:
             if not choice.sent_role:
                 delta = {"role": "assistant", **delta}
             body = {"index": choice.index, "delta": delta, "finish_reason": reason,
-                    "logprobs": chat_logprobs(event.logprobs) if self.request.chat_logprobs else None}
+                    "logprobs": self._chat_logprobs(event.logprobs, "".join(choice.text), choice.finish_reason)}
             obj = "chat.completion.chunk"
         else:
             echoing = self.request.echo and not choice.sent_role
@@ -133,11 +178,39 @@ class Completion:
     def usage_chunk(self) -> dict:
         obj = "chat.completion.chunk" if self.request.kind == "chat" else "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [], "usage": self.usage}
+                "choices": [], "usage": self.usage, **self._degraded()}
 
 
 def _openai_finish(reason: FinishReason | str | None) -> str | None:
     return reason.value if isinstance(reason, FinishReason) else reason
+
+
+def spoken(entries, text: str) -> tuple:
+    """A choice's logprob entries without the token that ended it (the end-of-turn token, or the last token of a
+    stop string), whose text is not in the answer: the entries then join back into the content."""
+    entries = tuple(entries)
+    if entries and entries[-1].token and not text.endswith(entries[-1].token):
+        return entries[:-1]
+    return entries
+
+
+def cut_call(message: dict, reason: str | None, ended: str | None, tools) -> tuple[dict, str | None]:
+    """A forced tool call (tool_choice required or named) cut by max_tokens is still a call, as OpenAI answers: a
+    tool_calls entry with the arguments written so far, and finish_reason "length"."""
+    if ended != "length" or tools is None or not tools.constrained:
+        return message, reason
+    if message.get("tool_calls"):
+        return message, "length"
+    names = [tools.named] if tools.choice == "named" else sorted(tools.names)
+    text = message.get("content") or ""
+    called = [name for name in names if f'"{name}"' in text] or (names if len(names) == 1 else [])
+    if len(called) != 1:  # cut before the function's name was written: which one is not known
+        return message, reason
+    start = text.find("{", max(text.find('"arguments"'), text.find('"parameters"')))
+    arguments = text[start:] if start >= 0 and ('"arguments"' in text or '"parameters"' in text) else ""
+    call = {"id": new_call_id(FORMATS[tools.format]), "type": "function",
+            "function": {"name": called[0], "arguments": arguments}}
+    return {**message, "content": None, "tool_calls": [call]}, "length"
 
 
 def chat_logprobs(entries) -> dict:

@@ -36,9 +36,11 @@ from decode_gpu.core.speculative import StepCosts, measurement_rows
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.kv.pool import KVPool, PoolShape, device_index
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
+from decode_gpu.model.quantized_linear import QuantizedLinear
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
 from decode_gpu.runner.step_inputs import StepInputs
+from decode_gpu.runner.weight_switch import WeightSwitch
 from sampling.sampler import sample_rows
 from sampling.sampling_params import SamplingBatch, SamplingRow
 
@@ -134,6 +136,7 @@ class ModelRunner:
             else:
                 for layer in model.model.layers:  # the decoder layers of every supported family (docs/models.md)
                     layer.register_forward_pre_hook(self._between_layers)
+        self.weight_switch = self._weight_switch(model, capacity)
         self.swap_space: dict[str, list[torch.Tensor]] = {}  # host copies of preempted sequences' blocks
         self._threads = _shared_threads(device, gate)
 
@@ -194,7 +197,7 @@ class ModelRunner:
                         "%d): CUDA graphs off from now on", n, self.config.max_num_seqs, self.config.max_model_len)
             self.graphs = rows = None
         if rows is None:
-            return self._forward_rows(n, longest)
+            return self._switched(n, lambda: self._forward_rows(n, longest))
         if self.gate is not None and self.gate.enabled:
             self.gate.wait_turn(self._batch_priority)  # a graph replays no hook: wait between steps
         return self.graphs.replay(rows)[:n]
@@ -214,7 +217,8 @@ class ModelRunner:
                                   self.device, self.backend, deterministic=self.config.deterministic)
         # one host-to-device copy for ids and positions, before the forward
         ids_and_positions = torch.tensor([[t for ids in fed for t in ids], positions]).to(self.device)  # [2, n_fed]
-        return self._model_forward(ids_and_positions[0], ids_and_positions[1], paged)
+        return self._switched(len(positions),
+                              lambda: self._model_forward(ids_and_positions[0], ids_and_positions[1], paged))
 
     def step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5, budget_s: float = PROBE_BUDGET_S,
                    record: Path | None = None) -> StepCosts:
@@ -326,6 +330,24 @@ class ModelRunner:
         inputs = self.inputs
         paged = inputs.batch(rows, longest or self.config.max_model_len)  # its KV splits follow that length
         return self._model_forward(inputs.input_ids[:rows], inputs.positions[:rows], paged)
+
+    def _switched(self, rows: int, forward) -> torch.Tensor:
+        """forward(), timed for the weight switch when there is one (eager steps on the CPU with two precisions)."""
+        if self.weight_switch is None:
+            return forward()
+        precision = self.weight_switch.before_step(rows)
+        started = time.perf_counter()
+        logits = forward()
+        self.weight_switch.after_step(rows, precision, (time.perf_counter() - started) * 1e3)
+        return logits
+
+    def _weight_switch(self, model, capacity: int) -> WeightSwitch | None:
+        """A live switch between the quantized and float weights by batch size, when the model holds both (weight_dtype
+        auto on a CPU) and steps are eager; deterministic decoding keeps one precision."""
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.float_above is not None]
+        if not layers or self.graphs is not None or self.config.deterministic:
+            return None
+        return WeightSwitch(layers, layers[0].float_above, capacity)
 
     def _model_forward(self, ids: torch.Tensor, positions: torch.Tensor, paged) -> torch.Tensor:
         """Logits of a batch of new tokens (ids, positions: [n]) through the configured forward. # [n, vocab] float32"""

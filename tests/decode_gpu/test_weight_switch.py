@@ -1,0 +1,58 @@
+"""The weight plan's batch-size switch follows step times measured while serving (decode_gpu.runner.weight_switch):
+its estimates move with injected step times, it explores the other precision now and then, and it moves the plan
+only past the hysteresis."""
+
+from types import SimpleNamespace
+
+from decode_gpu.core.throughput import StepTimes
+from decode_gpu.runner.weight_switch import WeightSwitch
+
+
+def _switch(float_above: int = 8, explore_every: int = 5) -> WeightSwitch:
+    layers = [SimpleNamespace(float_above=float_above) for _ in range(3)]  # what the switch sets on QuantizedLinear
+    return WeightSwitch(layers, float_above, 32, explore_every=explore_every)
+
+
+def _serve(switch: WeightSwitch, rows: int, ms: dict[str, float], steps: int) -> list[str]:
+    used = []
+    for _ in range(steps):
+        precision = switch.before_step(rows)
+        # the layers hold what this step uses: float for more rows than their float_above
+        assert ("float" if rows > switch.layers[0].float_above else "quantized") == precision
+        switch.after_step(rows, precision, ms[precision])
+        used.append(precision)
+    return used
+
+
+def test_the_estimates_move_with_injected_step_times():
+    times = StepTimes()
+    times.record("a", 10.0)
+    assert times.get("a") == 10.0
+    for _ in range(30):
+        times.record("a", 20.0)
+    assert abs(times.get("a") - 20.0) < 0.1
+    times.record("a", 1e6)  # a stall counts as 8x the estimate at most
+    assert abs(times.get("a") - (20.0 + 0.2 * (160.0 - 20.0))) < 0.1
+
+
+def test_it_explores_the_other_precision_every_few_steps_and_goes_back_to_the_plan():
+    switch = _switch()
+    used = _serve(switch, 4, {"quantized": 10.0, "float": 10.5}, 10)
+    assert used == ["quantized"] * 4 + ["float"] + ["quantized"] * 4 + ["float"]
+    assert switch.float_above == 8 and switch.layers[0].float_above == 8  # within the hysteresis: no move
+
+
+def test_a_faster_float_step_moves_the_plan_past_that_batch_size_and_back():
+    switch = _switch()
+    _serve(switch, 4, {"quantized": 10.0, "float": 8.5}, 5)  # float 15% faster at 4 rows
+    assert switch.float_above == 3 and switch.layers[0].float_above == 3
+    assert _serve(switch, 4, {"quantized": 10.0, "float": 8.5}, 4) == ["float"] * 4
+    # the machine changes: the quantized step (explored) is now faster by far, and the plan moves back
+    _serve(switch, 4, {"quantized": 5.0, "float": 8.5}, 40)
+    assert switch.float_above == 4 and "(4, 'quantized')" in switch.describe()
+
+
+def test_within_the_hysteresis_the_plan_stays():
+    switch = _switch()
+    _serve(switch, 12, {"quantized": 9.5, "float": 10.0}, 30)  # quantized 5% faster above the plan: not enough
+    assert switch.float_above == 8

@@ -109,20 +109,22 @@ def test_anthropic_create_and_stream_with_a_tool(claude):
                {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
                                                   "input": use.input}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "rain"}]}]
-    with claude.messages.stream(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=tools, messages=history) as stream:
+    with claude.messages.stream(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=tools,
+                                messages=history) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.stop_reason in ("end_turn", "max_tokens", "tool_use") and final.content
     assert final.usage.output_tokens > 0 and final.usage.input_tokens > 20
-    with claude.messages.stream(model=MODEL, max_tokens=30, extra_body={"temperature": 0}, tools=tools,
-                                tool_choice={"type": "any"},
+    prompt_tokens = final.usage.input_tokens
+    with claude.messages.stream(model=MODEL, max_tokens=60, extra_body={"temperature": 0}, tools=tools,
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                 messages=[{"role": "user", "content": "Weather in Rome?"}]) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
     assert "city" in final.content[-1].input
     counted = claude.messages.count_tokens(model=MODEL, tools=tools, messages=history)
-    assert 20 < counted.input_tokens < 1000
+    assert counted.input_tokens == prompt_tokens  # the prompt the worker prefilled for the same messages
 
 
 def test_keys_quotas_priority_metrics_and_audit(server):

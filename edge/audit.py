@@ -85,6 +85,7 @@ def audit_entry(record: RequestRecord, key_name: str | None, log_text: bool) -> 
         .replace("+00:00", "Z"),
         "request_id": record.request_id, "key_id": key_name, "class": record.client_class,
         "tenant": _capped(record.tenant), "model": _capped(record.model), "kind": record.kind,
+        "route": record.route,
         "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
         "status": record.status, "finish_reason": record.finish_reason, "http_status": record.http_status,
         "degradation": list(record.degradation), "tier": record.tier, "priority": record.priority,

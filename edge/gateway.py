@@ -49,6 +49,7 @@ class Run:
     key_id: str | None = None
     tenant: str | None = None
     client: str = ""
+    route: str = ""  # the HTTP route it came in by (/v1/chat/completions, /v1/responses, ...)
     prompt_logprobs: PromptLogprobs | None = None  # the worker's scores of the prompt, when the request asked
     cached_tokens: int = 0  # prompt tokens its worker took from the prompt cache (PrefillDone), for usage
 
@@ -85,7 +86,7 @@ class Gateway:
     def check_key(self, request: web.Request) -> None:
         """For routes without a body (/v1/models): only the API key matters."""
         if self.enforcer.auth_required and _bearer(request) not in self.enforcer.policy.keys:
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                            error_type="authentication_error", code="invalid_api_key")
 
     def admit(self, http: web.Request, request: GenerateRequest) -> Run:
@@ -110,6 +111,7 @@ class Gateway:
             self.enforcer.release(decision)
             raise
         run.key_id, run.tenant, run.client = key_id(_bearer(http)), tenant, http.remote or ""
+        run.route = route_of(http)
         return run
 
     def _queue(self, request: GenerateRequest, decision: Decision, salt: str) -> Run:
@@ -316,6 +318,7 @@ class Gateway:
         if inflight.engine:  # it reached a worker, which was told its engine
             m.label(m.engine_requests, engine=inflight.engine).inc()
         m.label(m.finished, finished_reason=reason).inc()
+        m.label(m.api_requests, route=run.route, status=status.name.lower()).inc()
         log.info("request %s (priority %d) %s (%s) after %.2f s; %s", inflight.request_id, inflight.priority,
                  status.name.lower(), reason, time.perf_counter() - inflight.created,
                  inflight.ttft_breakdown() or "no first token")
@@ -323,10 +326,20 @@ class Gateway:
     def rejected(self, http: web.Request, err: ApiError, request: GenerateRequest | None) -> None:
         """A request refused before it was queued (bad input, auth, policy, load): observers hear of it too."""
         tenant_header = self.enforcer.policy.tenant_header
+        self.metrics.label(self.metrics.api_requests, route=route_of(http), status="rejected").inc()
         self._notify(RequestRecord(
             time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
             request.model if request else "", request.kind if request else "", http.remote or "", "rejected",
-            err.code or "", err.status, prompt_text=request.user_text if request else ""))
+            err.code or "", err.status, prompt_text=request.user_text if request else "", route=route_of(http)))
+
+    def answered(self, http: web.Request, request: GenerateRequest, prompt_tokens: int, reason: str) -> None:
+        """A request answered by the gateway without model work (count_tokens): observers hear of it too."""
+        tenant_header = self.enforcer.policy.tenant_header
+        self.metrics.label(self.metrics.api_requests, route=route_of(http), status="finished").inc()
+        self._notify(RequestRecord(
+            time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
+            request.model, request.kind, http.remote or "", "finished", reason, 200, prompt_tokens,
+            prompt_text=request.user_text, route=route_of(http)))
 
     def _notify(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -341,6 +354,15 @@ class Gateway:
 
 
 def _bearer(request: web.Request) -> str | None:
+    """The API key: 'Authorization: Bearer <key>', or Anthropic's 'x-api-key: <key>' (the same policy keys)."""
     header = request.headers.get("Authorization", "")
-    return header[7:].strip() if header.lower().startswith("bearer ") else None
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.headers.get("x-api-key", "").strip() or None
+
+
+def route_of(request: web.Request) -> str:
+    """The route a request matched (its path pattern), for metrics and the audit log."""
+    info = request.match_info.route.resource if request.match_info.route else None
+    return info.canonical if info is not None else request.path[:200]
 

@@ -51,6 +51,8 @@ class Metrics:
                                 labels + ["finished_reason"], registry=r)
         self.rejected = Counter("edge:requests_rejected", "Requests refused before model work, by reason",
                                 labels + ["reason"], registry=r)
+        self.api_requests = Counter("edge:api_requests", "Requests by HTTP route and how they ended (finished, "
+                                    "aborted, failed, rejected)", labels + ["route", "status"], registry=r)
         self.failed = Counter("edge:requests_failed", "Accepted requests that ended in an error", labels, registry=r)
         self.prefill_queue = Gauge("edge:prefill_queue_length", "Prompts waiting for a prefill worker", labels,
                                    registry=r)

@@ -40,6 +40,7 @@ class RequestRecord:
     # wall-clock times (epoch seconds) of the request's phases that happened: created, prefill_started (the
     # last dispatch to a worker), handed_off, first_token; the end is `time`
     marks: tuple[tuple[str, float], ...] = ()
+    route: str = ""  # the HTTP route (/v1/chat/completions, /v1/responses, /v1/messages, ...)
 
 
 def ended_record(run: Run, status: RequestStatus, reason: str, usage: dict, error: ApiError | None) -> RequestRecord:
@@ -59,4 +60,4 @@ def ended_record(run: Run, status: RequestStatus, reason: str, usage: dict, erro
                          run.request.model, run.request.kind, run.client, status.name.lower(), reason,
                          http_status, max(usage.get("prompt_tokens", 0), inflight.num_prompt_tokens), completion,
                          run.decision.notes, run.decision.tier, inflight.priority, ttft, tpot, now - inflight.created,
-                         run.request.user_text, marks)
+                         run.request.user_text, marks, run.route)

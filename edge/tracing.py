@@ -61,6 +61,7 @@ def _attributes(record) -> dict:
     values = {"edge.request_id": record.request_id, "edge.status": record.status,
               "edge.finish_reason": record.finish_reason, "http.response.status_code": record.http_status,
               "edge.client_class": record.client_class, "edge.model": record.model, "edge.kind": record.kind,
+              "http.route": record.route,
               "edge.tier": record.tier, "edge.priority": record.priority, "gen_ai.usage.input_tokens":
               record.prompt_tokens, "gen_ai.usage.output_tokens": record.completion_tokens,
               "edge.key_id": record.key_id or "", "edge.degradation": list(record.degradation)}

@@ -12,6 +12,10 @@ from aiohttp import BasicAuth, web
 
 from contracts.grammar_compile import compile_timeout_s
 from edge import embeddings_api, tokenize_api
+from edge.apis.anthropic_messages import MessagesApi, error_response, prompt_tokens
+from edge.apis.base import ClientApi
+from edge.apis.base import stream as api_stream
+from edge.apis.openai_responses import ResponsesApi
 from edge.engine_group import EngineGroup
 from edge.gateway import Gateway, Run, _bearer
 from edge.lifecycle import RequestStatus
@@ -36,27 +40,55 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
-async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat", ResponsesApi())
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat", MessagesApi())
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's count_tokens: the key checked, the prompt rendered and tokenized as a worker would, no model
+    work (so no queue, priority or quota); answered in Anthropic's shape, audited and counted like the rest."""
+    gateway: Gateway = request.app[GATEWAY]
+    parsed = None
+    try:
+        gateway.check_key(request)
+        parsed, tokens = await prompt_tokens(gateway, await _read_json(request, gateway), _model_path(gateway),
+                                             await _chat_format(gateway, "chat"))
+    except ApiError as err:
+        gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
+        gateway.rejected(request, err, parsed)
+        return error_response(err)
+    gateway.answered(request, parsed, tokens, "counted")
+    return web.json_response({"input_tokens": tokens})
+
+
+async def _generate(request: web.Request, kind: str, api: ClientApi | None = None) -> web.StreamResponse:
+    """api: another client API (Responses, Anthropic Messages) translated onto this chat path (edge/apis/)."""
     gateway: Gateway = request.app[GATEWAY]
     parsed = None
     try:
         gateway.check_key(request)
         body = await _read_json(request, gateway)
-        parsed = parse_request(body, kind, vocab_size=gateway.pool.vocab_size, chat=await _chat_format(gateway, kind))
+        parsed = api.parse(body, gateway.pool.vocab_size, await _chat_format(gateway, kind)) if api else \
+            parse_request(body, kind, vocab_size=gateway.pool.vocab_size, chat=await _chat_format(gateway, kind))
         await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway),
                                compile_owner(key_id(_bearer(request)), request.remote))
         run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
         gateway.rejected(request, err, parsed)
-        return err.response()
+        return api.error(err) if api else err.response()
     completion = Completion(run.inflight.request_id, run.request, gateway.model_name)
     status, reason = RequestStatus.ABORTED, "abort"
     try:
         if run.request.stream:
-            response = await _stream(request, gateway, run, completion)
+            response = await (api_stream(request, gateway, run, completion, api) if api
+                              else _stream(request, gateway, run, completion))
         else:
-            response = await _collect(gateway, run, completion)
+            response = await _collect(gateway, run, completion, api)
         if completion.finish_reason in ("stop", "length"):
             status, reason = RequestStatus.FINISHED, completion.finish_reason
         elif completion.error is not None and completion.error.code != "aborted":
@@ -109,7 +141,7 @@ async def _read_json(request: web.Request, gateway: Gateway):
                        code="invalid_json") from None
 
 
-async def _collect(gateway: Gateway, run: Run, completion: Completion) -> web.Response:
+async def _collect(gateway: Gateway, run: Run, completion: Completion, api: ClientApi | None = None) -> web.Response:
     try:
         while completion.finish_reason is None:
             completion.add(await gateway.next_event(run))
@@ -117,8 +149,8 @@ async def _collect(gateway: Gateway, run: Run, completion: Completion) -> web.Re
             completion.cached_tokens = run.cached_tokens
     except ApiError as err:
         completion.error = err
-        return _with_headers(err.response(), run)
-    return web.json_response(completion.body(), headers=run.headers)
+        return _with_headers(api.error(err) if api else err.response(), run)
+    return web.json_response(api.body(completion) if api else completion.body(), headers=run.headers)
 
 
 async def _stream(request: web.Request, gateway: Gateway, run: Run, completion: Completion) -> web.StreamResponse:
@@ -298,6 +330,9 @@ def add_routes(app: web.Application) -> None:
     app.middlewares.append(error_middleware)  # aiohttp's own errors (404, 405, 413) in the OpenAI shape too
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/rerank", rerank)

@@ -133,21 +133,25 @@ class CompileProcesses:
 
     def _compile(self, child: _Child, kind: str, source: str, timeout_s: float, mode: str,
                  cancelled: threading.Event | None) -> str:
-        keep = False
+        keep, reason = False, "the compiler failed"
         try:
             answer = child.ask({"kind": kind, "source": source, "mode": mode}, time.monotonic() + timeout_s,
                                cancelled)
             if answer is None:
+                reason = f"past the limit of {timeout_s:g} s"
                 raise GrammarTooComplexError(f"compiling the {kind} constraint took longer than the limit of "
                                              f"{timeout_s:g} s; it was stopped")
             keep = True
+        except CompileCancelled:
+            reason = "its requester went away"
+            raise
         except GrammarError:
             raise
         except (EOFError, OSError, ValueError):
             log.warning("structured outputs: a compile process died on a %s constraint", kind)
             raise GrammarError(f"the {kind} constraint could not be compiled (the compiler failed)") from None
         finally:
-            self._give_back(child, keep)
+            self._give_back(child, keep, reason)
         if "error" in answer:
             raise _ERRORS.get(answer["error"], GrammarError)(answer["message"])
         return answer.get("grammar", "")
@@ -175,7 +179,7 @@ class CompileProcesses:
             finally:
                 self._waiting -= 1
 
-    def _give_back(self, child: _Child, keep: bool) -> None:
+    def _give_back(self, child: _Child, keep: bool, reason: str = "") -> None:
         if not keep:
             child.kill()
         with self._cond:
@@ -184,6 +188,8 @@ class CompileProcesses:
             else:
                 self._children -= 1
                 self.killed += not keep
+                if not keep:
+                    log.info("structured outputs: a compile process was stopped (%s)", reason)
                 if not self._closed:
                     self._fill()
             self._cond.notify_all()
@@ -224,6 +230,12 @@ class CompileProcesses:
                 self._cond.notify_all()
         if closed:
             child.kill()
+
+    def state(self) -> dict:
+        """For /health: compiles running now, callers waiting for a process, processes stopped so far."""
+        with self._cond:
+            return {"compiling": self._children - self._starting - len(self._idle), "waiting": self._waiting,
+                    "stopped": self.killed}
 
     def warm(self) -> None:
         """Start the children now rather than on the first compile (their imports take a second)."""
@@ -279,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocabulary-arg", default="")
     args = parser.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    with contextlib.suppress(OSError):
+        os.nice(10)  # compiles take the cores that serving leaves: a stream's next token comes first
     # the protocol has its own descriptor: what a library prints goes to stderr, never into an answer
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

@@ -116,6 +116,8 @@ _KNOBS = (
     Knob("n_batch", int, 256, "prompt tokens per llama.cpp call", ge=1),
     Knob("prefix_cache_tokens", int, 2048, "per worker: KV of recent prompts kept for reuse; 0 = off", ge=0),
     Knob("worker_heartbeat_timeout_s", float, 5.0, "a prefill worker silent this long is declared stuck", gt=1),
+    Knob("engine_heartbeat_timeout_s", float, 5.0, "a decode engine silent this long (its stats come every 0.5 s) is "
+         "declared unresponsive: its requests end with a 503", gt=1),
     # --- the decode engine ---
     Knob("device", str, AUTO, "decode device (auto: CUDA if present)", choices=(AUTO, "cpu", "cuda"), flag=True),
     Knob("dtype", str, AUTO, "decode weights and activations (auto: bfloat16 on CUDA and bfloat16-capable CPUs)",

@@ -43,7 +43,7 @@ def prefill_error(failed: PrefillFailed, context_tokens: int = 0, prompt_param: 
 def decode_error(event: TokenEvent) -> ApiError:
     """A full or restarting engine is availability (503, retry shortly); anything else is a failure of this
     request (500)."""
-    if event.error_code in ("engine_busy", "kv_cache_full", "engine_unavailable"):
+    if event.error_code in ("engine_busy", "kv_cache_full", "engine_unavailable", "engine_unresponsive"):
         return ApiError(503, f"the decode engine cannot serve this request now: {event.error}",
                         error_type="server_error", code=event.error_code, headers={"Retry-After": "2"})
     return ApiError(500, f"decoding failed: {event.error}", error_type="server_error", code="decode_failed")

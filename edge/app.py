@@ -166,7 +166,7 @@ def make_app(config: ServeConfig) -> web.Application:
         secret = _control_secret(config, [engine_address, *worker_addresses.values()])
         pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret,
                            config.worker_heartbeat_timeout_s)
-        engine = EngineClient(engine_address, registry, secret)
+        engine = EngineClient(engine_address, registry, secret, heartbeat_timeout_s=config.engine_heartbeat_timeout_s)
     pool.on_best_priority = engine.prefill_priority_changed
     pool.on_backlog = engine.prefill_backlog_changed
     pool.choose_engine = engine.choose

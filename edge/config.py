@@ -88,6 +88,7 @@ class ServeConfig:
     allow_plaintext_control: bool = knob("allow_plaintext_control")
     control_handshake_timeout_s: float = knob("control_handshake_timeout_s")
     worker_heartbeat_timeout_s: float = knob("worker_heartbeat_timeout_s")
+    engine_heartbeat_timeout_s: float = knob("engine_heartbeat_timeout_s")
     ray: str = knob("ray")  # "": everything on this box; else the prefill workers and engines are Ray actors
     decode_engines: int = knob("decode_engines")
     ray_decode_resource: str = knob("ray_decode_resource")

@@ -2,6 +2,10 @@
 
 The connection survives anything a peer can send: a bad frame or a refused handshake is logged, the
 connection dropped and made again (contracts.reconnect), and the requests it carried end with a clear error.
+
+The engine's Stats frames (every 0.5 s, busy or not) are its heartbeat, as a prefill worker's Heartbeat is: an
+engine silent for heartbeat_timeout_s (frozen, its process stopped, its loop wedged) is declared unresponsive,
+shows so in /health, its requests end at once with a 503 (engine_unresponsive), and the connection is made again.
 """
 
 from __future__ import annotations
@@ -17,17 +21,20 @@ from contracts.tasks import spawn
 from edge.lifecycle import InFlightRegistry, RequestStatus
 
 log = logging.getLogger("edge.engine_client")
+HEARTBEAT_TIMEOUT_S = 5.0  # the engine sends Stats every 0.5 s
 
 
 class EngineClient:
     def __init__(self, address: str, registry: InFlightRegistry, secret: bytes = b"",
-                 name: str = "decode_engine") -> None:
+                 name: str = "decode_engine", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.name = name
         self.address = address
         self.registry = registry
         self.secret = secret
         self.writer: asyncio.StreamWriter | None = None
-        self.state = "connecting"  # connecting | ready | down | refused
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.state = "connecting"  # connecting | ready | unresponsive | down | refused
+        self.unresponsive_count = 0
         self.last_error: str | None = None
         self.stats: EngineStats | None = None
         self.closing = False  # set at shutdown: a dropped connection is then expected
@@ -73,6 +80,8 @@ class EngineClient:
         except ProtocolError as err:
             self.last_error = str(err)
             log.error("dropping the decode engine connection after a bad frame: %s", err)
+        except TimeoutError:
+            self._unresponsive()
         finally:
             self._lost()
 
@@ -117,7 +126,7 @@ class EngineClient:
                 pass
 
     async def _serve(self, reader: asyncio.StreamReader) -> None:
-        while (message := await read_message(reader)) is not None:
+        while (message := await asyncio.wait_for(read_message(reader), self.heartbeat_timeout_s)) is not None:
             if isinstance(message, Token):
                 self.registry.deliver(message.event.request_id, message.event)
             elif isinstance(message, Stats):
@@ -127,12 +136,24 @@ class EngineClient:
             else:
                 log.warning("ignoring an unexpected %s frame from the engine", type(message).__name__)
 
+    def _unresponsive(self) -> None:
+        """Silent past the heartbeat timeout: its requests must not wait for it."""
+        self.unresponsive_count += 1
+        self.last_error = f"the decode engine sent nothing for {self.heartbeat_timeout_s:g} s (frozen or wedged)"
+        log.error("%s is unresponsive: %s", self.name, self.last_error)
+        self.state = "unresponsive"
+        self._end_requests("the decode engine stopped responding; retry shortly", "engine_unresponsive")
+
     def _lost(self) -> None:
-        if not self.closing:
+        if not self.closing and self.state != "unresponsive":
             log.error("lost the decode engine connection")
-        self.state, self.writer, self.stats = "down", None, None
+        self.state = "unresponsive" if self.state == "unresponsive" else "down"
+        if self.writer is not None:
+            self.writer.close()  # a frozen engine's socket is let go, not left open
+        self.writer, self.stats = None, None
+        self._end_requests("the decode engine went away (it is restarting); retry shortly", "engine_unavailable")
+
+    def _end_requests(self, message: str, code: str) -> None:
         for request in list(self.registry.requests.values()):
             if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING) and self.owns(request):
-                self.registry.deliver_ending(request.request_id, FinishReason.ERROR,
-                                             "the decode engine went away (it is restarting); retry shortly",
-                                             "engine_unavailable")
+                self.registry.deliver_ending(request.request_id, FinishReason.ERROR, message, code)

@@ -24,7 +24,7 @@ from edge.openai_api import ApiError, parse_request
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
 from edge.status import STATUS, StatusBoard, page
-from edge.structured_request import check_structured, compile_owner
+from edge.structured_request import check_structured, compile_owner, structured_state
 from edge.tool_formats import ChatFormat, chat_format_of
 from policies.quota import key_id
 
@@ -230,7 +230,8 @@ async def health(request: web.Request) -> web.Response:
             else "shutting_down", "model": gateway.model_name, "components": components, "processes": processes,
             "errors": _component_errors(gateway), "prefill": _prefill_state(gateway),
             "prefill_queue": gateway.pool.queue_length, "policy": _policy_state(request),
-            "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None}
+            "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None,
+            "structured_outputs": structured_state()}
     if group is not None:
         body["engines"] = _engine_state(group)
     return web.json_response(body, status=200 if ready else 503)

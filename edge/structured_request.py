@@ -58,6 +58,12 @@ def _check(model_path: str | None):
     return check
 
 
+def structured_state() -> dict:
+    """For /health: the gateway's compile processes (running, waiting, stopped so far), over all models."""
+    states = [check.processes.state() for check in _GRAMMAR_CHECKS.values()]
+    return {name: sum(state[name] for state in states) for name in ("compiling", "waiting", "stopped")}
+
+
 def close_structured_checks() -> None:
     """Stop every compile of the gateway's checks (at shutdown): the requests awaiting them end at once."""
     for check in _GRAMMAR_CHECKS.values():

@@ -1,10 +1,12 @@
 """Each constrained choice's grammar matcher and the step's token bitmask, from one set of grammar tables.
 
-The tokenizer's tables take seconds to build, so they are built on the first structured request, not at start-up
-(an engine that never sees one never pays for them).
+The tokenizer's tables take seconds to build: they are built in a thread of their own as the engine starts, so
+that the first structured request does not hold the engine thread (and every stream) while they are made.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -18,6 +20,16 @@ class GrammarMatchers:
         self.runner = runner  # its model's vocabulary sizes the masks (read on first use: test runners have no model)
         self.stop_token_ids = stop_token_ids  # the tokens that complete a grammar
         self._grammars: Grammars | None = None
+        self._building: threading.Thread | None = None
+        if tokenizer is not None and getattr(runner, "model", None) is not None:
+            self._building = threading.Thread(target=self._build, name="grammar-tables", daemon=True)
+            self._building.start()
+
+    def _build(self) -> None:
+        try:
+            self._grammars = Grammars(self.tokenizer, self.runner.model.config.vocab_size, self.stop_token_ids)
+        except Exception:  # built again, with its error, on the first structured request
+            pass
 
     def matcher(self, seq: Sequence):
         """The sequence's grammar matcher, having taken the first token (which the prefill worker masked); a
@@ -33,6 +45,9 @@ class GrammarMatchers:
         return self._built().bitmask(matchers, device)
 
     def _built(self) -> Grammars:
+        if self._building is not None:
+            self._building.join()
+            self._building = None
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer to build token masks with")

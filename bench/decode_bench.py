@@ -167,7 +167,9 @@ def forward_step_times(prefiller, device, batches, context=256, steps=15, rounds
     dtype = resolve_dtype("auto", device)
     model, report = load_weights(prefiller.identity, device, dtype, "auto", max(batches))
     tokens = tuple(prefiller.tokenize(TEXT * 8)[:context])
-    handoff = prefiller.prefill(PrefillRequest("s", tokens, SamplingParams(temperature=0.0, max_tokens=1024))).handoff
+    new_tokens = rounds * steps + 8  # every sequence still decoding at the last timed step
+    handoff = prefiller.prefill(PrefillRequest("s", tokens, SamplingParams(temperature=0.0,
+                                                                           max_tokens=new_tokens))).handoff
     linears = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")
                and not list(m.children()) and type(m).__name__ != "FusedSlice"]
     rows = []
@@ -175,7 +177,7 @@ def forward_step_times(prefiller, device, batches, context=256, steps=15, rounds
         engines = {}
         for name, options in FORWARDS.items():
             runner = ModelRunner(model, prefiller.identity, RunnerConfig(
-                kv_cache_tokens=(context + rounds * steps * 2 + 80) * batch, max_num_seqs=max(batches), **options),
+                kv_cache_tokens=(context + new_tokens + 32) * batch, max_num_seqs=max(batches), **options),
                 device)
             engine = DecodeEngine(runner, EngineConfig())
             for i in range(batch):

@@ -97,7 +97,11 @@ async def offer(system: System, specs: list[RequestSpec], offsets, timeout_s: fl
 
     async def fire(spec: RequestSpec, offset: float) -> RequestResult:
         await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
-        return await send(sessions[spec.label], system.url, system.model, spec)
+        sent = time.perf_counter()
+        result = await send(sessions[spec.label], system.url, system.model, spec)
+        if result.e2e_s is None:  # answered with an error status: how long the answer took
+            result.e2e_s = time.perf_counter() - sent
+        return result
     try:
         return list(await asyncio.gather(*(fire(s, float(o)) for s, o in zip(specs, offsets))))
     finally:
@@ -152,7 +156,19 @@ async def capacity(system: System, args) -> float:
     return sum(1 for r in results if r.ok) / (time.perf_counter() - started)
 
 
-async def run_system(system: System, rates: list[float], args, slo) -> dict:
+async def idle_latency(system: System, args) -> tuple[float, float]:
+    """TTFT and TPOT p50 (s) of interactive requests one at a time: what 'auto' objectives are scaled from."""
+    ttft, tpot = [], []
+    for i in range(5):
+        spec = workload(1, args.seed + 300 + i, 1.0, args.max_tokens)
+        result = (await offer(system, spec, np.zeros(1), 120))[0]
+        if result.ok:
+            ttft.append(result.ttft_s)
+            tpot.append(result.tpot_s or 0.0)
+    return float(np.median(ttft)), float(np.median(tpot))
+
+
+async def run_system(system: System, rates: list[float], loads: list[float], args, slo) -> dict:
     system.start()
     try:
         await offer(system, workload(4, args.seed + 7, 0.5, args.max_tokens), np.zeros(4), 120)  # warm-up
@@ -164,9 +180,7 @@ async def run_system(system: System, rates: list[float], args, slo) -> dict:
             results = await offer(system, specs, arrival_times(n, rate, args.seed + i), args.phase_s + args.drain_s)
             phases[rate] = {"classes": summarize(results, args.phase_s, slo),
                             "predictor": error_shares(before, prediction_errors(system.url))}
-            inter = phases[rate]["classes"]["interactive"]
-            print(f"  {system.name} @ {rate:.2f} req/s: interactive {inter['met']}/{inter['offered']} met, "
-                  f"{inter['refused']} refused", flush=True)
+            print(table({system.name: phases}, [rate], [loads[i]]).splitlines()[-1], flush=True)
         return phases
     finally:
         system.stop()
@@ -199,35 +213,40 @@ def main() -> None:
                         "phase's arrivals end counts as failed")
     parser.add_argument("--capacity-requests", type=int, default=24)
     parser.add_argument("--share", type=float, default=0.5, help="interactive share of the requests")
-    parser.add_argument("--ttft-slo-ms", type=int, default=1000)
-    parser.add_argument("--tpot-slo-ms", type=int, default=150)
+    parser.add_argument("--ttft-slo-ms", type=int, default=0, help="interactive TTFT objective; 0: 4x the idle TTFT "
+                        "measured here (a busy or slow box keeps a meaningful objective)")
+    parser.add_argument("--tpot-slo-ms", type=int, default=0, help="interactive TPOT objective; 0: 2x the idle TPOT")
     parser.add_argument("--max-tokens", default="32,64", help="interactive,batch answer lengths")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.max_tokens = tuple(int(x) for x in args.max_tokens.split(","))
     gguf = args.model or str(embedded_model_path())
     loads = [float(x) for x in args.loads.split(",")]
-    slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     priority_only = ours("ours, priorities only", gguf, args.threads, policy(None, None))
-    systems = [ours("ours, objectives", gguf, args.threads, policy(args.ttft_slo_ms, args.tpot_slo_ms)),
-               priority_only]
     other, note = baseline(gguf, args.threads)
-    systems += [other] if other else []
 
     async def run() -> tuple[float, dict]:
         priority_only.start()
         try:
+            idle = await idle_latency(priority_only, args)
             cap = await capacity(priority_only, args)
         finally:
             priority_only.stop()
-        print(f"measured capacity of the mix: {cap:.2f} req/s", flush=True)
+        args.ttft_slo_ms = args.ttft_slo_ms or max(100, round(4 * idle[0] * 1e3, -1))
+        args.tpot_slo_ms = args.tpot_slo_ms or max(20, round(2 * idle[1] * 1e3, -1))
+        print(f"idle interactive TTFT {idle[0] * 1e3:.0f} ms, TPOT {idle[1] * 1e3:.0f} ms; objectives "
+              f"{args.ttft_slo_ms:.0f} / {args.tpot_slo_ms:.0f} ms; measured capacity of the mix: {cap:.2f} req/s",
+              flush=True)
+        slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+        systems = [ours("ours, objectives", gguf, args.threads, policy(int(args.ttft_slo_ms), int(args.tpot_slo_ms))),
+                   priority_only, *([other] if other else [])]
         rates = [load * cap for load in loads]
-        return cap, {system.name: await run_system(system, rates, args, slo) for system in systems}
+        return cap, {system.name: await run_system(system, rates, loads, args, slo) for system in systems}
 
     started = time.perf_counter()
     cap, results = asyncio.run(run())
     rates = [load * cap for load in loads]
-    print(f"\nObjectives: interactive TTFT {args.ttft_slo_ms} ms, TPOT {args.tpot_slo_ms} ms; batch none. "
+    print(f"\nObjectives: interactive TTFT {args.ttft_slo_ms:.0f} ms, TPOT {args.tpot_slo_ms:.0f} ms; batch none. "
           f"Capacity {cap:.2f} req/s ({args.capacity_requests} at once, ours with priorities only); "
           f"{args.phase_s:g} s of Poisson arrivals per load, {args.share:.0%} interactive, answers "
           f"{args.max_tokens[0]}/{args.max_tokens[1]} tokens; {time.perf_counter() - started:.0f} s in all")

@@ -29,7 +29,7 @@ def chat_message(text: str, chat: ChatFormat | None, tools: ToolSpec | None,
     if reasoning is not None:
         message["reasoning_content"] = reasoning
     if _tools_on(tools) and (finish_reason in ("stop", None) or tools.constrained):
-        rest, calls = parse_tool_calls(content, FORMATS[tools.format], tools.names, tools.parallel)
+        rest, calls = parse_tool_calls(content, FORMATS[tools.format], tools.names, tools.parallel_calls)
         if calls:
             message.update(content=rest or None, tool_calls=calls)
             finish_reason = "tool_calls"
@@ -42,7 +42,7 @@ class ChatOutputStream:
 
     def __init__(self, chat: ChatFormat | None, tools: ToolSpec | None) -> None:
         self.reasoning = ReasoningStream(chat.think_in_prompt) if chat is not None and chat.reasoning else None
-        self.tools = (ToolCallStream(FORMATS[tools.format], tools.names, tools.parallel) if _tools_on(tools)
+        self.tools = (ToolCallStream(FORMATS[tools.format], tools.names, tools.parallel_calls) if _tools_on(tools)
                       else None)
 
     @property

@@ -46,6 +46,11 @@ class ToolSpec:
         return self.choice in ("required", "named")
 
     @property
+    def parallel_calls(self) -> bool:
+        """Several calls may come: parallel_tool_calls, but not when tool_choice names the function (one call)."""
+        return self.parallel and self.choice != "named"
+
+    @property
     def names(self) -> set[str]:
         return {t["name"] for t in self.tools}
 
@@ -53,7 +58,7 @@ class ToolSpec:
         """The Lark rules of the answer (ending in `answer_start`): calls in the format, and with "auto" free text
         too, or `answer` (a response_format's rule) where one is given."""
         tools = [t for t in self.tools if self.choice != "named" or t["name"] == self.named]
-        return tools_grammar(tools, FORMATS[self.format], free=self.choice == "auto", parallel=self.parallel,
+        return tools_grammar(tools, FORMATS[self.format], free=self.choice == "auto", parallel=self.parallel_calls,
                              answer=answer)
 
 

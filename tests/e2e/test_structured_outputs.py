@@ -177,9 +177,10 @@ def test_a_named_tool_choice_returns_a_call_whose_arguments_fit_the_schema(clien
     assert args.unit in ("celsius", "fahrenheit")
     chunks = list(client.chat.completions.create(**request, stream=True))
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)  # the call's JSON is not streamed as text
-    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
-    assert WeatherArgs.model_validate_json(calls[0].function.arguments) == args
+    deltas = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert {t.index for t in deltas} == {0} and deltas[0].function.name == "get_weather" and deltas[0].id
+    arguments = "".join(t.function.arguments or "" for t in deltas)  # the name first, then argument fragments
+    assert WeatherArgs.model_validate_json(arguments) == args
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

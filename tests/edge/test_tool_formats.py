@@ -105,6 +105,8 @@ def test_parallel_calls_follow_parallel_tool_calls(vocabulary):
     two = CALLS["hermes"] + "\n" + CALLS["hermes"]
     assert accepts(vocabulary, constraint("hermes", tool_choice="required"), two)
     assert not accepts(vocabulary, constraint("hermes", tool_choice="required", parallel_tool_calls=False), two)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert not accepts(vocabulary, constraint("hermes", tool_choice=named), two)  # a named function: one call
 
 
 def test_nested_parameters_with_defs_are_enforced(vocabulary):

@@ -101,3 +101,32 @@ def test_tool_text_that_cannot_travel_is_a_400_not_a_500(messages, tools, param)
     with pytest.raises(ApiError) as info:
         parse_request(body, "chat")
     assert (info.value.status, info.value.param) == (400, param), info.value.message
+
+
+def test_chat_bodies_and_stream_chunks_carry_the_calls():
+    from contracts.events import FinishReason, TokenEvent
+    from edge.responses import Completion
+    pieces = ["Let me check.", "\n<tool_", 'call>\n{"name": "get_weather", "argu', 'ments": {"city": ', '"Rome"}}',
+              "\n</tool_call>"]
+    events = [TokenEvent("c", (i,), p, FinishReason.STOP if i == len(pieces) - 1 else None, num_output_tokens=i + 1)
+              for i, p in enumerate(pieces)]
+    whole = Completion("c", parse_request(_chat(tools=[WEATHER]), "chat"), "m")
+    for event in events:
+        whole.add(event)
+    (choice,) = whole.body()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    streamed = Completion("c", parse_request(_chat(tools=[WEATHER], stream=True), "chat"), "m")
+    deltas = []
+    for event in events:
+        streamed.add(event)
+        if (chunk := streamed.chunk(event)) is not None:
+            deltas.append(chunk["choices"][0]["delta"])
+            reason = chunk["choices"][0]["finish_reason"]
+    assert deltas[0] == {"role": "assistant", "content": "Let me check."} and reason == "tool_calls"
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert calls[0] == {"index": 0, "id": calls[0]["id"], "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""}}
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Rome"}' and len(calls) > 2
+    assert all("content" not in d for d in deltas[1:])

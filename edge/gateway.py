@@ -326,7 +326,7 @@ class Gateway:
     def rejected(self, http: web.Request, err: ApiError, request: GenerateRequest | None) -> None:
         """A request refused before it was queued (bad input, auth, policy, load): observers hear of it too."""
         tenant_header = self.enforcer.policy.tenant_header
-        self.metrics.label(self.metrics.api_requests, route=route_of(http), status="rejected").inc()
+        self._count_route(http, "rejected")
         self._notify(RequestRecord(
             time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
             request.model if request else "", request.kind if request else "", http.remote or "", "rejected",
@@ -335,11 +335,15 @@ class Gateway:
     def answered(self, http: web.Request, request: GenerateRequest, prompt_tokens: int, reason: str) -> None:
         """A request answered by the gateway without model work (count_tokens): observers hear of it too."""
         tenant_header = self.enforcer.policy.tenant_header
-        self.metrics.label(self.metrics.api_requests, route=route_of(http), status="finished").inc()
+        self._count_route(http, "finished")
         self._notify(RequestRecord(
             time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
             request.model, request.kind, http.remote or "", "finished", reason, 200, prompt_tokens,
             prompt_text=request.user_text, route=route_of(http)))
+
+    def _count_route(self, http: web.Request, status: str) -> None:
+        if self.metrics is not None:  # (tests may pass none)
+            self.metrics.label(self.metrics.api_requests, route=route_of(http), status=status).inc()
 
     def _notify(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -363,6 +367,6 @@ def _bearer(request: web.Request) -> str | None:
 
 def route_of(request: web.Request) -> str:
     """The route a request matched (its path pattern), for metrics and the audit log."""
-    info = request.match_info.route.resource if request.match_info.route else None
-    return info.canonical if info is not None else request.path[:200]
+    canonical = getattr(getattr(request.match_info.route, "resource", None), "canonical", None)
+    return canonical if isinstance(canonical, str) else request.path[:200]
 

@@ -37,7 +37,7 @@ admin = true
 key = "k-open"
 class = "default"
 """
-FIELDS = {"time", "request_id", "key_id", "class", "tenant", "model", "kind", "prompt_tokens", "completion_tokens",
+FIELDS = {"time", "request_id", "key_id", "class", "tenant", "model", "kind", "route", "prompt_tokens", "completion_tokens",
           "status", "finish_reason", "http_status", "degradation", "tier", "priority", "client", "ttft_s", "tpot_s",
           "e2e_s", "prompt_sha256"}
 JAN_30_23H = datetime(2025, 1, 30, 23, 0, tzinfo=UTC).timestamp()

@@ -66,3 +66,31 @@ def test_arguments_that_were_not_json_stay_text_and_bad_tools_are_refused():
     assert '"arguments": "not json"' in _render(chat_templates.HERMES, messages)
     with pytest.raises(BadPromptError):
         _render(chat_templates.HERMES, HISTORY, "[not json")
+
+
+def test_the_worker_s_renderer_reads_the_template_and_tokenizes_the_prompt_with_the_tools():
+    import types
+
+    from prefill_cpu.prompt_renderer import PromptRenderer
+    seen = []
+
+    class Llm:  # what PromptRenderer asks of llama_cpp.Llama
+        metadata = {"tokenizer.chat_template": chat_templates.PHI4_MINI}
+
+        def token_eos(self):
+            return 2
+
+        def token_bos(self):
+            return 1
+
+        def detokenize(self, tokens, special=False):
+            return {1: b"<s>", 2: b"</s>"}[tokens[0]]
+
+        def tokenize(self, text, add_bos=False, special=False):
+            seen.append(text.decode())
+            return list(text)
+
+    renderer = PromptRenderer(types.SimpleNamespace(llm=Llm()))
+    assert renderer.tools_on_system_message
+    tokens = renderer.chat_tokens([{"role": "user", "content": "hi", "tool_calls": "", "tool_call_id": ""}], TOOLS)
+    assert seen[-1].startswith("<|system|><|tool|>[") and len(tokens) == len(seen[-1].encode())

@@ -1,6 +1,6 @@
 """One error body for every failure: aiohttp's own 404, 405 and 413 and any unexpected exception answer in
 the OpenAI shape ({"error": {"message", "type", "param", "code"}}) instead of aiohttp's plain text, so
-OpenAI clients can read every error the same way."""
+OpenAI clients can read every error the same way; under /v1/messages in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 
 from aiohttp import web
 
+from edge.apis.anthropic_messages import error_response as anthropic_error
 from edge.openai_api import ApiError
 
 log = logging.getLogger("edge.http")
@@ -24,7 +25,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if _answered(request) or isinstance(exc, ConnectionResetError) or \
                 (isinstance(exc, web.HTTPException) and exc.status < 400):  # redirects are not errors
             raise  # nobody to answer, or a stream's headers already left: aiohttp closes the connection
-        return _as_api_error(request, exc).response()
+        err = _as_api_error(request, exc)
+        if request.path.startswith("/v1/messages"):  # the Anthropic routes answer in Anthropic's shape
+            return anthropic_error(err)
+        return err.response()
 
 
 def _answered(request: web.Request) -> bool:

@@ -1,14 +1,21 @@
 """POST /v1/messages as a translation: Anthropic bodies into the chat request, the chat answer and chunks into a
 message and Anthropic's stream events, errors into Anthropic's shape (edge/apis/anthropic_messages.py)."""
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from contracts.events import FinishReason, TokenEvent
 from edge.apis.anthropic_messages import MessagesApi, error_response, worker_messages
+from edge.config import ServeConfig
 from edge.openai_api import ApiError
 from edge.responses import Completion
+from edge.routes import add_routes
+from edge.state import GATEWAY
 
 API = MessagesApi()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -180,3 +187,49 @@ def test_an_error_mid_stream_is_an_error_event():
     got = events(writer.error(ApiError(503, "engine restarting", error_type="server_error")))
     assert got == [("error", {"type": "error", "error": {"type": "overloaded_error",
                                                          "message": "engine restarting"}})]
+
+
+class StubGateway:
+    """What the Messages route touches before admission; no request here is meant to be admitted."""
+
+    def __init__(self) -> None:
+        self.config = ServeConfig()
+        self.model_name = "m"
+        self.refused: list = []
+        self.metrics = SimpleNamespace(rejected="rejected", label=lambda metric, reason: SimpleNamespace(
+            inc=lambda: None))
+        self.pool = SimpleNamespace(vocab_size=49152)
+
+    def rejected(self, http, err, parsed) -> None:
+        self.refused.append((err.status, err.code))
+
+    def check_key(self, request) -> None:
+        if request.headers.get("x-api-key") != "right":
+            raise ApiError(401, "wrong key", error_type="authentication_error", code="invalid_api_key")
+
+    def admit(self, request, parsed):
+        raise AssertionError(f"admitted a request that should have been refused: {parsed}")
+
+
+def _call(method: str, path: str, **kwargs):
+    async def run():
+        app = web.Application()
+        app[GATEWAY] = StubGateway()
+        add_routes(app)
+        async with TestClient(TestServer(app)) as client:
+            response = await client.request(method, path, **kwargs)
+            return response.status, await response.json(), app[GATEWAY].refused
+    return asyncio.run(run())
+
+
+def test_http_errors_on_the_messages_routes_are_in_anthropic_shape():
+    status, body, _ = _call("GET", "/v1/messages")
+    assert status == 405 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    status, body, refused = _call("POST", "/v1/messages", data=b"{", headers={"x-api-key": "right"})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and refused == [(400, "invalid_json")]
+    status, body, refused = _call("POST", "/v1/messages/count_tokens", json={}, headers={"x-api-key": "wrong"})
+    assert (status, body["error"]["type"], refused) == (401, "authentication_error", [(401, "invalid_api_key")])
+    status, body, _ = _call("POST", "/v1/messages", json={"model": "m", "messages": [{"role": "user",
+                                                                                      "content": "x"}]},
+                            headers={"x-api-key": "right"})
+    assert status == 400 and "max_tokens" in body["error"]["message"]

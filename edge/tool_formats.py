@@ -29,9 +29,6 @@ from functools import lru_cache
 
 from contracts.grammar import JSON_OPTIONS
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini")
-REASONING_PARSERS = ("think",)  # <think>...</think> (Qwen3, DeepSeek-R1 and its distills, QwQ)
-
 
 @dataclass(frozen=True)
 class ToolFormat:
@@ -57,9 +54,9 @@ FORMATS = {
 @dataclass(frozen=True)
 class ChatFormat:
     """What the gateway knows of the model's chat template (edge.routes reads it from the GGUF once)."""
-    tool_parser: str = "hermes"  # one of TOOL_PARSERS
+    tool_parser: str = "hermes"  # a key of FORMATS (the tool_call_parser knob's choices but auto)
     template_tools: bool = False  # the template renders `tools` itself (else the gateway writes the Hermes text)
-    reasoning: str = ""  # "" or one of REASONING_PARSERS: the model thinks first
+    reasoning: str = ""  # "" or "think": the model thinks first, in <think> tags (edge.reasoning)
     think_in_prompt: bool = False  # the template's generation prompt opens the thinking (DeepSeek-R1's `<think>\n`)
 
     @property

@@ -8,7 +8,7 @@ import pytest
 
 from contracts.grammar import compile_matcher
 from edge.openai_api import ApiError, parse_request
-from edge.tool_formats import ChatFormat, detect, model_chat_format, read_chat_template
+from edge.tool_formats import FORMATS, ChatFormat, detect, model_chat_format, read_chat_template
 from tests import chat_templates
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -42,6 +42,12 @@ TWO = {"hermes": CALLS["hermes"] + "\n" + CALLS["hermes"], "llama3_json": CALLS[
 ])
 def test_the_format_is_detected_from_the_template(template, parser, renders, reasoning, in_prompt):
     assert detect(template) == ChatFormat(parser, renders, reasoning, in_prompt)
+
+
+def test_the_options_name_the_formats_there_are():
+    from contracts.options import KNOBS
+    assert set(KNOBS["tool_call_parser"].choices) == {"auto", *FORMATS}
+    assert set(KNOBS["reasoning_parser"].choices) == {"auto", "none", "think"}
 
 
 def test_the_options_override_what_the_template_says():

@@ -35,6 +35,9 @@ class ResponsesApi(ClientApi):
         except ApiError as err:  # name the Responses field, not the chat field it became
             raise _renamed(err) from None
 
+    def error(self, err: ApiError):
+        return _renamed(err).response()  # failures after parsing too (an over-long prompt names the input)
+
     def body(self, completion: Completion) -> dict:
         message = completion.body()["choices"][0]["message"]
         output = []

@@ -178,3 +178,9 @@ def test_an_error_mid_stream_is_an_error_event_then_response_failed():
     assert got[0][1]["code"] == "engine_unavailable"
     assert got[1][1]["response"]["status"] == "failed"
     assert got[1][1]["response"]["error"]["message"] == "engine restarting"
+
+
+def test_errors_after_parsing_name_the_responses_field():
+    response = API.error(ApiError(400, "the prompt has 9000 tokens, more than the context of 'max_tokens'",
+                                  "messages", "context_length_exceeded"))
+    assert response.status == 400 and json.loads(response.body)["error"]["param"] == "input"

@@ -170,3 +170,28 @@ def test_cuda_graphs_hold_the_native_step_and_give_the_eager_tokens():
                 out.setdefault(event.request_id, []).extend(event.token_ids)
         got[name] = out
     assert got["graphs"] == got["eager"]
+
+
+def test_gemmas_embedding_scale_survives_an_int8_embedding_table(tiny_gguf, conversion_cache):
+    """quantize_model replaces the embedding by an int8 table, which drops transformers' Gemma scaling (its scaled
+    embedding module is gone); the native forward applies the scale as a family setting, so the int8 model stays
+    near the float one."""
+    import copy
+
+    from decode_gpu.attention.paged_batch import build_paged_batch
+    from decode_gpu.kv.pool import KVPool, PoolShape
+    from decode_gpu.model.weight_quant import quantize_model
+    identity = read_gguf_identity(str(tiny_gguf("gemma2")))
+    model = load_decode_model(identity, CPU, torch.float32, conversion_cache)
+    fuse_projections(model)
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, "int8", CPU, torch.float32)
+    ids, positions = torch.tensor([5, 9, 33]), torch.zeros(3, dtype=torch.long)
+
+    def logits(m):
+        pool = KVPool(PoolShape(identity.n_layer, 4, 16, identity.num_kv_heads, identity.head_dim_k, "float32"), CPU)
+        paged = build_paged_batch(pool, [[0], [1], [2]], [1, 1, 1], [1, 1, 1], CPU, "torch")
+        return NativeDecoder(m, 32)(ids, positions, paged)
+
+    want, got = logits(model), logits(quantized)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.1

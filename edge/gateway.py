@@ -168,7 +168,7 @@ class Gateway:
         job = PrefillJob(ask.request_id, dataclasses.replace(ask.sampling, n=1), ask.priority,
                          prompt_tokens=ask.tokens, max_prompt_tokens=len(ask.tokens), resume_index=ask.index,
                          engine="" if client is self.engine else client.address,  # one engine: the workers' own
-                         cache_salt=inflight.cache_salt)
+                         cache_salt=inflight.cache_salt, deadline=self.slo.deadline_of(ask.request_id))
         try:
             self.pool.submit(job)
         except (QueueFullError, UnsendableJobError) as err:

@@ -172,6 +172,11 @@ class SloControl:
     def queued(self, inflight: InFlight, known: Pending) -> None:
         self.pending[inflight.request_id] = known
 
+    def deadline_of(self, request_id: str) -> float:
+        """A queued request's deadline (a recompute of one of its choices keeps it); 0.0 when it has none."""
+        known = self.pending.get(request_id)
+        return known.deadline if known is not None else 0.0
+
     def prefilled(self, inflight: InFlight, done: PrefillDone) -> None:
         self.predictor.prefilled(done, None if done.resumed else self.pending.get(inflight.request_id))
 

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from contracts.handoff import SamplingParams
-from contracts.messages import PrefillDone, PrefillJob
+from contracts.messages import PrefillDone, PrefillJob, Recompute
 from edge.config import ServeConfig
 from edge.gateway import Gateway
 from edge.lifecycle import InFlight, InFlightRegistry
@@ -240,3 +240,14 @@ def test_the_status_page_shows_attainment_and_a_tier_enters_on_it():
     assert "slo_attainment_below=0.2 < 0.9" in gateway.enforcer.evaluator.state.reason
     assert slo == {"interactive": {"judged": 5, "attainment": 0.2, "goodput_rps": round(1 / 60, 4)}}
     assert metric(gateway, "edge:slo_attainment", **{"class": "interactive"}) == pytest.approx(0.2)
+
+
+def test_a_recompute_keeps_its_requests_deadline():
+    async def scenario():
+        gateway = make_gateway()
+        run = admit(gateway, "k-int", tokens=10)
+        ask = Recompute(run.inflight.request_id, 0, tuple(range(12)), SamplingParams(), 0)
+        gateway.recompute(ask, gateway.engine)
+        return run, [e.job for e in gateway.pool.queue if e.job.resume_index == 0]
+    run, (job,) = asyncio.run(scenario())
+    assert job.deadline == pytest.approx(time.time() + 1.0, abs=0.5) and job.request_id == run.inflight.request_id

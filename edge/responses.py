@@ -226,7 +226,14 @@ def completion_logprobs(entries) -> dict:
         offsets.append(offset)
         offset += len(e.token)
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [_top(e) for e in entries], "text_offset": offsets}
+
+
+def _top(entry) -> dict:
+    """The alternatives, and the sampled token always (as vLLM: with logprobs 0, the sampled token alone)."""
+    top = {t.token: t.logprob for t in entry.top}
+    top.setdefault(entry.token, entry.logprob)
+    return top
 
 
 def sse(data: dict | str) -> bytes:

@@ -87,7 +87,7 @@ def test_logprobs_zero_asks_for_the_sampled_tokens_logprob():
                                 event(" b", 2, FinishReason.LENGTH, logprobs=[Logprob(8, -1.5, " b")])])
     logprobs = built.body()["choices"][0]["logprobs"]
     assert logprobs["tokens"] == [" a", " b"] and logprobs["token_logprobs"] == [-0.25, -1.5]
-    assert logprobs["top_logprobs"] == [{}, {}]
+    assert logprobs["top_logprobs"] == [{" a": -0.25}, {" b": -1.5}]  # the sampled token's, as vLLM
 
 
 # --- an over-long prompt ----------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp._internals import LlamaContext
 
+from contracts.messages import EmbedDone, PrefillFailed, PrefillJob
+
 log = logging.getLogger(__name__)
 MAX_SEQS = 16  # inputs in one llama_decode
 MAX_EMBED_CTX = 2048  # tokens one llama_decode takes, and so the longest input
@@ -68,6 +70,29 @@ class Embedder:
     @property
     def pooling_name(self) -> str:
         return POOLING_NAMES[self.pooling]
+
+    def answer(self, job: PrefillJob, tokenize: Callable[[str], list[int]], vocab_size: int,
+               should_cancel: Callable[[], bool]) -> EmbedDone | PrefillFailed:
+        """A worker's embeddings job answered: the vectors, or why not (never an exception)."""
+        rid = job.request_id
+        try:
+            inputs = [list(t) for t in job.embed_tokens] if job.embed_tokens else [tokenize(t) for t in job.embed_texts]
+            if (bad := next((t for i in inputs for t in i if not 0 <= t < vocab_size), None)) is not None:
+                raise EmbedError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+            if (longest := max(map(len, inputs), default=0)) > job.max_prompt_tokens:
+                return PrefillFailed(rid, "prompt_too_long", f"an input has {longest} tokens; the limit is "
+                                     f"{job.max_prompt_tokens}", longest, job.max_prompt_tokens)
+            started = time.perf_counter()
+            result = self.embed(inputs, should_cancel)
+            return EmbedDone(rid, self.n_embd, result.vectors.astype("<f4").tobytes(), result.num_tokens,
+                             (time.perf_counter() - started) * 1e3)
+        except EmbedCancelledError as err:
+            return PrefillFailed(rid, "cancelled", str(err))
+        except EmbedError as err:
+            return PrefillFailed(rid, "bad_prompt", str(err))
+        except Exception as err:  # the gateway must hear of every failure, whatever it is
+            log.exception("embeddings of %s failed", rid)
+            return PrefillFailed(rid, "internal", f"embeddings failed: {err}")
 
     def embed(self, inputs: list[list[int]], should_cancel: Callable[[], bool] = lambda: False) -> Embeddings:
         """One normalized vector per input (token lists). Raises EmbedError for an input that cannot be embedded."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from contracts.events import Logprob, TopLogprob
+from contracts.messages import PromptLogprobs
 
 LOGITS_CHUNK = 128  # prompt tokens per llama_decode while every position's logits are kept (128 x vocab floats)
 
@@ -54,3 +55,15 @@ class PromptLogprobCollector:
                     tuple(TopLogprob(int(t), float(lp), piece(int(t)))
                           for t, lp in zip(self.top_ids[i], self.top_logprobs[i])))
             for i in range(len(self.logprobs)))
+
+    def frame(self, request_id: str, detokenize: Callable[[list[int]], str]) -> PromptLogprobs:
+        """The worker's report to the gateway; each distinct token detokenized once."""
+        pieces: dict[int, str] = {}
+
+        def piece(token: int) -> str:
+            if token not in pieces:
+                pieces[token] = detokenize([token])
+            return pieces[token]
+        return PromptLogprobs(request_id, tuple(int(t) for t in self.tokens),
+                              tuple(piece(int(t)) for t in self.tokens), self.entries(piece),
+                              tuple(int(r) for r in self.ranks))

@@ -46,7 +46,7 @@ from contracts.messages import (
 )
 from contracts.process_config import WorkerProcessConfig, parse_config
 from contracts.tasks import spawn
-from prefill_cpu.embedder import EmbedCancelledError, Embedder, EmbedError
+from prefill_cpu.embedder import Embedder
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
 from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest, PromptTooLongError
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
@@ -141,27 +141,8 @@ class PrefillWorker:
             raise
 
     def _embed_now(self, job: PrefillJob) -> EmbedDone | PrefillFailed:
-        rid = job.request_id
-        try:
-            inputs = [list(t) for t in job.embed_tokens] if job.embed_tokens else \
-                [self.renderer.completion_tokens(text) for text in job.embed_texts]
-            vocab_size = self.prefiller.vocab_size
-            if (bad := next((t for i in inputs for t in i if not 0 <= t < vocab_size), None)) is not None:
-                raise EmbedError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
-            if (longest := max(map(len, inputs), default=0)) > job.max_prompt_tokens:
-                return PrefillFailed(rid, "prompt_too_long", f"an input has {longest} tokens; the limit is "
-                                     f"{job.max_prompt_tokens}", longest, job.max_prompt_tokens)
-            started = time.perf_counter()
-            result = self.embedder.embed(inputs, lambda: rid in self.cancelled)
-            return EmbedDone(rid, self.embedder.n_embd, result.vectors.astype("<f4").tobytes(), result.num_tokens,
-                             (time.perf_counter() - started) * 1e3)
-        except EmbedCancelledError as err:
-            return PrefillFailed(rid, "cancelled", str(err))
-        except EmbedError as err:
-            return PrefillFailed(rid, "bad_prompt", str(err))
-        except Exception as err:  # the gateway must hear of every failure, whatever it is
-            log.exception("embeddings of %s failed", rid)
-            return PrefillFailed(rid, "internal", f"embeddings failed: {err}")
+        return self.embedder.answer(job, self.renderer.completion_tokens, self.prefiller.vocab_size,
+                                    lambda: job.request_id in self.cancelled)
 
     async def _answer(self, job: PrefillJob, writer: asyncio.StreamWriter) -> PrefillDone | PrefillFailed:
         rid = job.request_id
@@ -251,15 +232,7 @@ class PrefillWorker:
     def _prompt_logprobs(self, job: PrefillJob, tokens: list[int], outcome) -> PromptLogprobs | None:
         if outcome.prompt_logprobs is None:
             return None
-        pieces: dict[int, str] = {}
-
-        def piece(token: int) -> str:
-            if token not in pieces:
-                pieces[token] = self.prefiller.detokenize([token])
-            return pieces[token]
-        return PromptLogprobs(job.request_id, tuple(tokens), tuple(piece(t) for t in tokens),
-                              outcome.prompt_logprobs.entries(piece),
-                              tuple(int(r) for r in outcome.prompt_logprobs.ranks))
+        return outcome.prompt_logprobs.frame(job.request_id, self.prefiller.detokenize)
 
     def _prefiller_for(self, kv_type: str) -> Prefiller:
         """The context for the KV type a job asks for. One not prepared at startup falls back to the worker's own

@@ -21,6 +21,7 @@ def test_inputs_are_packed_by_count_and_tokens():
     embedder = Embedder.__new__(Embedder)
     embedder.n_ctx = 10
     assert embedder._groups([[1] * 4, [1] * 4, [1] * 4, [1] * 10]) == [[0, 1], [2], [3]]
+    embedder.n_ctx = 1000
     assert [len(g) for g in embedder._groups([[1]] * (MAX_SEQS + 1))] == [MAX_SEQS, 1]
 
 

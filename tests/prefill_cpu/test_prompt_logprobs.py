@@ -9,7 +9,7 @@ from contracts.handoff import SamplingParams
 from prefill_cpu.prompt_logprobs import PromptLogprobCollector
 
 TEXT = ("The capital of France is Paris. The capital of Germany is Berlin, and the river that flows through it is "
-        "the Spree. Water boils at one hundred degrees Celsius at sea level. ") * 2
+        "the Spree. Water boils at one hundred degrees Celsius at sea level. ") * 4
 # measured on the embedded model (Q4_1 weights in llama.cpp, q8_0 KV; the reference dequantized to float32):
 # mean |difference| 0.04 nats per token, largest 0.40, top-1 agreement 0.96
 MEAN_BOUND, MAX_BOUND, TOP1_AGREEMENT = 0.1, 0.6, 0.9

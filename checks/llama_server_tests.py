@@ -12,7 +12,8 @@ docs/api.md ("Differences from OpenAI").
     .venv/bin/python -m checks.llama_server_tests [--sdist PATH] [--files test_chat_completion.py ...]
         [--report checks/llama_server_tests.json]
 
-Prints passed/failed/skipped per file and writes every test's outcome (with the first line of its failure) to the
+Their tests marked slow (real models from Hugging Face) are left out, as their tests.sh does by default. Prints
+passed/failed/skipped per file and writes every test's outcome (with the first line of its failure) to the
 report. No model is downloaded: their model presets are never loaded (the external server answers instead), and
 their `wget` is replaced by a module that refuses to download.
 """
@@ -111,7 +112,8 @@ async def run(tests: Path, work: Path, files: list[str], keyword: str) -> dict:
             junit = work / "junit.xml"
             env = {**os.environ, "DEBUG_EXTERNAL": "1", "PORT": str(proxy_port),
                    "PYTHONPATH": os.pathsep.join([str(work / "shim"), str(tests)])}
-            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m",
+                       "not slow",  # as their tests.sh runs them by default (slow ones download real models)
                        f"--junitxml={junit}", *(["-k", keyword] if keyword else []),
                        *[f"unit/{name}" for name in files if (tests / "unit" / name).exists()]]
             process = await asyncio.create_subprocess_exec(*command, cwd=tests, env=env,

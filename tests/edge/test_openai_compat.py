@@ -226,3 +226,13 @@ def test_the_default_busy_tier_refuses_logprobs_naming_the_tier():
     assert (info.value.status, info.value.code) == (503, "logprobs_unavailable") and "'busy'" in info.value.message
     assert info.value.retry_after_s
     assert enforcer.decide(RequestFacts(None, None, "m", "hi", 10, None, 1), {"m"}).tier == "busy"
+
+
+def test_a_streamed_forced_call_cut_by_max_tokens_sends_what_was_written_and_ends_with_length():
+    request = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    _, chunks = answer(request, [event(text[:12], 1), event(text[12:], 2, FinishReason.LENGTH)])
+    calls = [call for c in chunks for call in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(call["function"]["arguments"] for call in calls) == '{"city": "Par'
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"

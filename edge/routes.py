@@ -16,6 +16,7 @@ from edge.apis.anthropic_messages import MessagesApi, error_response, prompt_tok
 from edge.apis.base import ClientApi
 from edge.apis.base import stream as api_stream
 from edge.apis.openai_responses import ResponsesApi
+from edge.completion_batch import batch_prompts, check_batch, serve_batch
 from edge.engine_group import EngineGroup
 from edge.gateway import Gateway, Run, _bearer
 from edge.lifecycle import RequestStatus
@@ -65,13 +66,18 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.json_response({"input_tokens": tokens})
 
 
-async def _generate(request: web.Request, kind: str, api: ClientApi | None = None) -> web.StreamResponse:
-    """api: another client API (Responses, Anthropic Messages) translated onto this chat path (edge/apis/)."""
+async def _generate(request: web.Request, kind: str, api: ClientApi | None = None,
+                    body: dict | None = None) -> web.StreamResponse:
+    """api: another client API (Responses, Anthropic Messages) translated onto this chat path (edge/apis/); body:
+    one prompt of a completions batch (edge.completion_batch), already read."""
     gateway: Gateway = request.app[GATEWAY]
     parsed = None
     try:
         gateway.check_key(request)
-        body = await _read_json(request, gateway)
+        body = await _read_json(request, gateway) if body is None else body
+        if kind == "completion" and (prompts := batch_prompts(body)) is not None:  # one request per prompt
+            check_batch(body, prompts, gateway.pool.vocab_size, gateway.config.limits.prefill_queue_size)
+            return await serve_batch(request, body, prompts, _generate)
         parsed = api.parse(body, gateway.pool.vocab_size, await _chat_format(gateway, kind)) if api else \
             parse_request(body, kind, vocab_size=gateway.pool.vocab_size, chat=await _chat_format(gateway, kind))
         await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway),

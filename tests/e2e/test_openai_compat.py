@@ -1,6 +1,6 @@
 """Where this server used to differ from OpenAI, end to end on the embedded model with the default policy: the chat
 stream's first and last chunks, cached prompt tokens in usage, chat logprobs that join into the content, a forced
-tool call cut by max_tokens, logprobs 0, an over-long prompt, and the requests OpenAI refuses."""
+tool call cut by max_tokens, logprobs 0, an over-long prompt, a batch of prompts, and the requests OpenAI refuses."""
 
 import json
 
@@ -95,9 +95,21 @@ def test_an_over_long_prompt_is_a_400_context_length_exceeded(server):
     assert "maximum context length is" in error["message"]
 
 
+def test_a_batch_of_prompts_gets_its_choices_prompt_major(client):
+    answer = client.completions.create(model=MODEL, prompt=["The sky is", "One, two,"], n=2, max_tokens=3,
+                                       temperature=0, echo=True)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert [c.text.split(" ")[0] for c in answer.choices] == ["The", "The", "One,", "One,"]  # each echoes its prompt
+    assert answer.usage.completion_tokens == 12
+    tokens = client.completions.create(model=MODEL, prompt=[[504, 3094, 314], [2365, 28]], max_tokens=2,
+                                       temperature=0)
+    assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 5 and tokens.usage.completion_tokens == 4
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": ["one", "two"], "stream": True}, "stream"),
+    ({"prompt": ["one", [5, 10**9]]}, "prompt[1][1]"),
 ])
 def test_what_openai_refuses_is_refused(server, body, param):
     response = post(server, "/v1/completions", body)

@@ -11,6 +11,7 @@ import pytest
 from contracts.events import FinishReason, Logprob, TokenEvent, TopLogprob
 from contracts.messages import PrefillFailed
 from edge.api_errors import prefill_error
+from edge.completion_batch import batch_prompts, check_batch, join
 from edge.openai_api import ApiError, parse_request
 from edge.responses import Completion
 from edge.tool_formats import ChatFormat
@@ -236,3 +237,39 @@ def test_a_streamed_forced_call_cut_by_max_tokens_sends_what_was_written_and_end
     assert calls[0]["function"]["name"] == "get_weather"
     assert "".join(call["function"]["arguments"] for call in calls) == '{"city": "Par'
     assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# --- a batch of prompts on /v1/completions ----------------------------------------------------------------------
+
+def test_a_batch_is_two_or_more_prompts():
+    assert batch_prompts({"prompt": ["a", "b"]}) == ["a", "b"]
+    assert batch_prompts({"prompt": [[1, 2], "b"]}) == [[1, 2], "b"]
+    assert batch_prompts({"prompt": ["a"]}) is None and batch_prompts({"prompt": [1, 2]}) is None
+    assert batch_prompts({"prompt": "a"}) is None and batch_prompts([1]) is None
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": ["a", ""]}, "prompt[1]", "must not be empty"),
+    ({"prompt": ["a", [5, 99]]}, "prompt[1][1]", "not a token id"),
+    ({"prompt": ["a", "b"], "stream": True}, "stream", "batch of prompts"),
+    ({"prompt": ["a"] * 5}, "prompt", "at most 4"),
+    ({"prompt": ["a", "b"], "temperature": 9}, "temperature", "temperature"),
+])
+def test_every_prompt_of_a_batch_is_checked_before_any_is_queued(body, param, words):
+    with pytest.raises(ApiError) as info:
+        check_batch({"model": "m", **body}, body["prompt"], 50, 4)
+    assert info.value.status == 400 and info.value.param == param and words in info.value.message
+
+
+def test_a_batch_answer_is_prompt_major_with_summed_usage():
+    def answer_of(prompt: int) -> dict:
+        return {"id": f"cmpl-{prompt}", "object": "text_completion", "model": "m",
+                "choices": [{"index": j, "text": f"p{prompt}c{j}", "finish_reason": "length"} for j in (1, 0)],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                          "prompt_tokens_details": {"cached_tokens": prompt}}}
+    joined = join({"n": 2}, [answer_of(0), answer_of(1), answer_of(2)])
+    assert [(c["index"], c["text"]) for c in joined["choices"]] == [
+        (0, "p0c0"), (1, "p0c1"), (2, "p1c0"), (3, "p1c1"), (4, "p2c0"), (5, "p2c1")]
+    assert joined["usage"] == {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21,
+                               "prompt_tokens_details": {"cached_tokens": 3}}
+    assert joined["id"] == "cmpl-0"

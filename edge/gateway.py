@@ -243,17 +243,21 @@ class Gateway:
 
     async def embeddings(self, run: Run) -> EmbedDone:
         """The worker's answer to an embeddings request; failures raise ApiError."""
-        remaining = run.deadline - time.monotonic()
-        try:
-            message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
-        except TimeoutError:
-            raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} s",
-                           error_type="server_error", code="timeout") from None
-        if isinstance(message, PrefillFailed):
-            raise prefill_error(message)
-        m = self.metrics
-        m.label(m.prompt_tokens).inc(sum(message.num_tokens))
-        return message
+        while True:
+            remaining = run.deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
+            except TimeoutError:
+                raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} "
+                                    f"s", error_type="server_error", code="timeout") from None
+            if isinstance(message, EmbedDone):
+                m = self.metrics
+                m.label(m.prompt_tokens).inc(sum(message.num_tokens))
+                return message
+            if isinstance(message, PrefillFailed):
+                raise prefill_error(message)
+            if isinstance(message, TokenEvent):  # the gateway ends every request so (shutting down, an engine lost)
+                self._token(run, message)  # raises for an abort or a failure
 
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
         self.slo.prefilled(run.inflight, done)  # the measured prefill rate the TTFT prediction uses

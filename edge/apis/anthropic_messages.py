@@ -247,8 +247,12 @@ def _message(completion: Completion, content: list[dict]) -> dict:
 
 
 def _usage(completion: Completion) -> dict:
+    """Anthropic's usage: input_tokens are the prompt tokens not read from a cache, cache_read_input_tokens the
+    ones the prefill worker's prompt cache held (their sum is the prompt, what count_tokens says)."""
     usage = completion.usage
-    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _tool_use(call: dict) -> dict:

@@ -82,6 +82,7 @@ async def stream(request: web.Request, gateway: Gateway, run: Run, completion: C
     try:
         while True:
             completion.add(event)
+            completion.cached_tokens = run.cached_tokens  # the worker's report comes before the first token
             if not opened:
                 await response.write(writer.open())
                 opened = True

@@ -221,7 +221,8 @@ def response_object(completion: Completion, output: list[dict], status: str | No
         "tool_choice": _choice_echo(tools), "tools": [{"type": "function", **t, "strict": False}
                                                       for t in (tools.tools if tools else ())],
         "metadata": {},
-        "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {
+            "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
                   "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": usage["total_tokens"]} if status != "in_progress" else None,
     }

@@ -116,7 +116,7 @@ def test_anthropic_create_and_stream_with_a_tool(claude):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.stop_reason in ("end_turn", "max_tokens", "tool_use") and final.content
     assert final.usage.output_tokens > 0 and final.usage.input_tokens > 20
-    prompt_tokens = final.usage.input_tokens
+    prompt_tokens = final.usage.input_tokens + final.usage.cache_read_input_tokens
     with claude.messages.stream(model=MODEL, max_tokens=60, extra_body={"temperature": 0}, tools=tools,
                                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                 messages=[{"role": "user", "content": "Weather in Rome?"}]) as stream:

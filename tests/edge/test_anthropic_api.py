@@ -131,7 +131,8 @@ def test_body_of_a_text_answer_and_of_a_tool_use():
     body = API.body(completion)
     assert body == {"id": "msg_abc", "type": "message", "role": "assistant", "model": "m",
                     "content": [{"type": "text", "text": "Hello"}], "stop_reason": "max_tokens",
-                    "stop_sequence": None, "usage": {"input_tokens": 11, "output_tokens": 2}}
+                    "stop_sequence": None, "usage": {"input_tokens": 11, "output_tokens": 2,
+                                                     "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
     tooled = parse(tools=[TOOL], tool_choice={"type": "any"}, messages=[{"role": "user", "content": "x"}])
     completion = Completion("chatcmpl-abc", tooled, "m")
     completion.add(token(CALL, 1, FinishReason.STOP))
@@ -148,7 +149,7 @@ def test_stream_of_text_in_anthropic_order():
                                          "message_stop"]
     assert all(data["type"] == name for name, data in got)
     start = got[0][1]["message"]
-    assert start["content"] == [] and start["usage"] == {"input_tokens": 11, "output_tokens": 0}
+    assert start["content"] == [] and start["usage"]["input_tokens"] == 11 and start["usage"]["output_tokens"] == 0
     assert [d["delta"]["text"] for n, d in got if n == "content_block_delta"] == ["Hel", "lo"]
     assert got[5][1]["delta"]["stop_reason"] == "end_turn" and got[5][1]["usage"]["output_tokens"] == 3
 
@@ -233,3 +234,11 @@ def test_http_errors_on_the_messages_routes_are_in_anthropic_shape():
                                                                                       "content": "x"}]},
                             headers={"x-api-key": "right"})
     assert status == 400 and "max_tokens" in body["error"]["message"]
+
+
+def test_cached_prompt_tokens_are_cache_reads():
+    completion = Completion("chatcmpl-abc", parse(messages=[{"role": "user", "content": "x"}]), "m")
+    completion.add(token("", 1, FinishReason.STOP))
+    completion.cached_tokens = 8
+    usage = API.body(completion)["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (3, 8)  # 11 prompt tokens in all

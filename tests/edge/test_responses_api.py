@@ -184,3 +184,11 @@ def test_errors_after_parsing_name_the_responses_field():
     response = API.error(ApiError(400, "the prompt has 9000 tokens, more than the context of 'max_tokens'",
                                   "messages", "context_length_exceeded"))
     assert response.status == 400 and json.loads(response.body)["error"]["param"] == "input"
+
+
+def test_cached_prompt_tokens_in_usage():
+    completion = Completion("chatcmpl-abc", parse(input="x"), "m")
+    completion.add(token("", 1, FinishReason.STOP))
+    completion.cached_tokens = 4
+    usage = API.body(completion)["usage"]
+    assert usage["input_tokens"] == 7 and usage["input_tokens_details"]["cached_tokens"] == 4

@@ -232,10 +232,11 @@ class CompileProcesses:
             child.kill()
 
     def state(self) -> dict:
-        """For /health: compiles running now, callers waiting for a process, processes stopped so far."""
+        """For /health: processes idle, compiles running now, callers waiting for a process, processes stopped so
+        far."""
         with self._cond:
-            return {"compiling": self._children - self._starting - len(self._idle), "waiting": self._waiting,
-                    "stopped": self.killed}
+            return {"idle": len(self._idle), "compiling": self._children - self._starting - len(self._idle),
+                    "waiting": self._waiting, "stopped": self.killed}
 
     def warm(self) -> None:
         """Start the children now rather than on the first compile (their imports take a second)."""

@@ -106,8 +106,6 @@ class CompiledGrammars:
                  pool: CompilePool, entries: int = 64, processes: CompileProcesses | None = None) -> None:
         self._tokenizer, self._stops = tokenizer, tuple(stop_token_ids)
         self._processes = processes  # None: the whole compile in the pool thread (tests, tools)
-        if processes is not None:
-            processes.warm()
         self.timeout_s = timeout_s
         self._pool, self._entries = pool, entries
         self._lock = threading.Lock()

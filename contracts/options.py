@@ -91,6 +91,8 @@ _KNOBS = (
     Knob("audit_log", str, "", "file for one JSON line per request (docs/audit.md)", flag=True),
     Knob("audit_log_max_bytes", int, 100 << 20, "the audit log rotates past this size", ge=4096),
     Knob("audit_log_backups", int, 5, "rotated audit files kept", ge=0),
+    Knob("audit_log_keep_days", float, 7.0, "rotated audit files younger than this are kept past audit_log_backups, "
+         "so that a burst of junk cannot rotate the record out (0: by count only)", ge=0),
     Knob("otlp_traces_endpoint", str, "", "export OpenTelemetry request traces over OTLP to this URL", flag=True),
     Knob("policy", str, "", "policy file; \"\" = policies/default.toml", flag=True),
     Knob("log_level", str, "INFO", "log level of every process",

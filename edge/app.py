@@ -29,7 +29,7 @@ from edge.metrics import Metrics
 from edge.prefill_pool import PrefillPool
 from edge.routes import add_routes
 from edge.state import CONFIG, GATEWAY, RELOADER, SUPERVISOR
-from edge.structured_request import close_structured_checks
+from edge.structured_request import close_structured_checks, warm_structured_checks
 from edge.tls import warn_if_expiring
 from policies.enforcer import PolicyEnforcer
 from policies.loader import load_policy
@@ -148,8 +148,8 @@ def make_app(config: ServeConfig) -> web.Application:
     model_path = config.model or embedded_model_path()
     model_name = config.model_name or Path(model_path).name.removesuffix(".gguf")
     enforcer = _enforcer(config)  # these two before the run dir: a refusal here leaves nothing behind
-    audit = (AuditLog(config.audit_log, config.audit_log_max_bytes, config.audit_log_backups, enforcer)
-             if config.audit_log else None)
+    audit = (AuditLog(config.audit_log, config.audit_log_max_bytes, config.audit_log_backups, enforcer,
+                      config.audit_log_keep_days) if config.audit_log else None)
     tracer = None
     if config.otlp_traces_endpoint:  # OpenTelemetry is imported only then (an optional dependency)
         from edge.tracing import RequestTracer
@@ -212,6 +212,7 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
                                    share)
             supervisor.add(name, "prefill_cpu.worker", config_argv(worker))
         watcher = spawn(supervisor.watch(), "the process supervisor", log)
+        warm_structured_checks(model_path)  # the gateway's compile processes load the vocabulary meanwhile
         yield
         watcher.cancel()
         await supervisor.shutdown()

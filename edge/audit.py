@@ -1,5 +1,10 @@
-"""The audit log: one JSON line per request, accepted or refused, appended to a file rotated by size
-(docs/audit.md).
+"""The audit log: one JSON line per request, accepted or refused, appended to a file rotated by size, its
+history kept by count and by age (docs/audit.md).
+
+A line has a bounded size: a client-chosen string is cut at MAX_FIELD_CHARS and a kept prompt at MAX_TEXT_CHARS,
+each cut one followed by its length and the sha256 of the whole, so that the record still identifies it. A
+rotated file is dropped only when it is both past the count (audit_log_backups) and older than the kept history
+(audit_log_keep_days): a burst of junk lines can rotate many files, but cannot push the last days' record out.
 
 It is a gateway observer, so it runs on the event loop. Each line is a plain buffered write flushed at
 once: a line is a few hundred bytes (a few MiB at most when the policy keeps prompt text), and a write to
@@ -10,22 +15,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from datetime import UTC, datetime
 
 from edge.request_record import RequestRecord
 from policies.enforcer import PolicyEnforcer
 
 MAX_FIELD_CHARS = 256  # of a client-chosen string in an entry
+MAX_TEXT_CHARS = 64 * 1024  # of a prompt's text, when the policy keeps it
+MAX_FILES = 10_000  # rotated files kept at most, however young: a bound on the disk a flood can take
+log = logging.getLogger("edge.audit")
 
 
 class RotatingFile:
     """Appends lines to path. Before a line would take the file past max_bytes, path becomes path.1 (path.1
-    becomes path.2, and so on; the oldest beyond `backups` is dropped) and a new file starts. A line is never
-    split, so a single line longer than max_bytes makes a file of its own."""
+    becomes path.2, and so on) and a new file starts. Rotated files past `backups` are dropped, oldest first,
+    unless they were last written less than keep_s ago (then kept, up to MAX_FILES). A line is never split, so a
+    single line longer than max_bytes makes a file of its own."""
 
-    def __init__(self, path: str, max_bytes: int, backups: int) -> None:
-        self.path, self.max_bytes, self.backups = path, max_bytes, backups
+    def __init__(self, path: str, max_bytes: int, backups: int, keep_s: float = 0.0) -> None:
+        self.path, self.max_bytes, self.backups, self.keep_s = path, max_bytes, backups, keep_s
         self._open()
 
     def _open(self) -> None:
@@ -44,15 +55,32 @@ class RotatingFile:
     def _rotate(self) -> None:
         self.file.close()
         try:
-            if not self.backups:
-                os.remove(self.path)  # no old file kept: start over
-            for i in range(self.backups - 1, 0, -1):
-                if os.path.exists(f"{self.path}.{i}"):
-                    os.replace(f"{self.path}.{i}", f"{self.path}.{i + 1}")
-            if self.backups:
+            kept = self._kept()
+            for i in range(kept, 0, -1):
+                os.replace(f"{self.path}.{i}", f"{self.path}.{i + 1}")
+            if kept or self.backups or self._young(self.path):
                 os.replace(self.path, f"{self.path}.1")
+            else:
+                os.remove(self.path)  # no old file kept: start over
         finally:  # a failed rename (permissions changed under us) must not leave the log closed for good
             self._open()
+
+    def _kept(self) -> int:
+        """How many rotated files stay before this rotation adds one: the oldest are dropped while the count is
+        past `backups` (less one, for the file rotating now) and they are older than keep_s."""
+        count = 0
+        while os.path.exists(f"{self.path}.{count + 1}"):
+            count += 1
+        while count and (count >= MAX_FILES or (count >= self.backups and not self._young(f"{self.path}.{count}"))):
+            if count >= MAX_FILES:
+                log.warning("audit log: %d rotated files; dropping the oldest although younger than %g days",
+                            count, self.keep_s / 86400)
+            os.remove(f"{self.path}.{count}")
+            count -= 1
+        return count
+
+    def _young(self, path: str) -> bool:
+        return self.keep_s > 0 and time.time() - os.path.getmtime(path) < self.keep_s
 
     def close(self) -> None:
         self.file.close()
@@ -62,9 +90,10 @@ class AuditLog:
     """The observer: appends each RequestRecord as one line. The policy in force says whether the prompt
     text is kept and what each key is called (its rule's id, else the key's hash)."""
 
-    def __init__(self, path: str, max_bytes: int, backups: int, enforcer: PolicyEnforcer) -> None:
+    def __init__(self, path: str, max_bytes: int, backups: int, enforcer: PolicyEnforcer,
+                 keep_days: float = 0.0) -> None:
         try:
-            self.file = RotatingFile(path, max_bytes, backups)
+            self.file = RotatingFile(path, max_bytes, backups, keep_days * 86400)
         except OSError as err:  # a missing directory, no permission, a directory at that path
             raise ValueError(f"audit_log {path}: cannot open it for appending: {err.strerror}") from None
         self.enforcer = enforcer
@@ -95,7 +124,7 @@ def audit_entry(record: RequestRecord, key_name: str | None, log_text: bool) -> 
         "prompt_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest() if text else None,
     }
     if log_text:
-        entry["prompt_text"] = text
+        entry["prompt_text"] = _capped(text, MAX_TEXT_CHARS)
     return entry
 
 
@@ -105,12 +134,14 @@ def audit_line(entry: dict) -> bytes:
     return (json.dumps(entry, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
 
 
-def _capped(value: str | None) -> str | None:
-    """A client-chosen string (model, tenant header) cut to MAX_FIELD_CHARS: refused requests with megabyte
-    model names must not rotate the log's earlier lines (a wrong-key attempt among them) out of reach."""
-    if value is None or len(value) <= MAX_FIELD_CHARS:
+def _capped(value: str | None, limit: int = MAX_FIELD_CHARS) -> str | None:
+    """A client-chosen string (model, tenant header, kept prompt) cut to `limit` characters, followed by its
+    length and the sha256 prefix of the whole: refused requests with megabyte model names must not rotate the
+    log's earlier lines (a wrong-key attempt among them) out of reach, and the cut value stays recognizable."""
+    if value is None or len(value) <= limit:
         return value
-    return f"{value[:MAX_FIELD_CHARS]}...({len(value)} chars)"
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{value[:limit]}...({len(value)} chars, sha256:{digest})"
 
 
 def _seconds(value: float | None) -> float | None:

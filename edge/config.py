@@ -47,6 +47,7 @@ class ServeConfig:
     audit_log: str = knob("audit_log")
     audit_log_max_bytes: int = knob("audit_log_max_bytes")
     audit_log_backups: int = knob("audit_log_backups")
+    audit_log_keep_days: float = knob("audit_log_keep_days")
     otlp_traces_endpoint: str = knob("otlp_traces_endpoint")
     prefill_workers: int = knob("prefill_workers")
     threads_per_worker: int = knob("threads_per_worker")

@@ -49,11 +49,23 @@ class Strict(BaseModel):
     unknown_key_noun: ClassVar[str] = "key"  # "unknown signal" reads better than "unknown key" in places
 
 
+MAX_FILE_BYTES = 1 << 20  # a policy or config file, at most: a mistaken 1 GiB file must not take the gateway's memory
+
+
 def read_text(path: str | Path) -> str:
+    """The file's text, read no further than MAX_FILE_BYTES (a larger file is refused, not parsed)."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
     except OSError as err:
         raise Invalid([Issue("(file)", f"cannot read the file: {err.strerror}")]) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise Invalid([Issue("(file)", f"the file is larger than the limit of {MAX_FILE_BYTES} bytes "
+                                       f"({MAX_FILE_BYTES >> 20} MiB); a policy or config file is a few KiB")])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise Invalid([Issue("(file)", f"the file is not UTF-8 text: {err.reason} at byte {err.start}")]) from None
 
 
 def parse_toml(text: str) -> tuple[dict, dict[str, int]]:

@@ -1,7 +1,8 @@
 """Each constrained choice's grammar matcher and the step's token bitmask, from one set of grammar tables.
 
-The tokenizer's tables take seconds to build: they are built in a thread of their own as the engine starts, so
-that the first structured request does not hold the engine thread (and every stream) while they are made.
+The tokenizer's tables take seconds to build: the engine process has them built in a thread of their own as it
+starts (`warm`), so that the first structured request does not hold the engine thread (and every stream) while
+they are made. An engine made without warm (tests, tools) builds them on its first structured request.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ class GrammarMatchers:
         self.stop_token_ids = stop_token_ids  # the tokens that complete a grammar
         self._grammars: Grammars | None = None
         self._building: threading.Thread | None = None
-        if tokenizer is not None and getattr(runner, "model", None) is not None:
+
+    def warm(self) -> None:
+        """Build the tables now, in a thread of their own (the engine thread goes on stepping)."""
+        if self.tokenizer is not None and self._grammars is None and self._building is None:
             self._building = threading.Thread(target=self._build, name="grammar-tables", daemon=True)
             self._building.start()
 

@@ -63,7 +63,9 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
     engine = EngineConfig(scheduler=scheduler, max_model_len=config.max_model_len,
                           max_backlog_bytes=config.max_backlog_bytes,
                           swap_space_bytes=int(config.swap_space_gib * 2**30), speculative=spec)
-    return DecodeEngine(runner, engine, tokenizer, eos_token_ids(tokenizer, model))
+    built = DecodeEngine(runner, engine, tokenizer, eos_token_ids(tokenizer, model))
+    built.sampler.matchers.warm()  # the structured-output tables, off the engine thread
+    return built
 
 
 def runner_config(config: EngineProcessConfig, spec: SpecConfig) -> RunnerConfig:

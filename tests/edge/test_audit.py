@@ -4,6 +4,8 @@ and restarts)."""
 
 import hashlib
 import json
+import os
+import time
 from datetime import UTC, datetime
 
 import httpx
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edge.app import _enforcer
-from edge.audit import AuditLog, RotatingFile, _capped, quota_state_path
+from edge.audit import MAX_TEXT_CHARS, AuditLog, RotatingFile, _capped, quota_state_path
 from edge.config import ServeConfig
 from edge.gateway import Gateway, key_id
 from edge.openai_api import ApiError, parse_request
@@ -117,12 +119,15 @@ def test_any_prompt_makes_exactly_one_valid_line(tmp_path, prompt, tenant, model
     assert last["prompt_sha256"] == expected
 
 
-def test_a_huge_prompt_is_one_line(tmp_path):
+def test_a_huge_prompt_is_one_bounded_line_that_still_identifies_it(tmp_path):
     prompt = ("ünïcödé \n\x00\ud83d " + "x" * 1000) * 2000  # ~2 MB, a lone high surrogate in every chunk
     audit = AuditLog(str(tmp_path / "audit.log"), 4096, 1, enforcer_for(POLICY + "[audit]\nlog_text = true\n"))
     audit(record(text="small"))
     audit(record(text=prompt))
-    assert [entry["prompt_text"] for entry in lines(tmp_path / "audit.log")] == [prompt]  # a file of its own
+    [entry] = lines(tmp_path / "audit.log")  # a file of its own
+    digest = hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()
+    assert entry["prompt_text"] == f"{prompt[:MAX_TEXT_CHARS]}...({len(prompt)} chars, sha256:{digest[:16]})"
+    assert entry["prompt_sha256"] == digest and (tmp_path / "audit.log").stat().st_size < 8 * MAX_TEXT_CHARS
     assert [entry["prompt_text"] for entry in lines(tmp_path / "audit.log.1")] == ["small"]
 
 
@@ -133,7 +138,8 @@ def test_huge_model_names_cannot_rotate_a_wrong_key_attempt_out_of_the_log(tmp_p
         audit(record(model="m" * 800_000, status="failed", http_status=400))
     kept = lines(tmp_path / "audit.log")
     assert [entry["http_status"] for entry in kept] == [401, 400, 400, 400, 400]
-    assert kept[-1]["model"].endswith("...(800000 chars)") and len(kept[-1]["model"]) < 300
+    digest = hashlib.sha256(b"m" * 800_000).hexdigest()[:16]
+    assert kept[-1]["model"] == "m" * 256 + f"...(800000 chars, sha256:{digest})"
 
 
 # --- rotation ---
@@ -149,6 +155,24 @@ def test_rotation_keeps_the_newest_lines_in_backups_files(tmp_path):
     assert kept == b"".join(written[-len(kept.splitlines()):])  # the newest lines, in order, none cut
     assert len(kept.splitlines()) == 5 and all(f.stat().st_size <= 100 for f in files)
     assert not (tmp_path / "audit.log.3").exists()
+
+
+def test_a_burst_of_junk_cannot_push_the_kept_days_out(tmp_path):
+    """backups = 1 and a day of history: a wrong-key attempt, then far more junk than one backup holds."""
+    path = tmp_path / "audit.log"
+    audit = AuditLog(str(path), 4096, 1, enforcer_for(), keep_days=1)
+    audit(record(api_key="wrong", status="failed", http_status=401))
+    for _ in range(200):
+        audit(record(model="m" * 100_000, status="failed", http_status=400))
+    files = sorted(tmp_path.glob("audit.log*"), key=lambda f: f.stat().st_mtime)
+    assert len(files) > 2 and [e["http_status"] for e in lines(files[0])][0] == 401  # all kept: younger than a day
+    assert sum(len(lines(f)) for f in files) == 201
+    day_ago = time.time() - 2 * 86400  # two days on: past the history, the count applies again
+    for f in tmp_path.glob("audit.log.*"):
+        os.utime(f, (day_ago, day_ago))
+    audit.file.max_bytes = 1  # the next line rotates
+    audit(record(status="failed", http_status=400))
+    assert sorted(f.name for f in tmp_path.glob("audit.log*")) == ["audit.log", "audit.log.1"]
 
 
 def test_without_backups_the_log_starts_over(tmp_path):

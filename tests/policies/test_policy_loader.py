@@ -108,3 +108,26 @@ def test_hot_reload_refuses_a_bad_file_and_keeps_the_old_policy(tmp_path):
     os.utime(path, ns=(1, 2 * 10**18))
     assert reloader.poll() is True
     assert enforcer.policy.tiers[0].actions.cap_max_tokens == 32 and reloader.last_error is None
+
+
+def test_a_policy_or_config_file_past_the_size_cap_is_refused_unread(tmp_path):
+    """A 1 GiB file (sparse: nothing on disk) is refused at once, without reading it into memory."""
+    import resource
+    import time
+
+    from edge.config import ConfigError, load_config
+    from policies.validation import MAX_FILE_BYTES
+    huge = tmp_path / "huge.toml"
+    with open(huge, "wb") as file:
+        file.truncate(1 << 30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    with pytest.raises(PolicyError, match=f"larger than the limit of {MAX_FILE_BYTES} bytes"):
+        load_policy(huge)
+    with pytest.raises(ConfigError, match="larger than the limit"):
+        load_config(str(huge), {})
+    assert time.perf_counter() - started < 0.5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: far below the file
+    (tmp_path / "latin1.toml").write_bytes(b'version = 1\n# caf\xe9\n')
+    with pytest.raises(PolicyError, match="not UTF-8"):
+        load_policy(tmp_path / "latin1.toml")

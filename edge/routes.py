@@ -24,13 +24,13 @@ from edge.middleware import error_middleware
 from edge.openai_api import ApiError, parse_request
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
-from edge.status import STATUS, StatusBoard, page
+from edge.status import LOGIN_PAGE, SESSION_COOKIE, SESSIONS, STATUS, StatusBoard, StatusSessions, page
 from edge.structured_request import check_structured, compile_owner, structured_state
 from edge.tool_formats import ChatFormat, chat_format_of
 from policies.quota import key_id
 
 log = logging.getLogger("edge.routes")
-NO_STORE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}  # the status page may carry its key
+NO_STORE = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}  # the status page and its session
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -286,8 +286,38 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def status_page(request: web.Request) -> web.Response:
-    key = _admin_key(request, challenge=True)
-    return web.Response(text=page(key), content_type="text/html", headers=NO_STORE)
+    """The page, for an admin: a key sent with the load (basic auth, a bearer header) opens a session whose cookie
+    lets the page's polls in; without one, a browser asks for the key (basic auth) or shows the sign-in form."""
+    try:
+        key, token = _admin_key(request, challenge=True)
+    except ApiError as err:
+        if err.status != 401 or "text/html" not in request.headers.get("Accept", ""):
+            raise
+        return web.Response(status=401, text=LOGIN_PAGE, content_type="text/html",
+                            headers={**NO_STORE, **(err.headers or {})})  # a browser: its dialog, else the form
+    response = web.Response(text=page(), content_type="text/html", headers=NO_STORE)
+    if key is not None and token is None:
+        sessions = request.app[SESSIONS]
+        sessions.set_cookie(response, sessions.start(key), request.secure)
+    return response
+
+
+async def status_login(request: web.Request) -> web.Response:
+    """POST /status/login (form field `key`, or a bearer header): a session cookie for an admin key, then the page."""
+    form = await request.post()
+    key = form.get("key") if isinstance(form.get("key"), str) else _sent_key(request)
+    _check_admin(request, key, challenge=False)
+    response = web.Response(status=303, headers={**NO_STORE, "Location": "/status"})
+    sessions = request.app[SESSIONS]
+    sessions.set_cookie(response, sessions.start(key or ""), request.secure)
+    return response
+
+
+async def status_logout(request: web.Request) -> web.Response:
+    request.app[SESSIONS].end(request.cookies.get(SESSION_COOKIE))
+    response = web.Response(status=303, headers={**NO_STORE, "Location": "/status"})
+    response.del_cookie(SESSION_COOKIE, path="/")
+    return response
 
 
 async def status_json(request: web.Request) -> web.Response:
@@ -302,16 +332,24 @@ async def status_json(request: web.Request) -> web.Response:
     return web.json_response(board.snapshot(since), headers=NO_STORE)
 
 
-def _admin_key(request: web.Request, challenge: bool) -> str | None:
-    """The key that opened the status page: one whose rule has admin = true, sent as a bearer token or as the
-    password of HTTP basic auth (what a browser can send on a page load). None when the policy has no keys:
-    then the page is open, as the API is. challenge: make a browser ask for the key (not on the JSON polls,
-    where a dialog would pop up on every refused poll)."""
-    policy = request.app[GATEWAY].enforcer.policy
-    if not policy.keys:
-        return None
-    key = _sent_key(request)
-    rule = policy.keys.get(key or "")
+def _admin_key(request: web.Request, challenge: bool) -> tuple[str | None, str | None]:
+    """(the admin key, the session token it came by, or None): the key of the request's live status session, else
+    one sent as a bearer token or as the password of HTTP basic auth (what a browser can send on a page load); its
+    rule must have admin = true in the policy in force. (None, None) when the policy has no keys: then the page
+    is open, as the API is. challenge: make a browser ask for the key (not on the JSON polls, where a dialog
+    would pop up on every refused poll)."""
+    if not request.app[GATEWAY].enforcer.policy.keys:
+        return None, None
+    token = request.cookies.get(SESSION_COOKIE)
+    key = request.app[SESSIONS].key(token)
+    if key is None:
+        key, token = _sent_key(request), None
+    _check_admin(request, key, challenge)
+    return key, token
+
+
+def _check_admin(request: web.Request, key: str | None, challenge: bool) -> None:
+    rule = request.app[GATEWAY].enforcer.policy.keys.get(key or "")
     if rule is None:
         headers = {"WWW-Authenticate": 'Basic realm="edge status", charset="UTF-8"'} if challenge else {}
         raise ApiError(401, "the status page needs an admin API key: 'Authorization: Bearer <key>', or basic auth "
@@ -320,7 +358,6 @@ def _admin_key(request: web.Request, challenge: bool) -> str | None:
     if not getattr(rule, "admin", False):
         raise ApiError(403, "this API key may not see the status page (its policy rule has no admin = true)",
                        error_type="permission_error", code="not_admin")
-    return key
 
 
 def _sent_key(request: web.Request) -> str | None:
@@ -350,6 +387,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/", status_page)
     app.router.add_get("/status", status_page)
     app.router.add_get("/status.json", status_json)
+    app.router.add_post("/status/login", status_login)
+    app.router.add_post("/status/logout", status_logout)
+    app[SESSIONS] = StatusSessions()
     gateway = app.get(GATEWAY)
     if isinstance(gateway, Gateway):  # a test's stub gateway has nothing to sample
         app[STATUS] = board = StatusBoard(gateway, app.get(SUPERVISOR), app.get(RELOADER))

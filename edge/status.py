@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import html
 import logging
 import math
+import secrets
 import time
 from importlib import resources
 
@@ -28,7 +28,9 @@ MAX_RECORDS = 5000  # per class, and of rejections: a flood keeps only its lates
 MAX_TRANSITIONS = 50
 SAMPLE_FIELDS = ("t", "tier", "prefill_queue", "waiting", "running", "kv_used", "kv_total", "decode_tps",
                  "prefill_tps", "ttft_p95_s", "finished", "rejected")
-KEY_SLOT = '<meta name="edge-key" content="">'
+SESSION_COOKIE = "edge_status_session"
+SESSION_TTL_S = 8 * 3600.0  # a status session lasts a working day, then the operator signs in again
+MAX_SESSIONS = 256  # the oldest dropped first
 
 
 class StatusBoard:
@@ -159,11 +161,55 @@ def _percentile(ordered: list[float], q: float) -> float | None:
     return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 4)
 
 
-def page(key: str | None) -> str:
-    """The page; the key it was opened with travels in it, so its polls can send it as a bearer token (a page
-    opened with a bearer header, not basic auth, has no other way to know it)."""
-    text = resources.files("edge").joinpath("static/status.html").read_text(encoding="utf-8")
-    return text.replace(KEY_SLOT, f'<meta name="edge-key" content="{html.escape(key)}">') if key else text
+def page() -> str:
+    """The page. It carries no key: its polls are let in by the session cookie it was served with."""
+    return resources.files("edge").joinpath("static/status.html").read_text(encoding="utf-8")
+
+
+LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>edge status: sign in</title></head>
+<body><form method="post" action="/status/login">
+<label>Admin API key <input type="password" name="key" autocomplete="current-password" autofocus></label>
+<button type="submit">Sign in</button></form></body></html>
+"""
+
+
+class StatusSessions:
+    """Sessions of the status page: an admin key proven once (a login POST, or basic auth / a bearer header on the
+    page's load) gives a random token, sent back as an HttpOnly, SameSite=Strict cookie; the key itself never
+    reaches the page. A session holds the key in the gateway's memory only, so that each use checks it against
+    the policy in force (a key no longer admin loses its sessions), and ends after SESSION_TTL_S."""
+
+    def __init__(self, ttl_s: float = SESSION_TTL_S, max_sessions: int = MAX_SESSIONS, clock=time.monotonic) -> None:
+        self.ttl_s, self.max_sessions, self._clock = ttl_s, max_sessions, clock
+        self._sessions: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+
+    def start(self, key: str) -> str:
+        token = secrets.token_urlsafe(32)
+        self._sessions[token] = (key, self._clock() + self.ttl_s)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return token
+
+    def key(self, token: str | None) -> str | None:
+        """The key a live session was opened with; None for no session, an unknown one or an expired one."""
+        found = self._sessions.get(token or "")
+        if found is None:
+            return None
+        if self._clock() >= found[1]:
+            del self._sessions[token]
+            return None
+        return found[0]
+
+    def end(self, token: str | None) -> None:
+        self._sessions.pop(token or "", None)
+
+    def set_cookie(self, response: web.StreamResponse, token: str, secure: bool) -> None:
+        response.set_cookie(SESSION_COOKIE, token, max_age=int(self.ttl_s), path="/", httponly=True,
+                            samesite="Strict", secure=secure)
+
+
+SESSIONS = web.AppKey("status_sessions", StatusSessions)
 
 
 STATUS = web.AppKey("status_board", StatusBoard)

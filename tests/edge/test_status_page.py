@@ -26,7 +26,7 @@ from edge.metrics import Metrics
 from edge.request_record import RequestRecord
 from edge.routes import add_routes
 from edge.state import GATEWAY
-from edge.status import WINDOW_S, StatusBoard
+from edge.status import SESSION_COOKIE, WINDOW_S, StatusBoard, StatusSessions
 from policies.enforcer import PolicyEnforcer
 from policies.schema import Policy, Tier
 from server_process import ServerProcess, wait_for
@@ -71,13 +71,16 @@ exit = { waiting_requests = -1 }
 
 # --- who may see the page (a stub gateway: only its policy matters) ---------------------------------------------
 
-def _status(policy_keys: dict, path: str, **kwargs):
+def _app(policy_keys: dict) -> web.Application:
     app = web.Application()
     app[GATEWAY] = SimpleNamespace(enforcer=SimpleNamespace(policy=SimpleNamespace(keys=policy_keys)))
     add_routes(app)
+    return app
 
+
+def _status(policy_keys: dict, path: str, **kwargs):
     async def run():
-        async with TestClient(TestServer(app)) as client:
+        async with TestClient(TestServer(_app(policy_keys))) as client:
             response = await client.get(path, **kwargs)
             return response.status, response.headers, await response.text()
     return asyncio.run(run())
@@ -104,16 +107,65 @@ def test_a_key_without_admin_is_forbidden():
 
 
 @pytest.mark.parametrize("auth", ["bearer", "basic"])
-def test_an_admin_key_opens_the_page_and_travels_in_it_for_the_polls(auth):
+def test_an_admin_key_opens_a_session_and_never_travels_in_the_page(auth):
     header = f"Bearer {ADMIN}" if auth == "bearer" else "Basic " + base64.b64encode(f"ops:{ADMIN}".encode()).decode()
-    status, headers, body = _status(KEYS, "/status", headers={"Authorization": header})
-    assert status == 200 and headers["Cache-Control"] == "no-store"
-    assert f'<meta name="edge-key" content="{ADMIN}">' in body
+
+    async def run():
+        async with TestClient(TestServer(_app(KEYS))) as client:
+            page = await client.get("/status", headers={"Authorization": header})
+            body, cookie = await page.text(), page.cookies[SESSION_COOKIE]
+            polled = await client.get("/status.json")  # the cookie alone: what the page's polls send
+            await client.post("/status/logout")
+            after = await client.get("/status.json")
+            return page, body, cookie, polled.status, after.status
+    page, body, cookie, polled, after = asyncio.run(run())
+    assert page.status == 200 and page.headers["Cache-Control"] == "no-store" and ADMIN not in body
+    assert cookie["httponly"] and cookie["samesite"] == "Strict" and ADMIN not in cookie.value
+    assert polled == 503  # let in (no status board runs in this stub: 503, not 401)
+    assert after == 401  # the session ended
 
 
-def test_without_keys_the_page_is_open_and_carries_no_key():
-    status, _, body = _status({}, "/status")
-    assert status == 200 and '<meta name="edge-key" content="">' in body and "<canvas" in body
+def test_a_login_post_opens_a_session_and_a_wrong_or_non_admin_key_does_not():
+    async def run():
+        async with TestClient(TestServer(_app(KEYS))) as client:
+            wrong = await client.post("/status/login", data={"key": "nope"}, allow_redirects=False)
+            user = await client.post("/status/login", data={"key": USER}, allow_redirects=False)
+            assert SESSION_COOKIE not in client.session.cookie_jar.filter_cookies(client.make_url("/"))
+            login = await client.post("/status/login", data={"key": ADMIN}, allow_redirects=False)
+            polled = await client.get("/status.json")
+            client.session.cookie_jar.clear()
+            client.session.cookie_jar.update_cookies({SESSION_COOKIE: "forged"})
+            form = await client.get("/status", headers={"Accept": "text/html"})
+            return (wrong.status, user.status, login.status, login.headers["Location"], polled.status, form.status,
+                    await form.text())
+    wrong, user, login, location, polled, form, page = asyncio.run(run())
+    assert (wrong, user, login, location, polled) == (401, 403, 303, "/status", 503)
+    assert form == 401 and 'action="/status/login"' in page  # a forged session: a browser gets the sign-in form
+
+
+def test_a_session_ends_with_its_time_or_when_its_key_loses_admin():
+    now = [0.0]
+    sessions = StatusSessions(ttl_s=10, max_sessions=2, clock=lambda: now[0])
+    token = sessions.start(ADMIN)
+    assert sessions.key(token) == ADMIN and sessions.key("forged") is None and sessions.key(None) is None
+    now[0] = 10.0
+    assert sessions.key(token) is None
+    first, *_ = [sessions.start(ADMIN) for _ in range(3)]
+    assert sessions.key(first) is None  # the oldest dropped past max_sessions
+
+    async def run():  # a key no longer admin in the policy in force: its session is refused
+        keys = dict(KEYS)
+        app = _app(keys)
+        async with TestClient(TestServer(app)) as client:
+            await client.post("/status/login", data={"key": ADMIN}, allow_redirects=False)
+            keys[ADMIN] = SimpleNamespace(admin=False)
+            return (await client.get("/status.json")).status
+    assert asyncio.run(run()) == 403
+
+
+def test_without_keys_the_page_is_open_and_sets_no_session():
+    status, headers, body = _status({}, "/status")
+    assert status == 200 and "<canvas" in body and "Set-Cookie" not in headers
 
 
 # --- what the board keeps (a real Gateway around stub peers) ---------------------------------------------------

@@ -5,6 +5,7 @@ completions route and the APIs built on the same path (Responses, Messages).
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from edge.reasoning import ReasoningStream, split_reasoning
@@ -21,8 +22,9 @@ def _tools_on(tools: ToolSpec | None) -> bool:
 
 def chat_message(text: str, chat: ChatFormat | None, tools: ToolSpec | None,
                  finish_reason: str | None) -> tuple[dict, str | None]:
-    """(the assistant message, the finish reason) of a finished answer: "tool_calls" when it made calls. Free calls
-    are taken only from an answer that ended by itself; a forced call (required, named) however it ended."""
+    """(the assistant message, the finish reason) of a finished answer: "tool_calls" when it ended by itself after
+    making calls. Free calls are taken only from an answer that ended by itself; forced ones (required, named)
+    however it ended, but for a call cut short (its arguments incomplete JSON)."""
     reasoning, content = (split_reasoning(text, chat.think_in_prompt) if chat is not None and chat.reasoning
                           else (None, text))
     message: dict = {"role": "assistant", "content": content if content or reasoning is None else None}
@@ -30,10 +32,19 @@ def chat_message(text: str, chat: ChatFormat | None, tools: ToolSpec | None,
         message["reasoning_content"] = reasoning
     if _tools_on(tools) and (finish_reason in ("stop", None) or tools.constrained):
         rest, calls = parse_tool_calls(content, FORMATS[tools.format], tools.names, tools.parallel_calls)
+        calls = [call for call in calls if _is_json(call["function"]["arguments"])]  # not one cut by max_tokens
         if calls:
             message.update(content=rest or None, tool_calls=calls)
-            finish_reason = "tool_calls"
+            finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
     return message, finish_reason
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 class ChatOutputStream:

@@ -130,3 +130,14 @@ def test_chat_bodies_and_stream_chunks_carry_the_calls():
                         "function": {"name": "get_weather", "arguments": ""}}
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Rome"}' and len(calls) > 2
     assert all("content" not in d for d in deltas[1:])
+
+
+def test_a_forced_call_cut_by_max_tokens_is_dropped_and_the_reason_stays_length():
+    from edge.chat_output import chat_message
+    spec = parse_request(_chat(tools=[WEATHER, TIME], tool_choice="required"), "chat").tools
+    two = ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+           '"arguments": {"city": "Ro')
+    message, reason = chat_message(two, None, spec, "length")
+    assert reason == "length" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    message, reason = chat_message(two.split("\n</tool_call>")[0], None, spec, "stop")
+    assert reason == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == "{}"

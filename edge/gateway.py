@@ -103,8 +103,9 @@ class Gateway:
             decision = self.enforcer.decide(facts, {self.model_name})
         except PolicyRejection as err:
             raise policy_error(err) from None
-        salt = self.salter.salt(self.enforcer.policy.prefix_cache_scope, key_id(_bearer(http)), tenant,
-                                request.cache_salt)
+        policy = self.enforcer.policy
+        salt = self.salter.salt(policy.prefix_cache_scope, key_id(_bearer(http)), tenant, request.cache_salt,
+                                policy.prefix_cache_groups.get(_bearer(http) or ""))
         try:
             run = self._queue(request, decision, salt)
         except ApiError:

@@ -144,8 +144,17 @@ class AuditFile(Strict):
     log_text: bool = False
 
 
+class CacheGroupFile(Strict):
+    name: str | None = None  # None: group<index>
+    keys: list[str] = Field(min_length=1)
+
+
 class PrefixCacheFile(Strict):
     scope: Literal["key", "shared"] = "key"
+    groups: list[CacheGroupFile] = []  # keys that share one prompt cache (one team's keys, a public system prompt)
+
+    def group_of_keys(self) -> dict[str, str]:
+        return {key: group.name or f"group{i}" for i, group in enumerate(self.groups) for key in group.keys}
 
 
 class TenantsFile(Strict):
@@ -215,7 +224,7 @@ class PolicyFile(Strict):
         return Policy(source, self.filters.build(), classes, self.default_class or next(iter(classes)),
                       {entry.key: entry.build() for entry in self.keys}, self.tenants.header,
                       dict(self.tenants.classes), tiers, tuple(self.allow_weaker_protection),
-                      AuditRules(self.audit.log_text), self.prefix_cache.scope)
+                      AuditRules(self.audit.log_text), self.prefix_cache.scope, self.prefix_cache.group_of_keys())
 
 
 # --- checks that relate entries to each other: (key path, message) for each mistake ---
@@ -227,7 +236,23 @@ def _relations(document: PolicyFile) -> Iterator[tuple[str, str]]:
     yield from _duplicates(document.tier_names(), "tiers[{}].name", lambda name: f"tier name {name!r} is used twice")
     for i, tier in enumerate(document.tiers):
         yield from _hysteresis(tier, f"tiers[{i}]")
+    yield from _cache_groups(document)
     yield from slo_relations(document.classes, len(document.tiers))
+
+
+def _cache_groups(document: PolicyFile) -> Iterator[tuple[str, str]]:
+    """A group names listed keys only, each in one group at most (a key in two would join their caches)."""
+    listed, grouped = {entry.key for entry in document.keys}, set()
+    for i, group in enumerate(document.prefix_cache.groups):
+        for j, key in enumerate(group.keys):
+            where = f"prefix_cache.groups[{i}].keys[{j}]"
+            if key not in listed:
+                yield where, "not an API key of [[keys]] (a group shares the cache of listed keys only)"
+            elif key in grouped:
+                yield where, "this API key is in two groups; a key shares the cache of one group at most"
+            grouped.add(key)
+    yield from _duplicates([group.name for group in document.prefix_cache.groups], "prefix_cache.groups[{}].name",
+                           lambda name: f"group name {name!r} is used twice")
 
 
 def _duplicates(values: list[str | None], where: str, message) -> Iterator[tuple[str, str]]:

@@ -106,3 +106,5 @@ class Policy:
     # who may reuse whose cached prompts (edge.cache_salt): "key", per API key (per tenant header without keys);
     # "shared", everyone's, which lets one client time another's prompts: an explicit choice
     prefix_cache_scope: str = "key"
+    # API key -> the group of keys that share one prompt cache (prefix_cache.groups): sharing named, not implied
+    prefix_cache_groups: dict[str, str] = field(default_factory=dict)

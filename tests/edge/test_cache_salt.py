@@ -42,3 +42,28 @@ def test_a_reload_may_not_silently_share_the_prompt_caches(tmp_path):
     path.write_text('version = 1\nallow_weaker_protection = ["prefix_cache_isolation"]\n'
                     '[prefix_cache]\nscope = "shared"\n')
     assert removed_protections(isolated, load_policy(path)) == []
+
+
+def test_keys_of_one_group_share_a_salt_and_a_client_salt_still_narrows():
+    salter = CacheSalter()
+    team_a = salter.salt("key", "sha256:a", None, group="team")
+    assert team_a == salter.salt("key", "sha256:b", None, group="team")  # the group's keys share
+    assert team_a != salter.salt("key", "sha256:c", None, group="other") != salter.salt("key", "sha256:a", None)
+    assert salter.salt("key", "sha256:a", None, "mine", "team") not in (team_a, salter.salt("key", "sha256:a", None,
+                                                                                         "mine"))
+
+
+def test_the_policy_names_groups_of_listed_keys_each_in_one_group(tmp_path):
+    from policies.loader import PolicyError
+    path = tmp_path / "policy.toml"
+    keys = "[classes.c]\n" + "".join(f'[[keys]]\nkey = "{k}"\nclass = "c"\n' for k in ("k1", "k2", "k3"))
+    path.write_text('version = 1\n' + keys + '[[prefix_cache.groups]]\nname = "team"\nkeys = ["k1", "k2"]\n'
+                    '[[prefix_cache.groups]]\nkeys = ["k3"]\n')
+    assert load_policy(path).prefix_cache_groups == {"k1": "team", "k2": "team", "k3": "group1"}
+    path.write_text('version = 1\n' + keys + '[[prefix_cache.groups]]\nkeys = ["k1", "nope"]\n'
+                    '[[prefix_cache.groups]]\nkeys = ["k1"]\n')
+    with pytest.raises(PolicyError) as caught:
+        load_policy(path)
+    text = str(caught.value)
+    assert "prefix_cache.groups[0].keys[1]" in text and "not an API key" in text
+    assert "prefix_cache.groups[1].keys[0]" in text and "in two groups" in text

@@ -156,7 +156,10 @@ class SloControl:
         predicted = self.predictor.predict(priority, due, tokens, self.pending)
         known = Pending(decision.client_class, decision.ttft_slo_ms, decision.tpot_slo_ms, tokens, text_bytes,
                         *(predicted[:2] if predicted else (None, None)), due)
-        if predicted is None or not decision.ttft_slo_ms or predicted[0] * 1e3 <= decision.ttft_slo_ms:
+        # nothing ahead at its rank: the request would start at once, and a refusal could not make it any faster
+        # (what is left is its own prompt and the noise of the offset)
+        if predicted is None or not decision.ttft_slo_ms or predicted[0] * 1e3 <= decision.ttft_slo_ms \
+                or predicted[2] <= 0:
             return decision, known
         if decision.on_slo_miss == "reject":
             self._refused(decision)

@@ -137,6 +137,16 @@ def test_a_request_that_cannot_meet_its_objective_is_refused_at_once_with_retry_
     assert len(gateway.pool.queue) == 2
 
 
+def test_a_request_with_nothing_ahead_is_never_refused():
+    async def scenario():
+        gateway = make_gateway()
+        measured(gateway)
+        alone = admit(gateway, "k-int", tokens=3000)  # its own prefill alone takes 3 s at 1000 tokens a second
+        return gateway, alone
+    gateway, alone = asyncio.run(scenario())
+    assert gateway.slo.pending[alone.inflight.request_id].predicted_s > 3.0  # predicted late, served all the same
+
+
 def test_what_waits_at_a_lower_priority_is_not_ahead_and_serve_classes_are_served():
     async def scenario():
         gateway = make_gateway()

@@ -22,6 +22,7 @@ from edge.gateway import Gateway, Run, _bearer
 from edge.lifecycle import RequestStatus
 from edge.middleware import error_middleware
 from edge.openai_api import ApiError, parse_request
+from edge.request_fields import show
 from edge.responses import Completion, sse
 from edge.state import GATEWAY, RELOADER, SUPERVISOR
 from edge.status import LOGIN_PAGE, SESSION_COOKIE, SESSIONS, STATUS, StatusBoard, StatusSessions, page
@@ -216,8 +217,25 @@ async def models(request: web.Request) -> web.Response:
         gateway.check_key(request)
     except ApiError as err:
         return err.response()
-    return web.json_response({"object": "list", "data": [
-        {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "edge"}]})
+    return web.json_response({"object": "list", "data": [_model_card(gateway.model_name)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id} (the openai client's models.retrieve): the served model's card, else a 404."""
+    gateway: Gateway = request.app[GATEWAY]
+    name = request.match_info["model_id"]
+    try:
+        gateway.check_key(request)
+        if name != gateway.model_name:
+            raise ApiError(404, f"the model {show(name)} does not exist here (this server serves "
+                                f"{gateway.model_name})", "model", "model_not_found")
+    except ApiError as err:
+        return err.response()
+    return web.json_response(_model_card(name))
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "edge"}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -378,6 +396,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)  # ids may hold a slash (org/name)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/rerank", rerank)
     app.router.add_post("/tokenize", tokenize)

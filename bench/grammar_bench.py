@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.grammar_bench [--data ../shared/jsonschemabench] [--engines llguidance,xgrammar]
                                             [--limit N] [--details FILE.json]
+    .venv/bin/python -m bench.grammar_bench --step-batches 16,32 [--limit N] [--steps 300]
 
 Each schema is compiled as the service compiles it, with the embedded model's tokenizer (SmolLM2-135M: the
 GGUF's tokenizer as the decode engine converts and caches it). Each of its instances is then fed as text:
@@ -13,6 +14,13 @@ an end-of-sequence token. An instance is accepted when all of that holds.
 Per engine: schemas compiled or refused; among the instances of compiled schemas, invalid ones accepted (unsound:
 the engine would let output through that breaks the schema) and valid ones rejected (too strict); schemas fully
 correct (compiled, every instance judged right); compile time p50/p99 over all schemas; mask time per token.
+
+--step-batches: the mask's cost per decode step instead, as the engine pays it (decode_gpu.sample.structured):
+B constrained sequences side by side, each writing a valid instance of its schema token by token; per step every
+row's mask is filled into one [B, words] int32 array, then every row takes its token; a sequence that ends gives
+its row to the next instance. Only instances every engine accepts, of schemas every engine compiles, so each engine
+does the same work; compiles and matcher starts are outside the timing. llguidance-par fills the batch with
+llguidance's own thread pool (LLExecutor) instead of row by row.
   llguidance  the project's engine: contracts.grammar (the gateway's check, then the matcher's compile over the
               vocabulary), strict (unsupported keywords refused), separators ", " and ": ".
   xgrammar    0.2.9 as this project configured it before: Grammar.from_json_schema(any_whitespace=False), strict
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.metadata
+import itertools
 import json
 import statistics
 import time
@@ -81,6 +90,25 @@ class LLGuidanceEngine:
     def accept(self, matcher, token: int) -> bool:
         return matcher.accept_token(token)
 
+    def fill_batch(self, matchers: list, mask: np.ndarray) -> None:  # mask: [B, words] int32, as the engine does
+        row_bytes = mask.shape[1] * 4
+        for row, matcher in enumerate(matchers):
+            matcher.fill_bitmask(mask.ctypes.data + row * row_bytes, row_bytes)
+
+
+class LLGuidanceParallel(LLGuidanceEngine):
+    """llguidance with the batch's masks filled by its own thread pool (not what the engine does today)."""
+    name = "llguidance-par"
+
+    def __init__(self, tokenizer, vocab_size: int, stops: tuple[int, ...]) -> None:
+        import llguidance
+        super().__init__(tokenizer, vocab_size, stops)
+        self._executor = llguidance.LLExecutor()
+
+    def fill_batch(self, matchers: list, mask: np.ndarray) -> None:
+        self._executor.unsafe_compute_mask_ptr([(m._matcher, row) for row, m in enumerate(matchers)],
+                                               mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
+
 
 class XGrammarEngine:
     name = "xgrammar"
@@ -106,8 +134,14 @@ class XGrammarEngine:
     def accept(self, matcher, token: int) -> bool:
         return matcher.accept_token(token)
 
+    def fill_batch(self, matchers: list, mask: np.ndarray) -> None:  # mask: [B, words] int32
+        import torch
+        target = torch.from_numpy(mask)
+        for row, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(target, row)
 
-ENGINES = {"llguidance": LLGuidanceEngine, "xgrammar": XGrammarEngine}
+
+ENGINES = {"llguidance": LLGuidanceEngine, "llguidance-par": LLGuidanceParallel, "xgrammar": XGrammarEngine}
 
 
 def allowed(mask: np.ndarray, token: int) -> bool:
@@ -183,13 +217,93 @@ def print_table(results: list[dict]) -> None:
             print(f"  {count:4d}  {reason}")
 
 
+def step_tasks(engines: list, cases, encode, stops: tuple[int, ...], vocab_size: int) -> tuple[list, list]:
+    """Per engine its compiled grammars, and the (schema index, tokens) of the valid instances every engine
+    accepts, of the schemas every engine compiles."""
+    mask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)  # [1, words]
+    compiled: list[list] = [[] for _ in engines]
+    tasks = []
+    for index, (_name, schema, tests) in enumerate(cases):
+        try:
+            grammars = [engine.compile(schema) for engine in engines]
+        except Exception:
+            grammars = None
+        for per_engine, grammar in zip(compiled, grammars or [None] * len(engines)):
+            per_engine.append(grammar)
+        if grammars is None:
+            continue
+        for valid, data in tests:
+            tokens = encode(instance_text(data))
+            if valid and all(feed(e, g, tokens, stops, mask, []) for e, g in zip(engines, grammars)):
+                tasks.append((index, tokens))
+    return compiled, tasks
+
+
+def step_cost(engine, compiled: list, tasks: list, batch: int, steps: int, vocab_size: int) -> dict:
+    """Mask fill per step of `batch` rows (and fill plus every row taking its token), p50 and p99 over `steps`."""
+    mask = np.zeros((batch, (vocab_size + 31) // 32), dtype=np.int32)  # [B, words]
+    upcoming = itertools.cycle(tasks)
+
+    def start():
+        index, tokens = next(upcoming)
+        return [engine.start(compiled[index]), tokens, 0]
+    rows = [start() for _ in range(batch)]
+    fills, totals = [], []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.fill_batch([row[0] for row in rows], mask)
+        filled = time.perf_counter()
+        for row in rows:
+            matcher, tokens, at = row
+            engine.accept(matcher, tokens[at])
+            row[2] += 1
+        done = time.perf_counter()
+        fills.append(filled - started)
+        totals.append(done - started)
+        rows = [row if row[2] < len(row[1]) else start() for row in rows]
+    return dict(engine=engine.name, version=engine.version, batch=batch, fill_p50_ms=_pct(fills, 50) * 1e3,
+                fill_p99_ms=_pct(fills, 99) * 1e3, total_p50_ms=_pct(totals, 50) * 1e3,
+                row_us=_pct(fills, 50) * 1e6 / batch)
+
+
+def print_step_table(results: list[dict], n_tasks: int, n_schemas: int) -> None:
+    print(f"{n_tasks} valid instances of {n_schemas} schemas, every engine accepting them")
+    print("| engine | batch | mask per step p50 / p99 ms | per row p50 us | mask + accept per step p50 ms |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['engine']} {r['version']} | {r['batch']} | {r['fill_p50_ms']:.2f} / {r['fill_p99_ms']:.2f} | "
+              f"{r['row_us']:.0f} | {r['total_p50_ms']:.2f} |")
+
+
+def main_steps(args, tokenizer, engines: list) -> None:
+    vocab_size, stops = len(tokenizer), (tokenizer.eos_token_id,)
+    cases = load_schemas(args.data, args.limit)
+    compiled, tasks = step_tasks(engines, cases, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                 stops, vocab_size)
+    results = [step_cost(engine, grammars, tasks, int(batch), args.steps, vocab_size)
+               for batch in args.step_batches.split(",") for engine, grammars in zip(engines, compiled)]
+    print_step_table(results, len(tasks), len({index for index, _ in tasks}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--engines", default="llguidance,xgrammar")
     parser.add_argument("--limit", type=int, default=None, help="the first N schemas only")
     parser.add_argument("--details", type=Path, default=None, help="write every result, failures included, here")
+    parser.add_argument("--step-batches", default=None, help="e.g. 16,32: the mask's cost per decode step instead")
+    parser.add_argument("--steps", type=int, default=300, help="decode steps timed per engine and batch")
     args = parser.parse_args()
+    if args.step_batches:
+        tokenizer = hf_tokenizer()
+        engines = []
+        for name in args.engines.split(","):
+            try:
+                engines.append(ENGINES[name](tokenizer, len(tokenizer), (tokenizer.eos_token_id,)))
+            except ImportError as err:
+                print(f"{name}: not installed ({err}); skipped")
+        main_steps(args, tokenizer, engines)
+        return
     cases = load_schemas(args.data, args.limit)
     tokenizer = hf_tokenizer()
     vocab_size, stops = len(tokenizer), (tokenizer.eos_token_id,)

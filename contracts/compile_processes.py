@@ -53,12 +53,16 @@ class _Child:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         self._buffer = b""
 
-    def line(self, deadline: float, cancelled: threading.Event | None) -> bytes | None:
-        """The child's next line; None when the deadline passed; CompileCancelled; EOFError when it died."""
+    def line(self, deadline: float, cancelled: threading.Event | None,
+             closed: threading.Event | None = None) -> bytes | None:
+        """The child's next line; None when the deadline passed; CompileCancelled when the requester went away,
+        GrammarBusyError when the pool closed; EOFError when it died."""
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
             if cancelled is not None and cancelled.is_set():
                 raise CompileCancelled("the requester went away")
+            if closed is not None and closed.is_set():
+                raise GrammarBusyError("the server is shutting down")
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -71,10 +75,11 @@ class _Child:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line
 
-    def ask(self, request: dict, deadline: float, cancelled: threading.Event | None) -> dict | None:
+    def ask(self, request: dict, deadline: float, cancelled: threading.Event | None,
+            closed: threading.Event | None = None) -> dict | None:
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
-        line = self.line(deadline, cancelled)
+        line = self.line(deadline, cancelled, closed)
         return None if line is None else json.loads(line)
 
     def kill(self) -> None:
@@ -106,6 +111,7 @@ class CompileProcesses:
         self._waiting = 0
         self._owners: Counter[str] = Counter()
         self._closed = False
+        self._stopping = threading.Event()  # set by close(): compiles in progress stop at once
         self.killed = 0  # children killed at their limit or for a caller gone: for tests and logs
 
     def run(self, kind: str, source: str, timeout_s: float, mode: str = "check", owner: str | None = None,
@@ -136,7 +142,7 @@ class CompileProcesses:
         keep, reason = False, "the compiler failed"
         try:
             answer = child.ask({"kind": kind, "source": source, "mode": mode}, time.monotonic() + timeout_s,
-                               cancelled)
+                               cancelled, self._stopping)
             if answer is None:
                 reason = f"past the limit of {timeout_s:g} s"
                 raise GrammarTooComplexError(f"compiling the {kind} constraint took longer than the limit of "
@@ -144,6 +150,9 @@ class CompileProcesses:
             keep = True
         except CompileCancelled:
             reason = "its requester went away"
+            raise
+        except GrammarBusyError:
+            reason = "the server is shutting down"
             raise
         except GrammarError:
             raise
@@ -246,6 +255,7 @@ class CompileProcesses:
 
     def close(self) -> None:
         """Kill every child; callers waiting or compiling end at once (busy)."""
+        self._stopping.set()
         with self._cond:
             self._closed = True
             idle, self._idle = self._idle, []

@@ -249,3 +249,15 @@ def test_the_gateway_compiles_over_the_vocabulary_as_the_workers_do(embedded_mod
     check.close()
     vocabulary = GGUFVocabulary(embedded_model_path)
     assert compile_matcher(vocabulary.tokenizer, "json_schema", passing, vocabulary.stop_token_ids)
+
+
+@pytest.mark.slow
+def test_closing_stops_a_compile_in_progress_at_once():
+    """What SIGTERM does in the gateway: a compile running when the processes close ends now, busy (a 503)."""
+    processes = CompileProcesses(workers=1)
+    processes.run("regex", "[0-9]+", 5.0)  # the process is up
+    threading.Timer(0.2, processes.close).start()
+    started = time.perf_counter()
+    with pytest.raises(GrammarBusyError, match="shutting down"):
+        processes.run("json_schema", json.dumps(explosive()), 5.0)
+    assert time.perf_counter() - started < 0.6 and processes.state()["stopped"] == 1

@@ -1,0 +1,204 @@
+"""Tried as an attacker would, against the real service on the embedded model (one server for the module):
+explosive structured-output schemas whose clients leave do not stall another client's stream or a later
+structured request; a non-admin key reads neither the status page nor its JSON, and no operator surface
+(/metrics, /health, the status page) carries a prompt, a key or a tenant's text; a frozen decode engine shows in
+/health within seconds and its requests end with a 503; SIGTERM still exits within the drain time (the last
+test: it stops the server)."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_process import ServerProcess, wait_for
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+COMPILE_LIMIT_S = 5.0
+GRACE_S = 2.0
+ATTACKERS = [f"attacker-{i}" for i in range(6)]
+VICTIM, OTHER, ADMIN = "victim-key", "other-key", "admin-key"
+ENGINE_HEARTBEAT_S = 2.0
+CONFIG = f"""
+kv_cache_tokens = 8192
+max_model_len = 1200
+grammar_compile_timeout_s = {COMPILE_LIMIT_S}
+engine_heartbeat_timeout_s = {ENGINE_HEARTBEAT_S}
+[limits]
+shutdown_grace_s = {GRACE_S}
+"""
+TENANT_HEADER, TENANT = "X-Tenant", "tenant-name-4f1d"
+POLICY = "version = 1\ndefault_class = \"standard\"\n[classes.standard]\npriority = 0\n" + \
+    f'[tenants]\nheader = "{TENANT_HEADER}"\n' + "".join(
+    f'[[keys]]\nkey = "{key}"\nclass = "standard"\n' for key in [*ATTACKERS, VICTIM, OTHER]) + \
+    f'[[keys]]\nkey = "{ADMIN}"\nclass = "standard"\nadmin = true\n'
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("abuse"), POLICY).start()
+    yield server
+    server.stop()
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def explosive(variant: int) -> dict:
+    """allOf over anyOfs with backtracking patterns: llguidance multiplies the unions out until its size limit,
+    about a second of CPU each on the dev machine (variant makes each schema a new one, never a cached outcome)."""
+    return {"allOf": [{"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {
+        "type": "string", "pattern": f"^(x+x+)+y{{{i},{i + 30 + variant}}}$"}}} for i in range(9)]}
+        for j in range(4)]}
+
+
+def send_and_leave(base: str, key: str, schema: dict, leave_after_s: float) -> None:
+    """A structured request whose client hangs up before its answer (the compile is then stopped)."""
+    try:
+        httpx.post(base + "/v1/chat/completions", headers=auth(key), timeout=leave_after_s, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    except httpx.TimeoutException:
+        pass
+
+
+def stream_gaps(base: str, tokens: int = 48) -> list[float]:
+    """A plain streamed completion; the time between its chunks, from the first."""
+    gaps, last = [], None
+    with httpx.stream("POST", base + "/v1/completions", headers=auth(VICTIM), timeout=60, json={
+            "model": MODEL, "prompt": "Write a long story about the sea.", "max_tokens": tokens,
+            "min_tokens": tokens, "temperature": 0, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+    return gaps
+
+
+def compiles(server) -> dict:
+    """The gateway's compile processes: running, waiting, stopped so far (/health)."""
+    return server.health()["structured_outputs"]
+
+
+def test_explosive_schemas_whose_clients_leave_stall_nobody(server):
+    assert wait_for(lambda: compiles(server)["idle"] == 2, 60)  # started with the server
+    baseline = max(stream_gaps(server.base))
+    gaps: list[float] = []
+    streamer = threading.Thread(target=lambda: gaps.extend(stream_gaps(server.base, 96)))
+    streamer.start()
+    attackers = [threading.Thread(target=send_and_leave, args=(server.base, key, explosive(i), 0.5))
+                 for i, key in enumerate(ATTACKERS)]
+    for thread in attackers:
+        thread.start()
+    for thread in attackers:
+        thread.join()
+    started = time.perf_counter()
+    answer = httpx.post(server.base + "/v1/chat/completions", headers=auth(VICTIM), timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 16,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}}}})
+    answered_s = time.perf_counter() - started
+    streamer.join()
+    print(f"worst token gap {max(gaps):.3f} s (alone {baseline:.3f} s); one-field request answered in "
+          f"{answered_s:.2f} s; compile processes: {compiles(server)}")
+    assert answer.status_code == 200, answer.text
+    assert json.loads(answer.json()["choices"][0]["message"]["content"])
+    assert answered_s < 5.0
+    assert max(gaps) < 1.0
+    assert compiles(server)["stopped"] >= 1  # the compiles of the clients that left were stopped, not left running
+
+
+def test_one_key_gets_one_compile_at_a_time(server):
+    results: list[httpx.Response] = []
+
+    def send(variant: int) -> None:
+        results.append(httpx.post(server.base + "/v1/chat/completions", headers=auth(ATTACKERS[0]), timeout=30,
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+                                            "name": "x", "schema": explosive(100 + variant)}}}))
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    codes = sorted((r.status_code, r.json()["error"]["code"]) for r in results)
+    assert (429, "structured_output_compiles_per_key") in codes, codes
+    assert (400, "structured_output_too_complex") in codes, codes
+
+
+def test_a_non_admin_key_reads_no_status_and_no_surface_carries_a_prompt_key_or_tenant(server):
+    secret_prompt = "zebra-quokka-7731 is the password of the payroll system"
+    answer = httpx.post(server.base + "/v1/completions", timeout=60,
+                        headers={**auth(OTHER), TENANT_HEADER: TENANT},
+                        json={"model": MODEL, "prompt": secret_prompt, "max_tokens": 4, "user": "user-name-9c2e"})
+    assert answer.status_code == 200
+    for path in ("/status", "/status.json"):
+        refused = httpx.get(server.base + path, headers=auth(OTHER), timeout=5)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_admin"
+        assert httpx.get(server.base + path, timeout=5).status_code == 401
+        assert httpx.get(server.base + path, cookies={"edge_status_session": OTHER}, timeout=5).status_code == 401
+    with httpx.Client(base_url=server.base, timeout=5) as admin:  # the admin's view, through a session
+        assert admin.post("/status/login", data={"key": ADMIN}).status_code in (200, 303)
+        page = admin.get("/status").text
+        status = admin.get("/status.json").text
+    surfaces = {"metrics": httpx.get(server.base + "/metrics", timeout=5).text,
+                "health": httpx.get(server.base + "/health", timeout=5).text, "page": page, "status.json": status}
+    secrets = ["zebra-quokka", "payroll", TENANT, "user-name-9c2e", *ATTACKERS, VICTIM, OTHER, ADMIN]
+    found = {(name, secret) for name, text in surfaces.items() for secret in secrets if secret in text}
+    assert found == set()
+    assert json.loads(status)["processes"]  # the admin's JSON is there and has content
+
+
+def test_a_frozen_engine_shows_in_health_within_seconds_and_its_requests_end_with_a_503(server):
+    engine = server.health()["processes"]["decode_engine"]["pid"]
+    result: list[httpx.Response] = []
+    long = threading.Thread(target=lambda: result.append(httpx.post(
+        server.base + "/v1/completions", headers=auth(VICTIM), timeout=60, json={
+            "model": MODEL, "prompt": "Tell a very long story.", "max_tokens": 400, "min_tokens": 400})))
+    long.start()
+    assert wait_for(lambda: (server.health().get("engine") or {}).get("num_running", 0) >= 1, 30)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        stopped = time.perf_counter()
+        assert wait_for(lambda: server.health()["components"]["decode_engine"] == "unresponsive", 10)
+        shown_s = time.perf_counter() - stopped
+        long.join(10)
+        ended_s = time.perf_counter() - stopped
+        refused = httpx.post(server.base + "/v1/completions", headers=auth(VICTIM), timeout=10,
+                             json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    print(f"frozen engine: unresponsive in /health after {shown_s:.2f} s, its request ended after {ended_s:.2f} s")
+    assert shown_s < ENGINE_HEARTBEAT_S + 2.0 and ended_s < ENGINE_HEARTBEAT_S + 2.0
+    assert result and result[0].status_code == 503, result and result[0].text
+    assert result[0].json()["error"]["code"] == "engine_unresponsive"
+    assert refused.status_code == 503  # not ready while the engine is frozen
+    assert wait_for(lambda: server.health()["status"] == "ok", 60)  # it comes back when it runs again
+    again = httpx.post(server.base + "/v1/completions", headers=auth(VICTIM), timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert again.status_code == 200, again.text
+
+
+def test_sigterm_exits_within_the_drain_time_whatever_is_compiling(server):
+    """Last: it stops the server."""
+    attackers = [threading.Thread(target=send_and_leave, args=(server.base, key, explosive(200 + i), 30))
+                 for i, key in enumerate(ATTACKERS)]
+    for thread in attackers:
+        thread.start()
+    assert wait_for(lambda: compiles(server)["compiling"] >= 1, 10)
+    started = time.perf_counter()
+    code = server.stop(timeout_s=30)
+    exit_s = time.perf_counter() - started
+    for thread in attackers:
+        thread.join()
+    print(f"exited {code} in {exit_s:.2f} s after SIGTERM with compiles running (drain time {GRACE_S} s)")
+    assert code == 0
+    assert exit_s < GRACE_S + 1.0 + 2.0  # the drain, the 1 s of 503s before it, and stopping the children

@@ -49,8 +49,10 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
     float_weights = config.weight_dtype in FLOAT_WEIGHT_DTYPES
     dtype = resolve_dtype(config.weight_dtype if float_weights else config.dtype, device)
     spec = spec_config(config)
-    model, _ = load_weights(identity, device, dtype, config.weight_dtype, spec.max_rows(config.max_num_seqs),
-                            fixed_precision=config.deterministic)
+    rss_start = _rss_mib()
+    model, weights = load_weights(identity, device, dtype, config.weight_dtype, spec.max_rows(config.max_num_seqs),
+                                  fixed_precision=config.deterministic)
+    rss_model = _rss_mib()
     tokenizer = load_tokenizer(identity)
     # decode and llama.cpp prefill share the cores only when decode runs on the CPU
     yields = config.decode_yields_to_prefill == "on" or (config.decode_yields_to_prefill == "auto"
@@ -65,7 +67,16 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
                           swap_space_bytes=int(config.swap_space_gib * 2**30), speculative=spec)
     built = DecodeEngine(runner, engine, tokenizer, eos_token_ids(tokenizer, model))
     built.sampler.matchers.warm()  # the structured-output tables, off the engine thread
+    pool_mib = runner.pool.shape.bytes_per_block() * runner.pool.shape.num_blocks / 2**20
+    log.info("engine memory (RSS, MiB): %.0f before the model; %.0f after it (weights held: %.0f, on %s); %.0f "
+             "after the KV pool (%.0f, on %s), the step buffers, the tokenizer and the grammar tables", rss_start,
+             rss_model, weights.total_bytes / 2**20, device, _rss_mib(), pool_mib, device)
     return built
+
+
+def _rss_mib() -> float:
+    import psutil
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def runner_config(config: EngineProcessConfig, spec: SpecConfig) -> RunnerConfig:

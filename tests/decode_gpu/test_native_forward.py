@@ -195,3 +195,26 @@ def test_gemmas_embedding_scale_survives_an_int8_embedding_table(tiny_gguf, conv
 
     want, got = logits(model), logits(quantized)
     assert ((got - want).abs().max() / want.abs().max()).item() < 0.1
+
+
+def test_the_engine_process_builds_on_the_native_forward_and_logs_its_memory(tiny_gguf, tmp_path, monkeypatch,
+                                                                               caplog):
+    """build_engine (what `edge serve` starts) on a tiny GGUF: the native forward by default, the transformers one
+    when asked; deterministic keeps one weight precision; the memory line is logged."""
+    import logging
+
+    from contracts.process_config import EngineProcessConfig
+    from decode_gpu.service.server import build_engine
+    monkeypatch.setenv("EDGE_LLM_CACHE", str(tmp_path))
+    wiring = {"model": str(tiny_gguf("qwen2")), "listen": "unix:/tmp/unused.sock", "device": "cpu",
+              "weight_dtype": "float32", "kv_cache_tokens": 256, "max_num_seqs": 4, "max_model_len": 256}
+    with caplog.at_level(logging.INFO, logger="decode_gpu.service.server"):
+        engine = build_engine(EngineProcessConfig(**wiring))
+    assert engine.runner.native is not None and not engine.runner.config.deterministic
+    assert "engine memory (RSS, MiB)" in caplog.text
+    engine = build_engine(EngineProcessConfig(**wiring, decode_forward="transformers"))
+    assert engine.runner.native is None
+    engine = build_engine(EngineProcessConfig(**wiring, deterministic=True, decode_forward="transformers",
+                                              speculative="ngram"))
+    assert engine.runner.native is not None and engine.runner.config.deterministic
+    assert not engine.config.speculative.enabled

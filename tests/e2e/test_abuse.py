@@ -1,6 +1,6 @@
 """Tried as an attacker would, against the real service on the embedded model (one server for the module):
 explosive structured-output schemas whose clients leave do not stall another client's stream or a later
-structured request; a non-admin key reads neither the status page nor its JSON, and no operator surface
+structured request; another key's cached prompts cannot be timed; a non-admin key reads neither the status page nor its JSON, and no operator surface
 (/metrics, /health, the status page) carries a prompt, a key or a tenant's text; a frozen decode engine shows in
 /health within seconds and its requests end with a 503; SIGTERM still exits within the drain time (the last
 test: it stops the server)."""
@@ -132,6 +132,56 @@ def test_one_key_gets_one_compile_at_a_time(server):
     codes = sorted((r.status_code, r.json()["error"]["code"]) for r in results)
     assert (429, "structured_output_compiles_per_key") in codes, codes
     assert (400, "structured_output_too_complex") in codes, codes
+
+
+def ttft(base: str, key: str, prompt: str) -> tuple[float, int]:
+    """(seconds to the first streamed token, prompt tokens the worker took from its prompt cache). 8 tokens: the
+    worker's report of its cache hits comes before the last one (the first may overtake it)."""
+    started, first, cached = time.perf_counter(), None, None
+    with httpx.stream("POST", base + "/v1/completions", headers=auth(key), timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices"):
+                first = time.perf_counter() - started
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return first, cached
+
+
+def test_another_keys_cached_prompts_cannot_be_timed(server):
+    """Rounds of: the victim sends a prompt; the attacker (another key) probes that very prompt and a fresh one
+    of the same length; the victim sends its prompt again. The attacker's probes find nothing in the caches
+    (cached_tokens 0: the deterministic guarantee), so its best threshold on the time to first token tells them
+    apart no better than chance, while the victim's own repeat is a hit.
+    The bar on the attacker's ROC AUC is 0.75, not 0.6: with 12 probes a class, a perfectly private server's AUC
+    is above 0.6 one time in five by chance alone (its spread is 0.12); a leak shows as an AUC near 1."""
+    hits, misses, victim_hits, victim_misses, attacker_cached, victim_cached = [], [], [], [], [], []
+    for i in range(12):
+        secret, fresh = " ".join(f"sec{i}w{j}" for j in range(100)), " ".join(f"new{i}w{j}" for j in range(100))
+        first, _ = ttft(server.base, VICTIM, secret)
+        victim_misses.append(first)
+        for probe, times in ((secret, hits), (fresh, misses)) if i % 2 else ((fresh, misses), (secret, hits)):
+            first, cached = ttft(server.base, OTHER, probe)
+            times.append(first)
+            attacker_cached.append(cached)
+        first, cached = ttft(server.base, VICTIM, secret)
+        victim_hits.append(first)
+        victim_cached.append(cached)
+    auc = sum((h < m) + 0.5 * (h == m) for h in hits for m in misses) / (len(hits) * len(misses))
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    print(f"attacker: AUC {auc:.2f}, median TTFT {median(hits):.3f} s on the victim's prompts, "
+          f"{median(misses):.3f} s on fresh ones; victim: {median(victim_hits):.3f} s on its repeats, "
+          f"{median(victim_misses):.3f} s the first time; cached tokens: attacker {attacker_cached}, "
+          f"victim {victim_cached}")
+    assert attacker_cached == [0] * 24  # the per-key hit counts agree: the other key never hit
+    assert all(cached > 200 for cached in victim_cached)  # the victim's repeats all hit (the prompts are ~300)
+    assert median(victim_hits) <= 0.5 * median(misses)
+    assert auc <= 0.75
 
 
 def test_a_non_admin_key_reads_no_status_and_no_surface_carries_a_prompt_key_or_tenant(server):

@@ -132,12 +132,11 @@ class NativeDecoder:
         self.dtype = dtype
         self.embed_scale = None
         if config.model_type in SCALED_EMBEDDINGS and not hasattr(self.embedding, "embed_scale"):
-            self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
+            self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=self.embedding_device)
         self.n_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
-        gemma_norms = isinstance(core.norm.weight, torch.Tensor) and _gemma_norm(core.norm)
-        self.in_float = gemma_norms
+        gemma_norms = _gemma_norm(core.norm)
         tables: dict[str, int] = {}
         cos, sin = [], []
         self.layers: list[Layer] = []

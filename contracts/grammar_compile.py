@@ -128,7 +128,7 @@ class CompiledGrammars:
         key = constraint_key(kind, source)
         with self._lock:
             running = self._compiled.get(key)
-            if running is None or running[0].cancelled():
+            if running is None or running[0].cancelled() or _busy(running[0]):
                 running = self._pool.submit(self._compile, kind, source)
                 self._compiled[key] = running
                 if len(self._compiled) > self._entries:
@@ -145,6 +145,11 @@ class CompiledGrammars:
     def close(self) -> None:
         if self._processes is not None:
             self._processes.close()
+
+
+def _busy(future: Future) -> bool:
+    """A compile that found no process free: about that moment, not the constraint, so it is tried again."""
+    return future.done() and isinstance(future.exception(), GrammarBusyError)
 
 
 class GatewayCheck:

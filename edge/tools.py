@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from edge.reasoning import reasoning_rules
-from edge.tool_formats import FORMATS, ChatFormat, grammar, tools_grammar
+from edge.tool_formats import FORMATS, ChatFormat, ToolFormat, grammar, tools_grammar
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -109,12 +109,18 @@ def _tool(tool, param: str) -> dict:
 
 
 def system_preamble(spec: ToolSpec) -> str:
-    """The Hermes tool prompt (Qwen2.5's wording)."""
+    """The tool prompt: Qwen2.5's Hermes wording, or for another format (the tool_call_parser option on a template
+    without tool support) the same list of signatures and that format's call."""
     signatures = "\n".join(json.dumps({"type": "function", "function": t}) for t in spec.tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
-            f"function signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n</tools>\n\nFor each "
-            "function call, return a json object with function name and arguments within <tool_call></tool_call> "
-            "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+    head = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+            f"function signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n</tools>\n\n")
+    if spec.format == "hermes":
+        return head + ("For each function call, return a json object with function name and arguments within "
+                       "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                       "<args-json-object>}\n</tool_call>")
+    fmt = FORMATS[spec.format]
+    return head + ("To call functions, answer with this and nothing else:\n" + fmt.begin + '{"name": <function-name>, "'
+                   + fmt.arguments_key + '": <args-json-object>}' + fmt.end)
 
 
 def with_tools(messages: list[dict], spec: ToolSpec | None, chat: ChatFormat | None = None) -> list[dict]:
@@ -123,7 +129,8 @@ def with_tools(messages: list[dict], spec: ToolSpec | None, chat: ChatFormat | N
     the system message and earlier calls as Hermes text."""
     if chat is not None and chat.template_tools:
         return [_structured(m) for m in messages]
-    out = [{"role": m["role"], "content": _content(m)} for m in messages]
+    fmt = FORMATS[spec.format if spec is not None else "hermes"]
+    out = [{"role": m["role"], "content": _content(m, fmt)} for m in messages]
     if spec is None or spec.choice == "none":
         return out
     preamble = system_preamble(spec)
@@ -150,12 +157,15 @@ def _structured(message: dict) -> dict:
     return out
 
 
-def _content(message: dict) -> str:
+def _content(message: dict, fmt: ToolFormat) -> str:
+    """A message's text, and its earlier calls written back in the format."""
     calls = message.get("tool_calls") or ()
     text = message.get("content") or ""
-    rendered = [f"<tool_call>\n{json.dumps({'name': c['name'], 'arguments': c['arguments']})}\n</tool_call>"
-                for c in calls]
-    return "\n".join([text, *rendered] if text else rendered)
+    if not calls:
+        return text
+    rendered = fmt.begin + fmt.separator.join(json.dumps({"name": c["name"], fmt.arguments_key: c["arguments"]})
+                                              for c in calls) + fmt.end
+    return f"{text}\n{rendered}" if text else rendered
 
 
 def answer_constraint(structured: tuple[str, str] | None, spec: ToolSpec | None,

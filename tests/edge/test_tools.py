@@ -141,3 +141,15 @@ def test_a_forced_call_cut_by_max_tokens_is_dropped_and_the_reason_stays_length(
     assert reason == "length" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
     message, reason = chat_message(two.split("\n</tool_call>")[0], None, spec, "stop")
     assert reason == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_a_format_set_for_a_template_without_tools_is_the_one_the_preamble_asks_for():
+    request = parse_request(_chat(tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]), "chat", chat=ChatFormat("llama3_json"))
+    system, _, assistant, _ = request.messages
+    assert system["content"].endswith('answer with this and nothing else:\n{"name": <function-name>, "parameters": '
+                                      '<args-json-object>}')
+    assert assistant["content"] == '{"name": "get_weather", "parameters": {"city": "Paris"}}'

@@ -32,6 +32,7 @@ WINDOW_S = 60.0  # attainment and goodput are over this window
 MIN_JUDGED = 5  # requests of a class judged in the window before its attainment is a tier signal
 ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BYTES_PER_TOKEN = 4.0  # a prompt's text per token before any prefill was measured
+OFFSET_HALF_LIFE_S = 30.0  # the learned offset fades without new first tokens (refusals bring none)
 
 
 class Ewma:
@@ -63,8 +64,9 @@ class Pending:
 
 
 class TTFTPredictor:
-    def __init__(self, pool: PrefillPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: PrefillPool, clock=time.monotonic) -> None:
+        self.pool, self.clock = pool, clock
+        self.offset_at = clock()  # when the offset last learned
         self.rate = Ewma()  # prompt tokens a second on one worker (prompt-cache hits included, as served)
         self.handoff_s = Ewma()
         self.offset_s = Ewma(value=0.0)  # what the model above misses (dispatch, the engine's first token), learned
@@ -94,7 +96,12 @@ class TTFTPredictor:
             done = (now - started) * self.rate.value if started is not None else 0.0
             ahead += max(0.0, self._tokens_of(worker.current.job, pending) - done)
         raw = ahead / (self.rate.value * len(ready)) + tokens / self.rate.value + (self.handoff_s.value or 0.0)
-        return max(0.0, raw + self.offset_s.value), raw, ahead
+        return max(0.0, raw + self.offset()), raw, ahead
+
+    def offset(self) -> float:
+        """The learned offset, fading by half every OFFSET_HALF_LIFE_S without a first token to learn from: a
+        spike that made it refuse everything would otherwise never be unlearned, since refusals measure nothing."""
+        return self.offset_s.value * 0.5 ** ((self.clock() - self.offset_at) / OFFSET_HALF_LIFE_S)
 
     @staticmethod
     def _tokens_of(job, pending: dict[str, Pending]) -> float:
@@ -113,7 +120,9 @@ class TTFTPredictor:
 
     def first_token(self, known: Pending, ttft_s: float) -> None:
         if known.raw_s is not None:
+            self.offset_s.value = self.offset()
             self.offset_s.add(ttft_s - known.raw_s)
+            self.offset_at = self.clock()
 
 
 class SloMetrics:
@@ -137,7 +146,7 @@ class SloControl:
     request observers."""
 
     def __init__(self, pool: PrefillPool, metrics: Metrics, clock=time.monotonic) -> None:
-        self.predictor = TTFTPredictor(pool)
+        self.predictor = TTFTPredictor(pool, clock)
         self.metrics = SloMetrics(metrics if metrics is not None else Metrics(""))  # (tests may pass none)
         self.clock = clock
         self.pending: dict[str, Pending] = {}  # request id -> what is known of it, from queued to its end

@@ -261,3 +261,20 @@ def test_a_recompute_keeps_its_requests_deadline():
         return run, [e.job for e in gateway.pool.queue if e.job.resume_index == 0]
     run, (job,) = asyncio.run(scenario())
     assert job.deadline == pytest.approx(time.time() + 1.0, abs=0.5) and job.request_id == run.inflight.request_id
+
+
+def test_the_learned_offset_fades_without_first_tokens():
+    from edge.slo import TTFTPredictor
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+    clock = Clock()
+    predictor = TTFTPredictor(None, clock)
+    predictor.offset_s.value, predictor.offset_at = 4.0, 0.0  # a spike learned at t = 0
+    clock.t = 30.0
+    assert predictor.offset() == pytest.approx(2.0)
+    clock.t = 90.0
+    assert predictor.offset() == pytest.approx(0.5)

@@ -266,6 +266,8 @@ class CompileProcesses:
 
 def _serve(vocabulary, out) -> None:
     from contracts.grammar import build_grammar, compile_matcher
+    with contextlib.suppress(OSError):  # after the start (a replacement is ready sooner), before any compile
+        os.nice(10)  # compiles take the cores that serving leaves: a stream's next token comes first
     out.write(b"ready\n")
     out.flush()
     for line in sys.stdin.buffer:
@@ -302,8 +304,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocabulary-arg", default="")
     args = parser.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    with contextlib.suppress(OSError):
-        os.nice(10)  # compiles take the cores that serving leaves: a stream's next token comes first
     # the protocol has its own descriptor: what a library prints goes to stderr, never into an answer
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

@@ -74,8 +74,13 @@ def _hf_dirs() -> tuple[str, str]:
 def _accuracy(model: str, model_args: dict, limit: int | None) -> float:
     import lm_eval
     from lm_eval.tasks import TaskManager
-    results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], limit=limit,
-                                      task_manager=TaskManager(include_path=str(TASK_DIR)), batch_size=1)
+    here = os.getcwd()
+    os.chdir(TASK_DIR)  # the task's data_files are named relative to it
+    try:
+        results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], limit=limit,
+                                          task_manager=TaskManager(include_path=str(TASK_DIR)), batch_size=1)
+    finally:
+        os.chdir(here)
     return results["results"][TASK]["acc,none"]
 
 

@@ -201,10 +201,16 @@ REFUSAL_CODES = ("invalid_structured_output", "structured_output_too_complex")
 
 
 def _answer(server, name: str, schema: dict) -> tuple[int, dict]:
-    response = httpx.post(server.base + "/v1/chat/completions", timeout=300, json={
-        "model": MODEL, "max_tokens": 48, "temperature": 0,
-        "messages": [{"role": "user", "content": f"Reply with one JSON example of {name}."}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    """One schema's answer. The senders share one client address, which may compile one constraint at a time
+    (a 429 structured_output_compiles_per_key past that): such a 429 is retried, as a client would."""
+    for attempt in range(400):
+        response = httpx.post(server.base + "/v1/chat/completions", timeout=300, json={
+            "model": MODEL, "max_tokens": 48, "temperature": 0,
+            "messages": [{"role": "user", "content": f"Reply with one JSON example of {name}."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+        if response.status_code != 429 or response.json()["error"]["code"] != "structured_output_compiles_per_key":
+            break
+        time.sleep(0.05 * (1 + attempt % 4))  # a client's retry backoff: the other sender's compile takes ms
     return response.status_code, response.json()
 
 

@@ -52,6 +52,14 @@ def get_field(body: dict, name: str, kind, required: bool = False, default=None)
     return value
 
 
+def nested_string(item: dict, name: str, param: str) -> str:
+    """item[name], a string inside a list entry named param (for example "input[2]"): else a 400 naming param.name."""
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{param}.{name} must be a string", f"{param}.{name}", "invalid_type")
+    return value
+
+
 def get_int(body: dict, name: str, low: int, high: int, default):
     value = get_field(body, name, int, default=default)
     if value is not default and not low <= value <= high:

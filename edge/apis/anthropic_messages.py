@@ -13,7 +13,7 @@ from aiohttp import web
 
 from edge.apis.base import ClientApi, StreamWriter, chat_delta, sse_event
 from edge.openai_api import ApiError, GenerateRequest, parse_request
-from edge.request_fields import get_field, get_number, show
+from edge.request_fields import get_field, get_number, nested_string, show
 from edge.responses import Completion
 
 ROLES = {"user", "assistant"}
@@ -136,13 +136,13 @@ def _blocks(role: str, blocks: list, param: str) -> list[dict]:
             raise ApiError(400, f"{where}: a {role} message's blocks may be {' or '.join(sorted(allowed))} here, not "
                                 f"{show(kind)} (this server serves a text-only model)", where, "unsupported_parameter")
         if kind == "text":
-            texts.append(_string(block, "text", where))
+            texts.append(nested_string(block, "text", where))
         elif kind == "tool_use":
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
                 raise ApiError(400, f"{where}.input must be an object", f"{where}.input", "invalid_type")
             calls.append({"type": "function", "id": block.get("id") or "",
-                          "function": {"name": _string(block, "name", where),
+                          "function": {"name": nested_string(block, "name", where),
                                        "arguments": json.dumps(arguments, ensure_ascii=False)}})
         else:
             content = block.get("content", "")
@@ -164,13 +164,6 @@ def _text(content, param: str) -> str:
         return "".join(b["text"] for b in content)
     raise ApiError(400, f"{param} must be a string or a list of text blocks ({{\"type\": \"text\", \"text\": ...}})",
                    param, "invalid_type")
-
-
-def _string(block: dict, name: str, param: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str):
-        raise ApiError(400, f"{param}.{name} must be a string", f"{param}.{name}", "invalid_type")
-    return value
 
 
 def _tools(body: dict) -> list | None:

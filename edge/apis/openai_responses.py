@@ -11,7 +11,7 @@ import time
 
 from edge.apis.base import ClientApi, StreamWriter, chat_delta, sse_event
 from edge.openai_api import ApiError, GenerateRequest, parse_request
-from edge.request_fields import get_field, show
+from edge.request_fields import get_field, nested_string, show
 from edge.responses import Completion
 
 ROLES = {"user", "system", "developer", "assistant"}
@@ -102,7 +102,8 @@ def _messages(body: dict) -> list[dict]:
             messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
             call = {"type": "function", "id": item.get("call_id") or "",
-                    "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
+                    "function": {"name": nested_string(item, "name", param),
+                                 "arguments": nested_string(item, "arguments", param)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # consecutive calls are one assistant turn
@@ -135,13 +136,6 @@ def _text(content, param: str):
                            f"{param}[{j}]", "unsupported_parameter")
         parts.append({"type": "text", "text": part["text"]})
     return parts
-
-
-def _string(item: dict, name: str, param: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str):
-        raise ApiError(400, f"{param}.{name} must be a string", f"{param}.{name}", "invalid_type")
-    return value
 
 
 def _tools(body: dict) -> list | None:

@@ -49,7 +49,7 @@ serve: $(STAMP)
 	$(VENV)/bin/edge serve $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 # the tests not marked slow (no embedded model end to end, no servers, nothing over a few seconds): ~2.5 min on 2 cores
 test-fast: $(STAMP)

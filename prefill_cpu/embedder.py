@@ -1,9 +1,13 @@
-"""Embeddings on the prefill worker: a second llama.cpp context on the loaded weights, built on first use.
+"""Embeddings and reranking on the prefill worker: a llama.cpp context with embeddings on, built on first use.
 
 The prefill context never computes embeddings (that would change its output buffers and slow every prompt); this
 one is made only when the first embeddings job arrives, with embeddings on and the GGUF's pooling type. A GGUF
 that names none (a generative model) is pooled by the mean of its last hidden states. Every vector is
 L2-normalized. Several inputs share one llama_decode, one llama.cpp sequence each, as long as they fit.
+
+A reranker (pooling type rank: a classification head on the pooled row) answers jobs of task "rank": each
+(query, document) pair is put together as llama-server does (the GGUF's rerank template, else BOS query EOS SEP
+document EOS as the vocabulary adds them) and scored by the head; the score is its first output, unnormalized.
 """
 
 from __future__ import annotations
@@ -18,12 +22,11 @@ import numpy as np
 from llama_cpp._internals import LlamaContext
 
 from contracts.messages import EmbedDone, PrefillFailed, PrefillJob
+from contracts.model_kind import POOLING_NAMES
 
 log = logging.getLogger(__name__)
 MAX_SEQS = 16  # inputs in one llama_decode
 MAX_EMBED_CTX = 2048  # tokens one llama_decode takes, and so the longest input
-POOLING_NAMES = {llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean", llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
-                 llama_cpp.LLAMA_POOLING_TYPE_LAST: "last", llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank"}
 POOLING_KEY = "{arch}.pooling_type"  # the GGUF's metadata key
 
 
@@ -53,14 +56,18 @@ def gguf_pooling(metadata: dict) -> int:
 
 
 class Embedder:
-    """llm: the worker's loaded llama_cpp.Llama (weights shared, not loaded again). n_ctx: the longest input."""
+    """llm: the worker's loaded llama_cpp.Llama (weights shared, not loaded again). n_ctx: the longest input (at most
+    the model's trained context: an encoder's learned positions end there)."""
 
     def __init__(self, llm: llama_cpp.Llama, n_ctx: int, n_threads: int) -> None:
         self.llm = llm
-        self.n_ctx = min(n_ctx, MAX_EMBED_CTX)
+        model = llm._model.model
+        self.n_ctx = min(n_ctx, MAX_EMBED_CTX, llama_cpp.llama_model_n_ctx_train(model) or MAX_EMBED_CTX)
         self.n_threads = n_threads
         self.pooling = gguf_pooling(llm.metadata)
-        self.n_embd = llama_cpp.llama_model_n_embd(llm._model.model)
+        self.n_embd = llama_cpp.llama_model_n_embd(model)
+        # what one sequence's pooled output holds: a rank head's outputs (its labels), else the embedding
+        self.n_out = llama_cpp.llama_model_n_cls_out(model) if self.is_reranker else self.n_embd
         self._context: LlamaContext | None = None
         self._batch = None
         self._should_cancel: Callable[[], bool] = lambda: False
@@ -71,20 +78,33 @@ class Embedder:
     def pooling_name(self) -> str:
         return POOLING_NAMES[self.pooling]
 
+    @property
+    def is_reranker(self) -> bool:
+        return self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
+
     def answer(self, job: PrefillJob, tokenize: Callable[[str], list[int]], vocab_size: int,
                should_cancel: Callable[[], bool]) -> EmbedDone | PrefillFailed:
         """A worker's embeddings job answered: the vectors, or why not (never an exception)."""
         rid = job.request_id
         try:
-            inputs = [list(t) for t in job.embed_tokens] if job.embed_tokens else [tokenize(t) for t in job.embed_texts]
+            if job.task == "rank":  # embed_texts: the query, then the documents
+                if not job.embed_texts:
+                    raise EmbedError("a rerank job needs a query")
+                query, documents = job.embed_texts[0], job.embed_texts[1:]
+                inputs = self.rank_inputs(query, documents)
+            else:
+                inputs = [list(t) for t in job.embed_tokens] if job.embed_tokens else \
+                    [tokenize(t) for t in job.embed_texts]
             if (bad := next((t for i in inputs for t in i if not 0 <= t < vocab_size), None)) is not None:
                 raise EmbedError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
-            if (longest := max(map(len, inputs), default=0)) > job.max_prompt_tokens:
-                return PrefillFailed(rid, "prompt_too_long", f"an input has {longest} tokens; the limit is "
-                                     f"{job.max_prompt_tokens}", longest, job.max_prompt_tokens)
+            limit = min(job.max_prompt_tokens, self.n_ctx)
+            if (longest := max(map(len, inputs), default=0)) > limit:
+                what = "a query and document together have" if job.task == "rank" else "an input has"
+                return PrefillFailed(rid, "prompt_too_long", f"{what} {longest} tokens; the limit is {limit}",
+                                     longest, limit)
             started = time.perf_counter()
-            result = self.embed(inputs, should_cancel)
-            return EmbedDone(rid, self.n_embd, result.vectors.astype("<f4").tobytes(), result.num_tokens,
+            result = self.rank(inputs, should_cancel) if job.task == "rank" else self.embed(inputs, should_cancel)
+            return EmbedDone(rid, result.vectors.shape[1], result.vectors.astype("<f4").tobytes(), result.num_tokens,
                              (time.perf_counter() - started) * 1e3)
         except EmbedCancelledError as err:
             return PrefillFailed(rid, "cancelled", str(err))
@@ -96,19 +116,53 @@ class Embedder:
 
     def embed(self, inputs: list[list[int]], should_cancel: Callable[[], bool] = lambda: False) -> Embeddings:
         """One normalized vector per input (token lists). Raises EmbedError for an input that cannot be embedded."""
+        if self.is_reranker:
+            raise EmbedError("this model has a rank head (a reranker): use /v1/rerank, not embeddings")
+        return self._run(inputs, should_cancel, normalize=True)
+
+    def rank(self, inputs: list[list[int]], should_cancel: Callable[[], bool] = lambda: False) -> Embeddings:
+        """A reranker's head on each input (a query and document put together by rank_inputs): [n_inputs, n_out]
+        scores, unnormalized (llama-server's relevance_score is the first)."""
+        if not self.is_reranker:
+            raise EmbedError(f"this model has no rank head (its embeddings are pooled by {self.pooling_name})")
+        return self._run(inputs, should_cancel, normalize=False)
+
+    def rank_inputs(self, query: str, documents: tuple[str, ...] | list[str]) -> list[list[int]]:
+        """Each (query, document) pair as llama-server puts it together: the GGUF's rerank template with {query} and
+        {document} filled in, else [BOS] query [EOS] [SEP] document [EOS], each marker where the vocabulary adds
+        it (EOS falls back to SEP); the texts themselves are tokenized without special tokens."""
+        llm, vocab = self.llm, self.llm._model.vocab
+        template = llama_cpp.llama_model_chat_template(llm._model.model, b"rerank")
+        if template:
+            text = template.decode("utf-8")
+            return [llm.tokenize(text.replace("{query}", query).replace("{document}", doc).encode("utf-8"),
+                                 add_bos=False, special=True) for doc in documents]
+        eos = llama_cpp.llama_vocab_eos(vocab)
+        sep = llama_cpp.llama_vocab_sep(vocab)
+        eos = sep if eos == llama_cpp.LLAMA_TOKEN_NULL else eos
+        add_bos, add_eos = llama_cpp.llama_vocab_get_add_bos(vocab), llama_cpp.llama_vocab_get_add_eos(vocab)
+        add_sep = llama_cpp.llama_vocab_get_add_sep(vocab)
+        query_tokens = llm.tokenize(query.encode("utf-8"), add_bos=False, special=False)
+        pairs = []
+        for doc in documents:
+            tokens = [llama_cpp.llama_vocab_bos(vocab)] if add_bos else []
+            tokens += query_tokens + ([eos] if add_eos else []) + ([sep] if add_sep else [])
+            tokens += llm.tokenize(doc.encode("utf-8"), add_bos=False, special=False) + ([eos] if add_eos else [])
+            pairs.append(tokens)
+        return pairs
+
+    def _run(self, inputs: list[list[int]], should_cancel: Callable[[], bool], normalize: bool) -> Embeddings:
         for i, tokens in enumerate(inputs):
             if not tokens:
                 raise EmbedError(f"input[{i}] is empty")
             if len(tokens) > self.n_ctx:
                 raise EmbedError(f"input[{i}] has {len(tokens)} tokens; the limit for an embedding is {self.n_ctx}")
-        if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK:
-            raise EmbedError("this model has a rank head (a reranker): use /v1/rerank, not embeddings")
         self._open()
         self._should_cancel = should_cancel
-        vectors = np.empty((len(inputs), self.n_embd), dtype=np.float32)  # [n_inputs, n_embd]
+        vectors = np.empty((len(inputs), self.n_out), dtype=np.float32)  # [n_inputs, n_out]
         try:
             for group in self._groups(inputs):
-                self._decode(group, inputs, vectors)
+                self._decode(group, inputs, vectors, normalize)
         finally:
             self._should_cancel = lambda: False
         return Embeddings(vectors, tuple(len(t) for t in inputs))
@@ -124,11 +178,12 @@ class Embedder:
             used += len(tokens)
         return [*groups, group] if group else groups
 
-    def _decode(self, group: list[int], inputs: list[list[int]], vectors: np.ndarray) -> None:
+    def _decode(self, group: list[int], inputs: list[list[int]], vectors: np.ndarray, normalize: bool) -> None:
         if self._should_cancel():
             raise EmbedCancelledError("cancelled before its embeddings were computed")
         ctx, batch = self._context.ctx, self._batch
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)  # each input starts at position 0
+        if memory := llama_cpp.llama_get_memory(ctx):  # an encoder keeps none
+            llama_cpp.llama_memory_clear(memory, True)  # each input starts at position 0
         n = 0
         for seq, index in enumerate(group):
             for pos, token in enumerate(inputs[index]):
@@ -143,8 +198,8 @@ class Embedder:
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} for an embeddings batch of {n} tokens")
         for seq, index in enumerate(group):
-            pooled = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_seq(ctx, seq), shape=(self.n_embd,))
-            norm = float(np.linalg.norm(pooled))
+            pooled = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_seq(ctx, seq), shape=(self.n_out,))
+            norm = float(np.linalg.norm(pooled)) if normalize else 0.0
             vectors[index] = pooled / norm if norm > 0 else pooled
 
     def _open(self) -> None:

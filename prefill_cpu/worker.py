@@ -15,6 +15,10 @@ engine (PrefillJob.engine: the gateway chooses per request among several); the w
 and keeps the link. Without an engine of its own (a Ray cluster) every job names its engine.
 Contexts for the KV types a degradation tier may ask for (extra_kv_types) are built at startup on the same
 weights; a job asking for a type not prepared is prefilled with the worker's own type, with a warning.
+
+An embedding GGUF (contracts.model_kind: an encoder, or one that declares non-causal attention or a pooling type)
+makes an embeddings-only worker (EmbeddingWorker): no prefill context, no engine; it answers embeddings jobs (and
+rerank jobs for a model with a rank head) and refuses any other job by name.
 """
 
 from __future__ import annotations
@@ -23,15 +27,20 @@ import asyncio
 import concurrent.futures
 import ctypes
 import logging
+import os
 import signal
 import sys
 import time
+import types
 from dataclasses import replace
+
+import llama_cpp
 
 from contracts.cpu_share import CpuShare, split_threads
 from contracts.framing import ProtocolError, accept_peer, control_secret, read_message, send_message, start_server
 from contracts.grammar import GrammarError
 from contracts.handoff import encode_handoff
+from contracts.identity import file_fingerprint
 from contracts.messages import (
     HEARTBEAT_INTERVAL_S,
     CancelPrefill,
@@ -44,11 +53,19 @@ from contracts.messages import (
     PromptLogprobs,
     WorkerStatus,
 )
+from contracts.model_kind import model_kind
 from contracts.process_config import WorkerProcessConfig, parse_config
 from contracts.tasks import spawn
 from prefill_cpu.embedder import Embedder
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
-from prefill_cpu.prefiller import PrefillCancelledError, PrefillConfig, Prefiller, PrefillRequest, PromptTooLongError
+from prefill_cpu.prefiller import (
+    MIN_LLAMA_CTX,
+    PrefillCancelledError,
+    PrefillConfig,
+    Prefiller,
+    PrefillRequest,
+    PromptTooLongError,
+)
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
 
 log = logging.getLogger("prefill_cpu.worker")
@@ -74,15 +91,17 @@ class PrefillWorker:
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self._warned_kv_types: set[str] = set()
 
+    def status(self) -> WorkerStatus:
+        cfg = self.prefiller.config
+        return WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
+                            self.prefiller.vocab_size, self.links.default_connected, self.embedder.n_embd,
+                            self.embedder.pooling_name)
+
     async def handle_gateway(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if await accept_peer(reader, writer, self.secret) is None:
             log.warning("refused a control connection that failed the handshake")
             return
-        cfg = self.prefiller.config
-        vocab_size = self.prefiller.vocab_size
-        await send_message(writer, WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
-                                                vocab_size, self.links.default_connected, self.embedder.n_embd,
-                                                self.embedder.pooling_name))
+        await send_message(writer, self.status())
         jobs: dict[str, asyncio.Task] = {}  # request id -> its job, until it has answered
         heartbeat = spawn(self._heartbeat(writer, jobs), "heartbeat to the gateway", log)
         try:
@@ -118,7 +137,7 @@ class PrefillWorker:
     async def run_job(self, job: PrefillJob, writer: asyncio.StreamWriter) -> None:
         try:
             async with self.lock:
-                reply = await (self._embed(job) if job.task == "embed" else self._answer(job, writer))
+                reply = await (self._embed(job) if job.task in ("embed", "rank") else self._answer(job, writer))
         finally:
             self.cancelled.discard(job.request_id)
             _release_freed_memory()
@@ -141,8 +160,12 @@ class PrefillWorker:
             raise
 
     def _embed_now(self, job: PrefillJob) -> EmbedDone | PrefillFailed:
-        return self.embedder.answer(job, self.renderer.completion_tokens, self.prefiller.vocab_size,
+        return self.embedder.answer(job, self.renderer.completion_tokens, self.vocab_size,
                                     lambda: job.request_id in self.cancelled)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.prefiller.vocab_size
 
     async def _answer(self, job: PrefillJob, writer: asyncio.StreamWriter) -> PrefillDone | PrefillFailed:
         rid = job.request_id
@@ -261,6 +284,38 @@ class PrefillWorker:
         return self.renderer.completion_tokens(job.prompt or "")
 
 
+class EmbeddingWorker(PrefillWorker):
+    """An embedding GGUF's worker: the weights loaded with embeddings on, the Embedder's context, no prefill context
+    and no decode engine. A generation job (which the gateway refuses before it queues one) fails by name."""
+
+    def __init__(self, model_path: str, n_ctx: int, n_threads: int, name: str, secret: bytes = b"") -> None:
+        self.model_path = model_path
+        self.fingerprint = file_fingerprint(model_path)
+        # the Llama object gives the weights, tokenizer and metadata; the Embedder builds the context it decodes in
+        self.llm = llama_cpp.Llama(model_path, embedding=True, n_ctx=MIN_LLAMA_CTX, n_threads=n_threads,
+                                   n_threads_batch=n_threads, verbose=False)
+        self.renderer = PromptRenderer(types.SimpleNamespace(llm=self.llm))
+        self.embedder = Embedder(self.llm, n_ctx, n_threads)
+        self.name, self.secret = name, secret
+        self.links = EngineLinks(None, name, secret)  # never used: no job here goes to an engine
+        self.cancelled: set[str] = set()
+        self.lock = asyncio.Lock()
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embed")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.n_vocab()
+
+    def status(self) -> WorkerStatus:
+        # engine_connected: no job of this worker's needs an engine (the gateway dispatches embeddings regardless)
+        return WorkerStatus(self.name, self.fingerprint, self.embedder.n_ctx, "", self.vocab_size, False,
+                            self.embedder.n_embd, self.embedder.pooling_name)
+
+    async def _answer(self, job: PrefillJob, writer: asyncio.StreamWriter) -> PrefillFailed:
+        return PrefillFailed(job.request_id, "bad_prompt", f"{os.path.basename(self.model_path)} is an embedding "
+                             "model: it computes embeddings (or rerank scores), not text")
+
+
 def _release_freed_memory() -> None:
     """Hand the heap's free pages back to the OS after each prompt: a handoff is ~10 MB of transient buffers,
     and without this the worker's RSS holds whatever the largest recent prompts left behind."""
@@ -307,6 +362,10 @@ def prepare_extra_contexts(prefiller: Prefiller, kv_types: list[str]) -> tuple[P
 
 
 async def serve(config: WorkerProcessConfig) -> None:
+    kind = model_kind(config.model)
+    if kind.embedding:
+        await serve_embeddings(config, kind.reason)
+        return
     prefiller = Prefiller(PrefillConfig(config.model, n_ctx=config.n_ctx, n_batch=config.n_batch,
                                         n_threads=config.threads_per_worker, kv_type=config.kv_type,
                                         prefix_cache_tokens=config.prefix_cache_tokens, weights=config.prefill_weights))
@@ -335,6 +394,23 @@ async def serve(config: WorkerProcessConfig) -> None:
     if not stop.is_set():  # the link never ends on its own; it failed (spawn logged why)
         sys.exit(1)
     link.cancel()
+
+
+async def serve_embeddings(config: WorkerProcessConfig, reason: str) -> None:
+    """An embedding model's worker: embeddings (and rerank) jobs only, no engine (edge serve starts none)."""
+    threads = config.threads_per_worker or os.cpu_count() or 1
+    secret = control_secret(config.listen)  # a TCP listener refuses to start without one
+    worker = EmbeddingWorker(config.model, config.n_ctx, threads, config.name, secret)
+    server = await start_server(worker.handle_gateway, config.listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("embeddings worker %s ready on %s (%s: %s pooling, %d dimensions, inputs up to %d tokens)", config.name,
+             config.listen, reason, worker.embedder.pooling_name, worker.embedder.n_embd, worker.embedder.n_ctx)
+    await stop.wait()
+    server.close()
+    worker.embedder.close()
 
 
 async def _own_engine(config: WorkerProcessConfig, secret: bytes) -> tuple[EngineLink | None, asyncio.Future]:

@@ -17,13 +17,14 @@ from contracts import control_tls
 from contracts.control_tls import ControlTLS
 from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret, refuse_plaintext_links
+from contracts.model_kind import model_kind
 from contracts.process_config import config_argv
 from contracts.tasks import spawn
 from edge.audit import AuditLog, quota_state_path
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
 from edge.engine_client import EngineClient
 from edge.gateway import Gateway
-from edge.launcher import Supervisor, engine_config, worker_config
+from edge.launcher import Supervisor, engine_config, start_embedding_workers, worker_config
 from edge.lifecycle import InFlightRegistry
 from edge.metrics import Metrics
 from edge.prefill_pool import PrefillPool
@@ -156,6 +157,11 @@ def make_app(config: ServeConfig) -> web.Application:
         tracer = RequestTracer(config.otlp_traces_endpoint)
     registry = InFlightRegistry()
     _control_tls(config)
+    kind = model_kind(model_path) if os.path.isfile(model_path) else None
+    embedding_only = kind is not None and kind.embedding
+    if embedding_only and config.ray:
+        raise ValueError(f"ray: {model_name} is an embedding model ({kind.reason}), served by its prefill workers "
+                         "alone; serve it without ray")
     if config.ray:  # Ray is imported only here: single-box mode never loads it
         from edge.cluster.gateway_side import ray_components
         pool, engine, cluster_context = ray_components(config, registry, _ray_secret(config))
@@ -171,6 +177,10 @@ def make_app(config: ServeConfig) -> web.Application:
     pool.on_backlog = engine.prefill_backlog_changed
     pool.choose_engine = engine.choose
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
+    gateway.embedding_only = embedding_only
+    if embedding_only:
+        log.info("%s is an embedding model (%s, %s pooling): prefill workers only, no decode engine; generation "
+                 "routes answer 400", model_name, kind.reason, kind.pooling)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     _observe(gateway, app, audit, tracer)
     app[CONFIG] = config
@@ -195,6 +205,13 @@ def make_app(config: ServeConfig) -> web.Application:
 def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str):
     async def context(app: web.Application):
         config, supervisor = app[CONFIG], app[SUPERVISOR]
+        if app[GATEWAY].embedding_only:  # the workers alone: no engine, no handoff, no structured outputs
+            start_embedding_workers(supervisor, config, model_path, worker_addresses)
+            watcher = spawn(supervisor.watch(), "the process supervisor", log)
+            yield
+            watcher.cancel()
+            await supervisor.shutdown()
+            return
         # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
         share = os.path.join(run_dir, "cpu-share")
         engine = engine_config(config, model_path, engine_address, share)
@@ -221,8 +238,9 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
 
 async def _connections(app: web.Application):
     gateway = app[GATEWAY]
-    tasks = [spawn(gateway.engine.run(), "the decode engine connection", log),
-             spawn(gateway.pool.run(), "the prefill worker connections", log)]
+    tasks = [spawn(gateway.pool.run(), "the prefill worker connections", log)]
+    if not gateway.embedding_only:  # an embedding model has no engine to connect to
+        tasks.append(spawn(gateway.engine.run(), "the decode engine connection", log))
     yield
     gateway.engine.closing = gateway.pool.closing = True
     for task in tasks:

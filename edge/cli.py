@@ -10,6 +10,7 @@ import sys
 from aiohttp import web
 
 from contracts.identity import UnsupportedModelError, check_supported
+from contracts.model_kind import model_kind
 from contracts.options import KNOBS
 from edge.config import ConfigError, load_config, policy_path
 from edge.tls import TLSError, server_context
@@ -35,7 +36,9 @@ def main(argv=None) -> None:
         config = load_config(args.config, overrides)
         load_policy(policy_path(config))  # refuse a bad policy before starting anything
         ssl_context = server_context(config)  # ... and bad TLS files, before the model loads
-        check_supported(config.model or embedded_model_path())  # ... and a model family the handoff cannot carry
+        model = config.model or embedded_model_path()
+        if not model_kind(model).embedding:  # an embedding model is served without a handoff (no engine)
+            check_supported(model)  # ... and a model family the handoff cannot carry
     except (ConfigError, PolicyError, TLSError, UnsupportedModelError, FileNotFoundError) as err:
         sys.exit(f"edge: {err}")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")

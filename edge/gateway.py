@@ -37,6 +37,7 @@ from policies.signals import TTFTWindow, box_signals
 from policies.slo import HEADER as SLO_HEADER
 
 log = logging.getLogger("edge.gateway")
+POOLED_KINDS = {"embedding": "embed", "rerank": "rank"}  # request kinds a worker answers alone -> PrefillJob.task
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Gateway:
         self.ttft_window = TTFTWindow()
         self.salter = CacheSalter()
         self.shutting_down = False
+        # an embedding GGUF served on its own (contracts.model_kind): no decode engine; generation routes answer 400
+        self.embedding_only = False
         self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
         self.slo = SloControl(pool, metrics)  # objectives: deadlines, TTFT prediction, early refusal, attainment
         self.observers.append(self.slo.observe)
@@ -81,7 +84,7 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        return self.engine.state == "ready" and self.pool.num_ready > 0
+        return (self.embedding_only or self.engine.state == "ready") and self.pool.num_ready > 0
 
     def check_key(self, request: web.Request) -> None:
         """For routes without a body (/v1/models): only the API key matters."""
@@ -116,10 +119,11 @@ class Gateway:
         return run
 
     def _queue(self, request: GenerateRequest, decision: Decision, salt: str) -> Run:
-        if not self.ready:
-            raise self._not_ready_error()
+        pooled = request.kind in POOLED_KINDS  # computed by a worker alone: no engine takes part
+        if not (self.pool.num_ready > 0 if pooled else self.ready):
+            raise self._not_ready_error(pooled)
         stats = self.engine_stats
-        if stats.backlog_limit_bytes and stats.backlog_bytes >= stats.backlog_limit_bytes:
+        if not pooled and stats.backlog_limit_bytes and stats.backlog_bytes >= stats.backlog_limit_bytes:
             raise ApiError(503, f"the decode engine's backlog is full ({stats.backlog_bytes >> 20} MiB of KV "
                                 f"handoffs waiting); retry shortly", error_type="server_error", code="engine_busy",
                            headers={"Retry-After": "2"})
@@ -130,7 +134,7 @@ class Gateway:
         decision, slo = self.slo.judge(decision, request, priority, self.enforcer)  # may refuse: 429 slo_unattainable
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)
-        prefix = {"chat": "chatcmpl-", "embedding": "embd-"}.get(request.kind, "cmpl-")
+        prefix = {"chat": "chatcmpl-", "embedding": "embd-", "rerank": "rerank-"}.get(request.kind, "cmpl-")
         inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt)
         messages = tuple(ChatMessage(m["role"], m["content"], m.get("tool_calls_json", ""), m.get("tool_call_id", ""))
                          for m in request.messages) if request.messages else None
@@ -140,7 +144,7 @@ class Gateway:
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
                          max_total_tokens=self._context_tokens(), cache_salt=salt,
                          prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs,
-                         task="embed" if request.kind == "embedding" else "generate",
+                         task=POOLED_KINDS.get(request.kind, "generate"),
                          embed_texts=request.embed_texts, embed_tokens=request.embed_tokens,
                          tools=request.template_tools)
         inflight.prefix_key = prefix_key(request.prompt, request.messages, request.prompt_tokens,
@@ -181,15 +185,18 @@ class Gateway:
         log.info("recomputing choice %d of %s (%d tokens) at priority %d", ask.index, ask.request_id, len(ask.tokens),
                  ask.priority)
 
-    def _not_ready_error(self) -> ApiError:
-        """Loading at start; afterwards a component is restarting (or unreachable): say which."""
-        never_ready = self.engine.state == "connecting" and all(w.info is None and w.stuck_count == 0
-                                                                 for w in self.pool.workers.values())
+    def _not_ready_error(self, workers_only: bool = False) -> ApiError:
+        """Loading at start; afterwards a component is restarting (or unreachable): say which. workers_only: the
+        request needs no engine (embeddings, or an embedding model served on its own)."""
+        workers_only = workers_only or self.embedding_only
+        never_ready = (workers_only or self.engine.state == "connecting") and \
+            all(w.info is None and w.stuck_count == 0 for w in self.pool.workers.values())
         if never_ready:
             return ApiError(503, "the model is still loading", error_type="server_error", code="loading",
                             headers={"Retry-After": "5"})
         down = [name for name, w in self.pool.workers.items() if w.state != "ready"]
-        down = (["decode engine"] if self.engine.state != "ready" else []) + ([] if self.pool.num_ready else down)
+        engine_down = not workers_only and self.engine.state != "ready"
+        down = (["decode engine"] if engine_down else []) + ([] if self.pool.num_ready else down)
         return ApiError(503, f"not available now ({', '.join(down)} restarting or unreachable); retry shortly",
                         error_type="server_error", code="unavailable", headers={"Retry-After": "2"})
 
@@ -242,8 +249,9 @@ class Gateway:
             else:
                 return self._token(run, message)
 
-    async def embeddings(self, run: Run) -> EmbedDone:
-        """The worker's answer to an embeddings request; failures raise ApiError."""
+    async def embeddings(self, run: Run, param: str = "input") -> EmbedDone:
+        """The worker's answer to an embeddings (or rerank) request; failures raise ApiError, a too-long input
+        naming `param`, the field it came in."""
         while True:
             remaining = run.deadline - time.monotonic()
             try:
@@ -256,7 +264,7 @@ class Gateway:
                 m.label(m.prompt_tokens).inc(sum(message.num_tokens))
                 return message
             if isinstance(message, PrefillFailed):
-                raise prefill_error(message)
+                raise prefill_error(message, 0, param)
             if isinstance(message, TokenEvent):  # the gateway ends every request so (shutting down, an engine lost)
                 self._token(run, message)  # raises for an abort or a failure
 

@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 
 from contracts.options import check
-from contracts.process_config import Config, EngineProcessConfig, WorkerProcessConfig
+from contracts.process_config import Config, EngineProcessConfig, WorkerProcessConfig, config_argv
 from edge.child_main import PARENT_PID_ENV
-from edge.config import ServeConfig
+from edge.config import ServeConfig, default_threads
 
 log = logging.getLogger("edge.launcher")
 
@@ -57,6 +57,15 @@ def worker_config(config: ServeConfig, model_path: str, name: str, listen: str, 
     and where it sits."""
     return _child_config(WorkerProcessConfig, config, model=model_path, name=name, listen=listen, engine=engine,
                          kv_type=kv_type, threads_per_worker=threads, cpu_share_file=cpu_share_file)
+
+
+def start_embedding_workers(supervisor: Supervisor, config: ServeConfig, model_path: str,
+                            worker_addresses: dict[str, str]) -> None:
+    """An embedding model's processes: its prefill workers, with no engine (each sees an embedding GGUF and serves
+    embeddings only, prefill_cpu.worker.EmbeddingWorker), and no decode engine at all."""
+    for name, address in worker_addresses.items():
+        worker = worker_config(config, model_path, name, address, "", "f16", default_threads(config))
+        supervisor.add(name, "prefill_cpu.worker", config_argv(worker))
 
 
 def _child_config(cls: type[Config], config: ServeConfig, **own) -> Config:

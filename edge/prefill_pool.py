@@ -293,16 +293,21 @@ class PrefillPool:
 
     def _dispatch(self) -> None:
         for worker in self.workers.values():
-            if worker.state != "ready" or worker.current is not None or not worker.engine_connected:
+            if worker.state != "ready" or worker.current is not None:
                 continue
-            entry = self._next_live_entry()
+            # embeddings and rerank jobs need no engine: they go to a worker whatever the engine's state
+            entry = self._next_live_entry(pooled_only=not worker.engine_connected)
             if entry is None:
-                return
+                continue
             # a recompute goes back to the engine that preempted it; a new prompt to the engine chosen now
-            engine = entry.job.engine if entry.job.resume_index >= 0 else self.choose_engine(entry.job.request_id)
+            engine = entry.job.engine if entry.job.resume_index >= 0 or _pooled(entry.job) else \
+                self.choose_engine(entry.job.request_id)
             if engine is None:  # no engine ready: a worker's next message (a heartbeat at the latest) tries again
                 heapq.heappush(self.queue, entry)
-                return
+                entry = self._next_live_entry(pooled_only=True)  # an embeddings job may still go
+                if entry is None:
+                    continue
+                engine = entry.job.engine
             if engine != entry.job.engine:
                 job = replace(entry.job, engine=engine)
                 entry = replace(entry, job=job, frame=pack(job))
@@ -313,13 +318,22 @@ class PrefillPool:
             request.worker = worker.name
             spawn(self._send_frame(worker, entry.frame), f"sending a job to {worker.name}", log)
 
-    def _next_live_entry(self) -> Entry | None:
+    def _next_live_entry(self, pooled_only: bool = False) -> Entry | None:
+        """The best job still wanted; pooled_only: the best embeddings or rerank job (the others stay queued)."""
+        skipped, found = [], None
         while self.queue:
             entry = heapq.heappop(self.queue)
             request = self.registry.get(entry.job.request_id)
-            if request is not None and not request.status.terminal:
-                return entry
-        return None
+            if request is None or request.status.terminal:
+                continue
+            if pooled_only and not _pooled(entry.job):
+                skipped.append(entry)
+                continue
+            found = entry
+            break
+        for entry in skipped:
+            heapq.heappush(self.queue, entry)
+        return found
 
     async def _send(self, worker: WorkerClient, message) -> None:
         await self._send_frame(worker, pack(message))
@@ -335,3 +349,8 @@ class PrefillPool:
         except (OSError, RuntimeError) as err:  # OSError: a reset, or ssl.SSLError once TLS saw an altered record
             log.warning("sending to prefill worker %s failed: %s", worker.name, err)
             writer.close()
+
+
+def _pooled(job: PrefillJob) -> bool:
+    """An embeddings or rerank job: a worker answers it alone, no engine takes part."""
+    return job.task in ("embed", "rank")

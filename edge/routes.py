@@ -75,6 +75,8 @@ async def _generate(request: web.Request, kind: str, api: ClientApi | None = Non
     parsed = None
     try:
         gateway.check_key(request)
+        if getattr(gateway, "embedding_only", False):  # (a test's stub gateway may not say)
+            raise embeddings_api.generation_refused(gateway, request.path)
         body = await _read_json(request, gateway) if body is None else body
         if kind == "completion" and (prompts := batch_prompts(body)) is not None:  # one request per prompt
             check_batch(body, prompts, gateway.pool.vocab_size, gateway.config.limits.prefill_queue_size)
@@ -217,7 +219,7 @@ async def models(request: web.Request) -> web.Response:
         gateway.check_key(request)
     except ApiError as err:
         return err.response()
-    return web.json_response({"object": "list", "data": [_model_card(gateway.model_name)]})
+    return web.json_response({"object": "list", "data": [_model_card(gateway.model_name, gateway)]})
 
 
 async def model(request: web.Request) -> web.Response:
@@ -231,11 +233,12 @@ async def model(request: web.Request) -> web.Response:
                                 f"{gateway.model_name})", "model", "model_not_found")
     except ApiError as err:
         return err.response()
-    return web.json_response(_model_card(name))
+    return web.json_response(_model_card(name, gateway))
 
 
-def _model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "edge"}
+def _model_card(name: str, gateway: Gateway) -> dict:
+    card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "edge"}
+    return {**card, **embeddings_api.model_facts(gateway)}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -243,7 +246,7 @@ async def health(request: web.Request) -> web.Response:
     group = gateway.engine if isinstance(gateway.engine, EngineGroup) else None
     # each engine of a group by name (a down one makes the service degraded), else the one engine
     components = {name: c.state for name, c in group.clients.items()} if group else {}
-    components = components or {"decode_engine": gateway.engine.state}
+    components = components or ({} if gateway.embedding_only else {"decode_engine": gateway.engine.state})
     components.update({name: w.state for name, w in gateway.pool.workers.items()})
     supervisor = request.app.get(SUPERVISOR)
     processes = supervisor.snapshot() if supervisor else {}
@@ -255,7 +258,7 @@ async def health(request: web.Request) -> web.Response:
             "errors": _component_errors(gateway), "prefill": _prefill_state(gateway),
             "prefill_queue": gateway.pool.queue_length, "policy": _policy_state(request),
             "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None,
-            "structured_outputs": structured_state()}
+            "structured_outputs": structured_state(), **embeddings_api.model_facts(gateway)}
     if group is not None:
         body["engines"] = _engine_state(group)
     return web.json_response(body, status=200 if ready else 503)
@@ -277,7 +280,8 @@ def _engine_state(group: EngineGroup) -> dict:
 def _component_errors(gateway: Gateway) -> dict:
     """Why a component is not ready (a refused handshake, a bad frame, a missed heartbeat), if known."""
     clients = gateway.engine.clients if isinstance(gateway.engine, EngineGroup) else {}
-    errors = {name: c.last_error for name, c in clients.items()} or {"decode_engine": gateway.engine.last_error}
+    errors = {name: c.last_error for name, c in clients.items()} or \
+        ({} if gateway.embedding_only else {"decode_engine": gateway.engine.last_error})
     errors.update({name: w.last_error for name, w in gateway.pool.workers.items()})
     return {name: error for name, error in errors.items() if error}
 

@@ -14,6 +14,8 @@ Choices (`prefill_weights` in the serve config, `--prefill-weights` of a worker)
   take more than a quarter of the memory) once per file, CPU and thread count, keeps the copy only when it is at
   least MIN_GAIN faster, and records the decision (prefill-weights.json) so later starts do not measure again.
   No copy is made when even q8_0 would take more than a quarter of the memory or the disk lacks room.
+  A worker holds its prefills' live rate against the recorded one (prefill_cpu.prefill_rate); a record whose
+  measurement it finds slowed is marked stale, and the next start measures again.
 
 The worker's identity (fingerprint, KV shape) stays the given file's: the engine checks handoffs against it.
 """
@@ -35,6 +37,7 @@ import psutil
 
 from contracts.cache import converted_dir
 from contracts.identity import GGUFIdentity
+from prefill_cpu.prefill_rate import Recorded
 
 log = logging.getLogger(__name__)
 CHOICES = ("auto", "given", "f16", "bf16", "q8_0")
@@ -106,10 +109,13 @@ def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> s
         decision = json.loads(decision_file.read_text())
     except (OSError, ValueError):
         decision = None
-    if decision and decision.get("key") == key:
+    if decision and decision.get("key") == key and "stale" not in decision:
         log.info("prefill weights: %s, as measured at an earlier start (%s; delete it to measure again)",
                  decision.get("choice"), decision_file)
         return _chosen(identity, folder, decision)
+    if decision and "stale" in decision:
+        log.info("prefill weights: measuring again; a worker found the recorded measurement slowed (%s)",
+                 decision["stale"])
     kind = candidate(identity.path, folder)
     if kind is None:
         decision = {"key": key, "choice": "given", "why": "a copy would not fit, or not prefill faster"}
@@ -126,6 +132,24 @@ def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> s
             copy.unlink(missing_ok=True)
     decision_file.write_text(json.dumps(decision, indent=1))
     return _chosen(identity, folder, decision)
+
+
+def recorded_rate(identity: GGUFIdentity, weights_path: str, threads: int, n_batch: int) -> Recorded | None:
+    """What auto's measurement recorded for the file a worker loaded (at these threads and n_batch), if anything:
+    the rate its prefills are held against while serving."""
+    record = converted_dir(identity) / DECISION_FILE
+    try:
+        decision = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    key = decision.get("key") or {}
+    if "converted_tok_s" not in decision or (key.get("threads"), key.get("n_batch")) != (threads, n_batch):
+        return None
+    if weights_path == identity.path:
+        return Recorded(float(decision["given_tok_s"]), record)
+    if Path(weights_path).name == f"prefill-{decision.get('candidate')}.gguf":
+        return Recorded(float(decision["converted_tok_s"]), record)
+    return None
 
 
 def _chosen(identity: GGUFIdentity, folder: Path, decision: dict) -> str:
@@ -162,6 +186,11 @@ def auto_outlook(identity: GGUFIdentity) -> str:
         decision = json.loads(record.read_text())
     except (OSError, ValueError):
         decision = None
+    if decision and "stale" in decision:
+        stale = decision["stale"]
+        return (f"to be measured again at the next start: a worker prefilled {stale.get('live_tok_s')} tok/s at "
+                f"{stale.get('threads')} threads on {decision.get('choice')}, well above the "
+                f"{_recorded_for(decision)} tok/s recorded for it, so the measurement ran slowed ({record})")
     if decision and decision.get("choice") in ("given", *FTYPES):
         chosen = "the given file" if decision["choice"] == "given" else f"its {decision['choice']} copy"
         key = decision.get("key") or {}
@@ -178,6 +207,10 @@ def auto_outlook(identity: GGUFIdentity) -> str:
         return "the given file: a converted copy would not fit (memory or disk)"
     return (f"not measured yet: the first start converts it to {kind} once and keeps the copy if it prefills at "
             f"least {MIN_GAIN}x as fast (about 10 s; recorded in {record})")
+
+
+def _recorded_for(decision: dict) -> object:
+    return decision.get("given_tok_s") if decision.get("choice") == "given" else decision.get("converted_tok_s")
 
 
 def measure_prefill(paths: list[str], threads: int, n_batch: int, rounds: int = 3,

@@ -34,7 +34,8 @@ from prefill_cpu.grammar import FirstTokenGrammars
 from prefill_cpu.kv_rotation import rotations_from_log
 from prefill_cpu.kv_state import SeqKVState, parse_seq_state
 from prefill_cpu.llama_log import captured_llama_log
-from prefill_cpu.prefill_weights import prefill_weights_path
+from prefill_cpu.prefill_rate import PrefillRate
+from prefill_cpu.prefill_weights import prefill_weights_path, recorded_rate
 from prefill_cpu.prefix_cache import PrefixCache
 from prefill_cpu.prompt_logprobs import LOGITS_CHUNK, PromptLogprobCollector
 
@@ -118,6 +119,8 @@ class Prefiller:
             n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
             flash_attn=flash_attn, verbose=False)
         self.threads = self._threads_in_use = threads
+        # real chunks' tokens a second, held against what prefill_weights = auto recorded for this file
+        self.rate = PrefillRate(threads, recorded_rate(self.identity, self.weights_path, threads, config.n_batch))
         # asked before each chunk with the prompt's priority: threads for the chunk (the cores may be shared)
         self.threads_now: Callable[[int], int] | None = None
         self._priority = 0  # of the prompt being prefilled
@@ -278,6 +281,7 @@ class Prefiller:
                 batch.seq_id[i][0] = SEQ
                 # only the last prompt token's logits, unless every prompt token is scored
                 batch.logits[i] = scored is not None or begin + i == len(tokens) - 1
+            began = time.perf_counter()
             rc = llama_cpp.llama_decode(self.ctx, batch)
             if rc == 1 and self.cache.entries:  # no room for this chunk: the cached prompts make room
                 _free_sequences(llama_cpp.llama_get_memory(self.ctx), self.cache.clear())
@@ -286,6 +290,8 @@ class Prefiller:
                 raise PrefillCancelledError(f"cancelled within the chunk at {begin} of {len(tokens)} prompt tokens")
             if rc != 0:
                 raise PrefillError(f"llama_decode returned {rc} at prompt token {begin}")
+            if scored is None:  # scoring asks for every position's logits: not a plain prefill's cost
+                self.rate.observe(len(chunk), time.perf_counter() - began, self._threads_in_use)
             if scored is not None:  # [chunk, vocab] float32, a view of llama.cpp's buffer until the next decode
                 scored.add(begin, np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx),
                                                         shape=(len(chunk), self.vocab_size)))

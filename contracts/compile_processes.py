@@ -3,10 +3,14 @@ one whose requester went away, is ended by killing its process, which is then re
 stopped; a process can, and its CPU comes back at once.
 
 `CompileProcesses` keeps a few children (`python -m contracts.compile_processes`), each compiling one constraint
-at a time. A caller waits for a free child at most the time limit (then GrammarBusyError, a 503), and no owner
-(an API key, or a client address without keys) may hold more than `per_owner` children at once
-(GrammarOwnerBusyError, a 429), so one key cannot fill the pool. The calls block their thread; the gateway makes
-them from a thread of their own (contracts.grammar_compile.GatewayCheck), never from its event loop.
+at a time. No owner (an API key, or a client address without keys) holds more than `per_owner` children at once,
+so one key cannot fill the pool: its further compiles wait their turn in order, at most `queue_per_owner` of them
+and at most the time limit (past either, GrammarOwnerBusyError, a 429), so that an honest client sending
+structured requests in parallel is served, not refused. A caller whose turn came waits for a free child within
+what is left of the time limit (then GrammarBusyError, a 503). A waiter whose requester goes away (its cancel
+event) leaves its queue within POLL_S; close() ends every waiter at once (busy: shutting down). The calls block
+their thread; the gateway makes them from a thread of their own (contracts.grammar_compile.GatewayCheck), never
+from its event loop.
 
 The child speaks JSON lines on its own pipe: {"kind", "source", "mode"} in, {"grammar"} or {"error", "message"}
 out. mode "check" compiles over the vocabulary (when the child has one, as a prefill worker will compile) and
@@ -26,14 +30,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import deque
 from pathlib import Path
 
 from contracts.grammar import GrammarBusyError, GrammarError, GrammarOwnerBusyError, GrammarTooComplexError
+from contracts.options import KNOBS
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0  # a child's imports and vocabulary, at most (a loaded machine); past it the child is killed
 POLL_S = 0.05  # how often a waiting caller looks at its cancel event
+QUEUE_PER_OWNER = KNOBS["grammar_compile_queue_per_key"].default
 _ERRORS = {cls.code: cls for cls in (GrammarError, GrammarTooComplexError)}
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -42,6 +48,16 @@ class CompileCancelled(GrammarError):
     """The caller went away (its cancel event was set); the compile's process was killed."""
 
     code = "cancelled"
+
+
+class _Turns:
+    """One owner's compiles: how many hold a child now, and the callers waiting their turn (first in line first)."""
+
+    __slots__ = ("running", "waiting")
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting: deque[object] = deque()  # a ticket per waiting caller
 
 
 class _Child:
@@ -96,11 +112,14 @@ class CompileProcesses:
     """workers: children kept (started on first use, replaced when killed). per_owner: children one owner may hold
     at once. vocabulary: "module:callable" that the child calls with vocabulary_arg to get an object with
     .tokenizer and .stop_token_ids (prefill_cpu.grammar:GGUFVocabulary), or None to check grammars alone.
-    max_waiting: callers waiting for a child at most; past it a compile is refused at once (busy)."""
+    max_waiting: callers waiting for a child at most, and callers waiting their owner's turn at most (all owners
+    together); past either a compile is refused at once (busy). queue_per_owner: callers of one owner waiting
+    their turn at most (grammar_compile_queue_per_key); past it, a 429 at once."""
 
     def __init__(self, workers: int = 2, per_owner: int = 1, vocabulary: str | None = None,
-                 vocabulary_arg: str = "", max_waiting: int = 32) -> None:
+                 vocabulary_arg: str = "", max_waiting: int = 32, queue_per_owner: int = QUEUE_PER_OWNER) -> None:
         self.workers, self.per_owner, self.max_waiting = workers, per_owner, max_waiting
+        self.queue_per_owner = queue_per_owner
         self._argv = [sys.executable, "-m", "contracts.compile_processes"]
         if vocabulary:
             self._argv += ["--vocabulary", vocabulary, "--vocabulary-arg", vocabulary_arg]
@@ -109,7 +128,8 @@ class CompileProcesses:
         self._children = 0  # started or starting, busy or idle
         self._starting = 0
         self._waiting = 0
-        self._owners: Counter[str] = Counter()
+        self._queued = 0  # callers waiting their owner's turn, all owners
+        self._owners: dict[str, _Turns] = {}
         self._closed = False
         self._stopping = threading.Event()  # set by close(): compiles in progress stop at once
         self.killed = 0  # children killed at their limit or for a caller gone: for tests and logs
@@ -118,24 +138,68 @@ class CompileProcesses:
             cancelled: threading.Event | None = None) -> str:
         """Compile in a child: the grammar text (mode "grammar") or "" (mode "check"). GrammarError (or a
         subclass) when the constraint does not compile or passed the limit, GrammarBusyError when no child came
-        free within timeout_s, GrammarOwnerBusyError when the owner holds its share, CompileCancelled."""
-        with self._cond:
-            if self._closed:
-                raise GrammarBusyError("the server is shutting down")
-            if owner is not None and self._owners[owner] >= self.per_owner:
-                raise GrammarOwnerBusyError(f"this client already has {self.per_owner} structured-output "
-                                            f"compile(s) running; retry when it ends")
-            if owner is not None:
-                self._owners[owner] += 1
+        free within timeout_s, GrammarOwnerBusyError when the owner's queue is full or its turn did not come within
+        timeout_s, CompileCancelled. The waits (the owner's turn, then a free child) take timeout_s together; the
+        compile has its own timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        if owner is not None:
+            self._wait_turn(owner, deadline, timeout_s, cancelled)
         try:
-            child = self._take(time.monotonic() + timeout_s, cancelled)
+            child = self._take(deadline, cancelled)
             return self._compile(child, kind, source, timeout_s, mode, cancelled)
         finally:
             if owner is not None:
                 with self._cond:
-                    self._owners[owner] -= 1
-                    if self._owners[owner] <= 0:
-                        del self._owners[owner]
+                    self._owners[owner].running -= 1
+                    self._forget(owner)
+                    self._cond.notify_all()  # the owner's next in line goes now, not at its next poll
+
+    def _wait_turn(self, owner: str, deadline: float, timeout_s: float, cancelled: threading.Event | None) -> None:
+        """Return holding one of the owner's `per_owner` shares, taken in the order the callers came."""
+        with self._cond:
+            if self._closed:
+                raise GrammarBusyError("the server is shutting down")
+            turns = self._owners.setdefault(owner, _Turns())
+            if turns.running < self.per_owner and not turns.waiting:
+                turns.running += 1
+                return
+            self._refuse_queueing(turns)
+            ticket = object()
+            turns.waiting.append(ticket)
+            self._queued += 1
+            try:
+                while turns.running >= self.per_owner or turns.waiting[0] is not ticket:
+                    self._still_waiting(deadline, timeout_s, cancelled)
+                    self._cond.wait(min(POLL_S, max(deadline - time.monotonic(), 0.001)))
+                turns.running += 1
+            finally:
+                turns.waiting.remove(ticket)
+                self._queued -= 1
+                self._forget(owner)
+                self._cond.notify_all()  # the next in line may be first now
+
+    def _refuse_queueing(self, turns: _Turns) -> None:
+        if len(turns.waiting) >= self.queue_per_owner:
+            raise GrammarOwnerBusyError(f"this client already has {turns.running} structured-output compile(s) "
+                                        f"running and {len(turns.waiting)} waiting; retry when they end")
+        if self._queued >= self.max_waiting:
+            raise GrammarBusyError(f"{self._queued} structured-output compiles are waiting; retry shortly")
+
+    def _still_waiting(self, deadline: float, timeout_s: float, cancelled: threading.Event | None) -> None:
+        """Raise if a caller waiting its owner's turn must stop: the server closing, its requester gone, its time."""
+        if self._closed:
+            raise GrammarBusyError("the server is shutting down")
+        if cancelled is not None and cancelled.is_set():
+            raise CompileCancelled("the requester went away")
+        if time.monotonic() >= deadline:
+            raise GrammarOwnerBusyError(f"this client's structured-output compiles ahead of this one did not end "
+                                        f"within the limit of {timeout_s:g} s; retry when they end")
+
+    def _forget(self, owner: str) -> None:
+        """Drop an owner with nothing running or waiting (under the condition)."""
+        turns = self._owners.get(owner)
+        if turns is not None and turns.running <= 0 and not turns.waiting:
+            del self._owners[owner]
 
     def _compile(self, child: _Child, kind: str, source: str, timeout_s: float, mode: str,
                  cancelled: threading.Event | None) -> str:
@@ -241,11 +305,11 @@ class CompileProcesses:
             child.kill()
 
     def state(self) -> dict:
-        """For /health: processes idle, compiles running now, callers waiting for a process, processes stopped so
-        far."""
+        """For /health: processes idle, compiles running now, callers waiting for a process, callers waiting their
+        key's turn, processes stopped so far."""
         with self._cond:
             return {"idle": len(self._idle), "compiling": self._children - self._starting - len(self._idle),
-                    "waiting": self._waiting, "stopped": self.killed}
+                    "waiting": self._waiting, "queued": self._queued, "stopped": self.killed}
 
     def warm(self) -> None:
         """Start the children now rather than on the first compile (their imports take a second)."""
@@ -254,7 +318,7 @@ class CompileProcesses:
                 self._fill()
 
     def close(self) -> None:
-        """Kill every child; callers waiting or compiling end at once (busy)."""
+        """Kill every child; callers waiting (for a child or their turn) or compiling end at once (busy)."""
         self._stopping.set()
         with self._cond:
             self._closed = True

@@ -99,6 +99,10 @@ _KNOBS = (
          choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), flag=True),
     Knob("grammar_compile_timeout_s", float, 5.0, "time limit for compiling one structured-output grammar; past it "
          "the request gets 400 structured_output_too_complex", ge=0.1, le=300),
+    Knob("grammar_compile_queue_per_key", int, 8, "structured-output compiles of one API key (one client address "
+         "without keys) that wait, in order, behind its running one; past them, or past grammar_compile_timeout_s "
+         "of waiting, 429 structured_output_compiles_per_key (0: a second concurrent compile is refused at once)",
+         ge=0, le=256),
     Knob("tool_call_parser", str, AUTO, "the format the model writes tool calls in (auto: from the GGUF's chat "
          "template, else hermes; docs/structured_outputs.md)",
          choices=(AUTO, "hermes", "llama3_json", "mistral", "phi4_mini"), flag=True),

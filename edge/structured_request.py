@@ -13,17 +13,19 @@ if TYPE_CHECKING:  # openai_api imports this module
 
 _GRAMMAR_CHECKS: dict = {}  # model path -> contracts.grammar_compile.GatewayCheck, made on its first constraint
 COMPILE_PROCESSES = 2  # the gateway's compile processes (each takes one core while it compiles)
-COMPILES_PER_OWNER = 1  # of them, at most this many for one API key (or one client address without keys)
+COMPILES_PER_OWNER = 1  # of them, at most this many for one API key (or one client address without keys); the
+# key's further compiles wait their turn (grammar_compile_queue_per_key of them, within the time limit)
 
 
 async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
                            model_path: str | None = None, owner: str | None = None) -> None:
     """A constraint the engine cannot enforce is the client's 400 naming the problem (code
     invalid_structured_output), one too large or too slow to compile a 400 too (code structured_output_too_complex),
-    a client that already has its share of the compile processes a 429 (structured_output_compiles_per_key), and no
-    process free within the limit a 503 (structured_output_busy). The constraint is compiled as the prefill workers
-    will compile it, over the model's vocabulary (the GGUF at model_path, its tokenizer only), in a child process
-    that is killed at timeout_s (grammar_compile_timeout_s) or when the client goes away (this task cancelled).
+    a client whose compiles already fill its queue, or whose turn does not come within the limit, a 429
+    (structured_output_compiles_per_key), and no process free within the limit a 503 (structured_output_busy). The
+    constraint is compiled as the prefill workers will compile it, over the model's vocabulary (the GGUF at
+    model_path, its tokenizer only), in a child process that is killed at timeout_s (grammar_compile_timeout_s) or
+    when the client goes away (this task cancelled, which also takes a waiting compile out of its key's queue).
     owner: whose share the compile takes (compile_owner)."""
     constraint = request.sampling.get("structured")
     if constraint is None:
@@ -58,16 +60,22 @@ def _check(model_path: str | None):
     return check
 
 
-def warm_structured_checks(model_path: str | None) -> None:
+def warm_structured_checks(model_path: str | None, queue_per_key: int | None = None) -> None:
     """Start the gateway's compile processes now (each loads the model's vocabulary, a second or two), so that the
-    first structured request does not wait for them."""
-    _check(model_path).processes.warm()
+    first structured request does not wait for them. queue_per_key: grammar_compile_queue_per_key, if not the
+    default."""
+    processes = _check(model_path).processes
+    if queue_per_key is not None:
+        processes.queue_per_owner = queue_per_key
+    processes.warm()
 
 
 def structured_state() -> dict:
-    """For /health: the gateway's compile processes (running, waiting, stopped so far), over all models."""
+    """For /health: the gateway's compile processes (running, waiting for a process, waiting their key's turn,
+    stopped so far), over all models."""
     states = [check.processes.state() for check in _GRAMMAR_CHECKS.values()]
-    return {name: sum(state[name] for state in states) for name in ("idle", "compiling", "waiting", "stopped")}
+    return {name: sum(state[name] for state in states)
+            for name in ("idle", "compiling", "waiting", "queued", "stopped")}
 
 
 def close_structured_checks() -> None:

@@ -1,0 +1,248 @@
+"""contracts.compile_processes: one key's compiles wait their turn, in order, behind its running one; past its queue
+or past the time limit the waiter gets the 429 at once; a waiter whose requester leaves, or whose server closes,
+leaves its queue at once; a cached constraint never waits; other keys never wait behind a key.
+
+The children are real processes on real pipes, but a stand-in for the compiler (FAKE_CHILD, the same protocol):
+a regex source "gate:PATH" compiles until the test creates PATH, so that a compile lasts exactly as long as the
+test needs; each child logs the start and end of every compile to one file, which says the order they ran in."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from contracts.compile_processes import CompileCancelled, CompileProcesses
+from contracts.grammar import GrammarBusyError, GrammarOwnerBusyError
+from contracts.grammar_compile import GatewayCheck
+
+FAKE_CHILD = r"""
+import json, os, sys, time
+log = sys.argv[1]
+def note(text):
+    with open(log, "a") as out:
+        out.write(text + "\n")
+print("ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    source = request["source"]
+    note("start " + source)
+    if source.startswith("gate:"):
+        while not os.path.exists(source[5:]):
+            time.sleep(0.005)
+    note("end " + source)
+    print(json.dumps({"grammar": "g:" + source} if request["mode"] == "grammar" else {}), flush=True)
+"""
+LONG_S = 30.0  # a gated compile's limit: the test releases it long before
+
+
+class Bench:
+    """Compile processes running FAKE_CHILD, and the gates and log of their compiles."""
+
+    def __init__(self, tmp_path: Path, **options) -> None:
+        self.dir, self.log = tmp_path, tmp_path / "compiles.log"
+        self.log.touch()
+        self.processes = CompileProcesses(**{"workers": 2, "per_owner": 1, **options})
+        self.processes._argv = [sys.executable, "-c", FAKE_CHILD, str(self.log)]
+        self.pool = ThreadPoolExecutor(16)
+        self.gates: list[str] = []
+
+    def gate(self, name: str) -> str:
+        self.gates.append(f"gate:{self.dir / name}")
+        return self.gates[-1]
+
+    def release(self, source: str) -> None:
+        Path(source.removeprefix("gate:")).touch()
+
+    def run(self, source: str, owner: str | None = "key:a", timeout_s: float = LONG_S,
+            cancelled: threading.Event | None = None) -> Future:
+        return self.pool.submit(self.processes.run, "regex", source, timeout_s, "grammar", owner, cancelled)
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines()
+
+    def started(self, source: str) -> bool:
+        return f"start {source}" in self.lines()
+
+    def queued(self) -> int:
+        return self.processes.state()["queued"]
+
+    def close(self) -> None:
+        for gate in self.gates:  # a compile a failed test left gated ends too
+            self.release(gate)
+        self.processes.close()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def until(condition, timeout_s: float = 20.0) -> None:
+    """Await a condition of the processes or the log (polled: they have no event to await)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.005)
+
+
+@pytest.fixture()
+def bench(tmp_path):
+    benches = []
+
+    def make(**options) -> Bench:
+        benches.append(Bench(tmp_path, **options))
+        return benches[-1]
+    yield make
+    for made in benches:
+        made.close()
+
+
+def test_two_concurrent_compiles_of_one_key_both_succeed_in_order(bench):
+    b = bench()
+    b.processes.warm()
+    until(lambda: b.processes.state()["idle"] == 2)
+    first = b.gate("first")
+    running = b.run(first)
+    until(lambda: b.started(first))
+    second = b.run("second")
+    until(lambda: b.queued() == 1)  # waiting its turn, though a process is idle
+    assert b.processes.state()["idle"] == 1 and not second.done()
+    b.release(first)
+    assert running.result(20) == f"g:{first}" and second.result(20) == "g:second"
+    assert b.lines() == [f"start {first}", f"end {first}", "start second", "end second"]
+    assert b.queued() == 0 and b.processes._owners == {}
+
+
+def test_an_honest_clients_parallel_compiles_all_succeed(bench):
+    """Eight at once from one key, each a few milliseconds: no 429, each answered."""
+    b = bench()
+    sources = [f"quick-{i}" for i in range(8)]
+    futures = [b.run(source) for source in sources]
+    assert [future.result(30) for future in futures] == [f"g:{source}" for source in sources]
+    starts = [line for line in b.lines() if line.startswith("start")]
+    assert sorted(starts) == sorted(f"start {source}" for source in sources)
+
+
+def test_the_waiter_past_the_queue_is_refused_at_once(bench):
+    b = bench(queue_per_owner=2)
+    first = b.gate("first")
+    running = b.run(first)
+    until(lambda: b.started(first))
+    waiting = [b.run("second"), b.run("third")]
+    until(lambda: b.queued() == 2)
+    started = time.monotonic()
+    with pytest.raises(GrammarOwnerBusyError, match="1 structured-output compile.s. running and 2 waiting"):
+        b.run("fourth").result(20)
+    assert time.monotonic() - started < 1.0 and b.queued() == 2
+    b.release(first)
+    assert running.result(20) == f"g:{first}"
+    assert [future.result(20) for future in waiting] == ["g:second", "g:third"]
+    assert "start fourth" not in b.lines()
+
+
+def test_a_wait_past_the_time_limit_is_a_429_and_the_running_compile_goes_on(bench):
+    b = bench()
+    first = b.gate("first")
+    running = b.run(first)
+    until(lambda: b.started(first))
+    started = time.monotonic()
+    with pytest.raises(GrammarOwnerBusyError, match="did not end within the limit of 0.3 s"):
+        b.run("second", timeout_s=0.3).result(20)
+    assert 0.3 <= time.monotonic() - started < 5.0 and b.queued() == 0
+    b.release(first)
+    assert running.result(20) == f"g:{first}" and b.processes.killed == 0
+
+
+def test_a_waiter_whose_requester_goes_away_leaves_the_queue(bench):
+    b = bench()
+    first = b.gate("first")
+    running = b.run(first)
+    until(lambda: b.started(first))
+    gone = threading.Event()
+    leaving = b.run("leaving", cancelled=gone)
+    until(lambda: b.queued() == 1)
+    staying = b.run("staying")
+    until(lambda: b.queued() == 2)
+    gone.set()
+    with pytest.raises(CompileCancelled):
+        leaving.result(5)
+    assert b.queued() == 1
+    b.release(first)
+    assert running.result(20) == f"g:{first}" and staying.result(20) == "g:staying"
+    assert "start leaving" not in b.lines() and b.processes.killed == 0
+
+
+def test_closing_ends_the_waiters_at_once_with_a_terminal_error(bench):
+    """What SIGTERM does in the gateway: the key's running compile and its waiters all end now, busy (a 503)."""
+    b = bench()
+    first = b.gate("first")
+    running = b.run(first)
+    until(lambda: b.started(first))
+    waiters = [b.run(f"waiter-{i}") for i in range(3)]
+    until(lambda: b.queued() == 3)
+    started = time.monotonic()
+    b.processes.close()
+    for future in (running, *waiters):
+        with pytest.raises(GrammarBusyError, match="shutting down"):
+            future.result(5)
+    assert time.monotonic() - started < 2.0 and b.queued() == 0
+    with pytest.raises(GrammarBusyError, match="shutting down"):  # and nothing new waits
+        b.run("late").result(5)
+
+
+def test_another_key_does_not_wait_behind_a_keys_queue(bench):
+    b = bench()
+    first = b.gate("first")
+    running = b.run(first)
+    until(lambda: b.started(first))
+    waiting = b.run("second")
+    until(lambda: b.queued() == 1)
+    assert b.run("other-key", owner="key:b").result(20) == "g:other-key"
+    assert not running.done() and not waiting.done()
+    b.release(first)
+    assert waiting.result(20) == "g:second"
+
+
+def test_the_queues_of_all_keys_together_are_bounded(bench):
+    """Many owners (client addresses without keys) cannot grow the waiting without bound: past max_waiting, a 503."""
+    b = bench(max_waiting=1)
+    b.processes.warm()  # both processes up: no caller waits for one to start
+    until(lambda: b.processes.state()["idle"] == 2)
+    gates = [b.gate("a"), b.gate("b")]
+    running = [b.run(gates[0], owner="key:a"), b.run(gates[1], owner="key:b")]
+    until(lambda: b.started(gates[0]) and b.started(gates[1]))
+    waiting = b.run("a-second", owner="key:a")
+    until(lambda: b.queued() == 1)
+    with pytest.raises(GrammarBusyError, match="1 structured-output compiles are waiting") as refused:
+        b.run("b-second", owner="key:b").result(20)
+    assert not isinstance(refused.value, GrammarOwnerBusyError)  # the server's load, not the client's: a 503
+    for gate in gates:
+        b.release(gate)
+    assert [future.result(20) for future in running] == [f"g:{gate}" for gate in gates]
+    assert waiting.result(20) == "g:a-second"
+
+
+def test_the_gateway_check_never_queues_a_cached_constraint_and_drops_a_cancelled_waiter(bench):
+    b = bench()
+    check = GatewayCheck(b.processes)
+
+    async def scenario():
+        await check.check("regex", "cached", LONG_S, "key:a")  # compiled once: its outcome is kept
+        first = b.gate("first")
+        running = asyncio.ensure_future(check.check("regex", first, LONG_S, "key:a"))
+        await asyncio.to_thread(until, lambda: b.started(first))
+        started = time.monotonic()
+        await check.check("regex", "cached", LONG_S, "key:a")  # while the key's compile runs: no wait
+        cached_s = time.monotonic() - started
+        leaving = asyncio.ensure_future(check.check("regex", "leaving", LONG_S, "key:a"))
+        await asyncio.to_thread(until, lambda: b.queued() == 1)
+        leaving.cancel()  # the client went away: the waiting compile leaves the queue
+        await asyncio.to_thread(until, lambda: b.queued() == 0, 2.0)
+        assert not running.done()
+        b.release(first)
+        await running
+        return cached_s
+    assert asyncio.run(scenario()) < 0.05
+    assert b.lines().count("start cached") == 1 and "start leaving" not in b.lines()

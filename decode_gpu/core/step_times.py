@@ -1,6 +1,8 @@
 """How long a decode step takes at each batch size, as measured while serving: what a running sequence waits
 between two of its tokens (the forward, sampling, imports, pacing and yields to prefill all included). The
-scheduler reads it to keep the batch within the tightest time-per-output-token objective of its sequences."""
+scheduler reads it to keep the batch within the tightest time-per-output-token objective of its sequences; the
+model runner, decoding on the CPU beside llama.cpp prefill, reads the times of its two thread counts
+(`ThreadShare`) to keep every thread while the halved step would break that objective."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ class StepTimes:
         if batch <= 0 or not 0 < seconds < MAX_INTERVAL_S:
             return
         before = self.seconds.get(batch)
+        if before is not None and now - before[1] > self.max_age_s:
+            before = None  # measured again: an old time is of another load, not a sample to smooth with
         smoothed = seconds if before is None else before[0] + self.smoothing * (seconds - before[0])
         self.seconds[batch] = (smoothed, now)
 
@@ -39,3 +43,40 @@ class StepTimes:
                 return max(1, within + math.floor(fraction * (batch - within)))
             within, worst = batch, slower
         return within + 1
+
+    def estimate(self, batch: int, now: float) -> float | None:
+        """The step time of this batch size: measured, else no less than the slowest smaller size measured (the
+        envelope); None when nothing at or below it was measured recently."""
+        known = [seconds for size, (seconds, when) in self.seconds.items()
+                 if size <= batch and now - when <= self.max_age_s]
+        return max(known) if known else None
+
+
+# decode beside prefill on half its threads or on all of them; with no prompt in prefill, on all of them
+HALVED, EVERY, ALONE = "halved", "every", "alone"
+
+
+class ThreadShare:
+    """Decode on the CPU beside prefill halves its threads (contracts/cpu_share.py), unless a sequence in the batch
+    has a TPOT objective that the step on halved threads, as measured at this batch size, would break: then decode
+    keeps every thread, as long as that was not measured slower still (two thread pools on two cores can be). Sizes
+    not measured are tried: halved first, then every thread; each is measured again once MAX_AGE_S old, so the
+    choice follows the load beside decode. Priority-only batches (no TPOT objective) always halve, as before."""
+
+    def __init__(self, max_age_s: float = MAX_AGE_S) -> None:
+        self.times = {HALVED: StepTimes(max_age_s=max_age_s), EVERY: StepTimes(max_age_s=max_age_s)}
+
+    def record(self, mode: str, batch: int, seconds: float, now: float) -> None:
+        if mode in self.times:
+            self.times[mode].record(batch, seconds, now)
+
+    def keep_threads(self, batch: int, tpot_s: float, now: float) -> bool:
+        """Whether a step of `batch` sequences, the tightest TPOT objective among them tpot_s (0: none), should
+        keep every thread while prompts prefill."""
+        if not tpot_s:
+            return False
+        halved = self.times[HALVED].estimate(batch, now)
+        if halved is None or halved <= tpot_s:
+            return False
+        every = self.times[EVERY].estimate(batch, now)
+        return every is None or every < halved

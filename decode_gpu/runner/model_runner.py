@@ -33,6 +33,7 @@ from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.core.scheduler import ScheduledStep
 from decode_gpu.core.sequence import Sequence
 from decode_gpu.core.speculative import StepCosts, measurement_rows
+from decode_gpu.core.step_times import ALONE, EVERY, HALVED, ThreadShare
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.kv.pool import KVPool, PoolShape, device_index
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
@@ -139,10 +140,15 @@ class ModelRunner:
         self.weight_switch = self._weight_switch(model, capacity)
         self.swap_space: dict[str, list[torch.Tensor]] = {}  # host copies of preempted sequences' blocks
         self._threads = _shared_threads(device, gate)
+        # which thread count keeps a TPOT objective beside prefill, from the steps measured with each
+        self.thread_share = ThreadShare() if self._threads else None
+        self._last_forward: tuple[float, int, str, frozenset[str]] | None = None  # (when, batch, mode, seq ids)
+        self.clock = time.monotonic
 
     @property
     def shares_cpu(self) -> bool:
-        """Whether this runner halves its threads while a prompt is in prefill (decode on the CPU, yielding)."""
+        """Whether this runner halves its threads while a prompt is in prefill (decode on the CPU, yielding; a batch
+        with a TPOT objective may keep them all, see _set_threads)."""
         return self._threads is not None
 
     @property
@@ -319,10 +325,26 @@ class ModelRunner:
     def _before_forward(self, seqs: list[Sequence]) -> None:
         """Thread count (decode on the CPU next to llama.cpp prefill) and the priority the gate waits with."""
         if self._threads:
-            threads = self._threads[1] if self.gate.prefill_active else self._threads[0]
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+            self._set_threads(seqs)
         self._batch_priority = min(s.priority for s in seqs)
+
+    def _set_threads(self, seqs: list[Sequence]) -> None:
+        """Halve the threads while a prompt is queued for or in prefill, unless the batch's tightest TPOT objective
+        needs every one (ThreadShare); the previous step is timed under the threads it ran with, from its forward
+        to this one, when a sequence of it is still decoding (else the engine may have idled in between)."""
+        now, ids = self.clock(), frozenset(s.seq_id for s in seqs)
+        last = self._last_forward
+        if last is not None and last[3] & ids:
+            self.thread_share.record(last[2], last[1], now - last[0], now)
+        tpot_s = min((s.tpot_slo_ms for s in seqs if getattr(s, "tpot_slo_ms", 0)), default=0) / 1e3
+        if not self.gate.prefill_active:
+            mode = ALONE
+        else:
+            mode = EVERY if self.thread_share.keep_threads(len(seqs), tpot_s, now) else HALVED
+        threads = self._threads[1] if mode == HALVED else self._threads[0]
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self._last_forward = (now, len(seqs), mode, ids)
 
     def _forward_rows(self, rows: int, longest: int | None = None) -> torch.Tensor:
         """The eager forward over the first `rows` rows of the step inputs. Without `longest` (graph capture,

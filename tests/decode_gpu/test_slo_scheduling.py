@@ -3,8 +3,11 @@ between levels as before, and a batch that stops growing where the measured step
 TPOT objective."""
 
 import dataclasses
+import types
 
-from decode_gpu.core.step_times import StepTimes
+import pytest
+
+from decode_gpu.core.step_times import EVERY, HALVED, StepTimes, ThreadShare
 from fake_runner import fake_handoff, make_engine
 
 
@@ -89,3 +92,57 @@ def test_step_times_interpolate_and_forget():
     times.record(1, 61.0, now=1)  # longer than any step: the engine idled in between
     assert times.seconds[1][0] == 0.02
     assert times.batch_limit(0.1, now=40) == 1  # everything older than 30 s is forgotten, and measured again
+
+
+def test_thread_share_keeps_every_thread_only_where_the_halved_step_breaks_a_tpot_objective():
+    share = ThreadShare(max_age_s=30)
+    assert not share.keep_threads(4, 0.0, now=0)  # no objective: halve, as before
+    assert not share.keep_threads(4, 0.1, now=0)  # halved not measured yet: halve and measure it
+    share.record(HALVED, 4, 0.08, now=0)
+    assert not share.keep_threads(4, 0.1, now=1)  # 80 ms halved keeps 100 ms
+    share.record(HALVED, 2, 0.13, now=1)  # a smaller batch already breaks it: so would 4 (the envelope)
+    assert share.keep_threads(4, 0.1, now=2)  # every thread not measured: try it
+    share.record(EVERY, 4, 0.06, now=2)
+    assert share.keep_threads(4, 0.1, now=3)
+    share.record(EVERY, 4, 0.5, now=3)  # measured slower than halved (two pools fighting over the cores)
+    share.record(EVERY, 4, 0.5, now=3)
+    assert not share.keep_threads(4, 0.1, now=4)
+    assert not share.keep_threads(4, 0.2, now=4)  # a looser objective: halved keeps it
+    assert not share.keep_threads(4, 0.1, now=40)  # both forgotten after 30 s: measured again, halved first
+    share.record(HALVED, 4, 0.15, now=40)
+    assert share.keep_threads(4, 0.1, now=41)
+
+
+class Gate:
+    enabled = True
+    prefill_active = True
+
+
+def test_the_runner_keeps_its_threads_for_a_tpot_objective_and_halves_them_for_priorities_only():
+    """ModelRunner._set_threads with a fake clock and gate: halved, the step of a batch with a 100 ms TPOT
+    objective takes 150 ms, with every thread 70 ms; the runner tries halved, then every thread, and stays there.
+    A batch without an objective halves whatever the times, and nothing halves with no prompt in prefill."""
+    torch = pytest.importorskip("torch")
+    from decode_gpu.runner.model_runner import ModelRunner
+    runner = object.__new__(ModelRunner)
+    clock = Clock()
+    runner.gate, runner.clock, runner._threads = Gate(), clock, (4, 2)
+    runner.thread_share, runner._last_forward = ThreadShare(), None
+    seqs = [types.SimpleNamespace(seq_id=f"s{i}", tpot_slo_ms=100 if i == 0 else 0) for i in range(3)]
+    before = torch.get_num_threads()
+    try:
+        used = []
+        for _ in range(5):
+            runner._set_threads(seqs)
+            used.append(torch.get_num_threads())
+            clock.t += 0.15 if used[-1] == 2 else 0.07
+        assert used == [2, 4, 4, 4, 4]
+        plain = [types.SimpleNamespace(seq_id=f"b{i}", tpot_slo_ms=0) for i in range(3)]
+        runner._set_threads(plain)
+        assert torch.get_num_threads() == 2
+        Gate.prefill_active = False
+        runner._set_threads(seqs)
+        assert torch.get_num_threads() == 4
+    finally:
+        Gate.prefill_active = True
+        torch.set_num_threads(before)

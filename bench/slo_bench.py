@@ -109,14 +109,18 @@ async def offer(system: System, specs: list[RequestSpec], offsets, timeout_s: fl
             await session.close()
 
 
-def prediction_errors(url: str) -> dict[float, float]:
-    """Our predictor's error histogram (cumulative counts by upper bound), {} for other servers."""
+def prediction_errors(url: str, client_class: str = "interactive") -> dict[float, float]:
+    """Our predictor's error histogram for one class (cumulative counts by upper bound), {} for other servers."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    found = re.findall(r'edge:slo_ttft_prediction_error_seconds_bucket\{le="([^"]+)"[^}]*\} ([0-9.e+]+)', text)
-    return {float(le): float(count) for le, count in found}
+    out = {}
+    for labels, count in re.findall(r'edge:slo_ttft_prediction_error_seconds_bucket\{([^}]*)\} ([0-9.e+]+)', text):
+        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if named.get("class") == client_class:
+            out[float(named["le"])] = float(count)
+    return out
 
 
 def error_shares(before: dict, after: dict) -> str:

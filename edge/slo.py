@@ -2,11 +2,13 @@
 first token from the queue ahead of it, the early refusal of one that cannot meet its objective, and the accounting
 of objectives met, missed and refused (Prometheus, the status page, the `slo_attainment_below` tier signal).
 
-The prediction: the prompt tokens queued ahead of the request at its priority and deadline (and what is left of
-the prefills under way that it cannot preempt), divided by the prefill rate of the ready workers, plus its own
-prompt at one worker's rate, plus the handoff, plus a learned offset. Every rate is a moving average of real
-prefills while serving (PrefillDone), none a start-up benchmark; until one prefill was measured nothing is
-predicted, so nothing is refused. The error of each prediction is measured at the first token and exported.
+The prediction: the prefill time of the prompts queued ahead of the request at its priority and deadline (and what
+is left of the prefills under way that it cannot preempt), shared by the ready workers, plus its own prompt's on one
+worker, plus the handoff, plus an offset learned per priority. A prompt's prefill time is a fixed part and a part
+per token (`PrefillTime`): a short prompt costs far more than its tokens at the rate of long ones. Every figure is a
+moving average of real prefills while serving (PrefillDone), none a start-up benchmark; until one prefill was
+measured nothing is predicted, so nothing is refused. The error of each prediction is measured at the first token
+and exported per class (`edge:slo_ttft_prediction_error_seconds`).
 """
 
 from __future__ import annotations
@@ -61,15 +63,72 @@ class Pending:
     predicted_s: float | None  # the TTFT predicted at admission; None: nothing measured yet
     raw_s: float | None  # the prediction without the learned offset
     deadline: float  # epoch seconds (PrefillJob.deadline); 0.0: no TTFT objective
+    priority: int = 0
+
+
+class PrefillTime:
+    """Seconds one worker takes for a prompt, as a line over the tokens it computes: a fixed part (rendering,
+    the first token's sampling, the KV export: most of a short prompt's time) and a part per token, fitted by
+    least squares over recent prefills, each weighing `weight` more than the one before (a moving average). While
+    the prompts measured are all of about one size, the line goes through zero (a rate)."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.sums = [0.0] * 5  # weighted count, tokens, seconds, tokens², tokens x seconds
+
+    @property
+    def measured(self) -> bool:
+        return self.sums[0] > 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        keep = 1 - self.weight if self.measured else 0.0
+        self.sums = [keep * old + new for old, new in zip(self.sums, (1.0, tokens, seconds, tokens ** 2,
+                                                                      tokens * seconds))]
+
+    def line(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token)."""
+        n, t, s, tt, ts = self.sums
+        mean_t, mean_s = t / n, s / n
+        spread = tt / n - mean_t ** 2
+        if spread > (0.25 * mean_t) ** 2:  # sizes differ enough to tell the fixed part from the rest
+            per_token = (ts / n - mean_t * mean_s) / spread
+            fixed = mean_s - per_token * mean_t
+            if per_token > 0 and fixed >= 0:
+                return fixed, per_token
+        return 0.0, mean_s / max(mean_t, 1.0)
+
+    def seconds(self, tokens: float) -> float:
+        fixed, per_token = self.line()
+        return fixed + per_token * tokens
+
+
+class Offset:
+    """What the model misses (dispatch, a preemption's cancel, the engine's first token), learned per priority
+    from first tokens; it fades by half every OFFSET_HALF_LIFE_S without one: a spike that made it refuse
+    everything would otherwise never be unlearned, since refusals measure nothing."""
+
+    def __init__(self, now: float) -> None:
+        self.value, self.at = Ewma(value=0.0), now
+
+    def now(self, now: float) -> float:
+        return self.value.value * 0.5 ** ((now - self.at) / OFFSET_HALF_LIFE_S)
+
+    def learn(self, error_s: float, now: float) -> None:
+        self.value.value = self.now(now)
+        self.value.add(error_s)
+        self.at = now
 
 
 class TTFTPredictor:
     def __init__(self, pool: PrefillPool, clock=time.monotonic) -> None:
         self.pool, self.clock = pool, clock
-        self.offset_at = clock()  # when the offset last learned
-        self.rate = Ewma()  # prompt tokens a second on one worker (prompt-cache hits included, as served)
+        self.prefill = PrefillTime()  # one worker's seconds by prompt tokens computed (prompt-cache hits not)
+        self.cached_share = Ewma(value=0.0)  # of a prompt's tokens, found in the worker's prompt cache
         self.handoff_s = Ewma()
-        self.offset_s = Ewma(value=0.0)  # what the model above misses (dispatch, the engine's first token), learned
+        # per priority: a request's first token also waits on what ranks above it and arrives after it (never
+        # predicted, so each level learns its own), while the same offset for all would carry the lowest level's
+        # waits into the best one's predictions
+        self.offsets: dict[int, Offset] = {}
         self.tokens_per_byte = Ewma(value=1 / BYTES_PER_TOKEN)
 
     def estimate_tokens(self, request: GenerateRequest) -> tuple[float, int]:
@@ -84,24 +143,30 @@ class TTFTPredictor:
         queued with this priority and deadline; None while no prefill was measured or no worker is ready."""
         workers = self.pool.workers.values() if self.pool is not None else ()  # (tests may pass no pool)
         ready = [w for w in workers if w.state == "ready" and w.engine_connected]
-        if self.rate.value is None or not ready:
+        if not self.prefill.measured or not ready:
             return None
         rank = (priority, deadline_at or math.inf)
-        ahead = sum(self._tokens_of(e.job, pending) for e in self.pool.queue if (e.priority, e.deadline) <= rank)
+        queued = [self._tokens_of(e.job, pending) for e in self.pool.queue if (e.priority, e.deadline) <= rank]
+        ahead, ahead_s = sum(queued), sum(self._seconds(n) for n in queued)
         now = time.perf_counter()
         for worker in ready:
             if worker.current is None or worker.current.priority > priority:  # idle, or it would be preempted
                 continue
             started = (self.pool.registry.get(worker.current.job.request_id) or InFlight("", 0)).prefill_started_at
-            done = (now - started) * self.rate.value if started is not None else 0.0
-            ahead += max(0.0, self._tokens_of(worker.current.job, pending) - done)
-        raw = ahead / (self.rate.value * len(ready)) + tokens / self.rate.value + (self.handoff_s.value or 0.0)
-        return max(0.0, raw + self.offset()), raw, ahead
+            left_s = self._seconds(self._tokens_of(worker.current.job, pending))
+            if started is not None:
+                left_s = max(0.0, left_s - (now - started))
+            ahead_s += left_s
+            ahead += left_s / max(self._seconds(1.0), 1e-9)
+        raw = ahead_s / len(ready) + self._seconds(tokens) + (self.handoff_s.value or 0.0)
+        return max(0.0, raw + self.offset(priority)), raw, ahead
 
-    def offset(self) -> float:
-        """The learned offset, fading by half every OFFSET_HALF_LIFE_S without a first token to learn from: a
-        spike that made it refuse everything would otherwise never be unlearned, since refusals measure nothing."""
-        return self.offset_s.value * 0.5 ** ((self.clock() - self.offset_at) / OFFSET_HALF_LIFE_S)
+    def _seconds(self, tokens: float) -> float:
+        return self.prefill.seconds(tokens * (1 - self.cached_share.value))
+
+    def offset(self, priority: int) -> float:
+        known = self.offsets.get(priority)
+        return known.now(self.clock()) if known is not None else 0.0
 
     @staticmethod
     def _tokens_of(job, pending: dict[str, Pending]) -> float:
@@ -111,18 +176,18 @@ class TTFTPredictor:
         return float(len(job.prompt_tokens or ()))  # a recompute carries its tokens
 
     def prefilled(self, done: PrefillDone, known: Pending | None) -> None:
-        """A real prefill: its rate, its handoff, and how many tokens its text made."""
+        """A real prefill: its time, its handoff, and how many tokens its text made."""
         if done.prefill_ms > 0 and done.num_prompt_tokens:
-            self.rate.add(done.num_prompt_tokens / (done.prefill_ms / 1e3))
+            self.prefill.add(done.num_prompt_tokens - done.cached_tokens, done.prefill_ms / 1e3)
+            self.cached_share.add(done.cached_tokens / done.num_prompt_tokens)
         self.handoff_s.add(done.handoff_ms / 1e3)
         if known is not None and known.text_bytes and done.num_prompt_tokens:
             self.tokens_per_byte.add(done.num_prompt_tokens / known.text_bytes)
 
     def first_token(self, known: Pending, ttft_s: float) -> None:
         if known.raw_s is not None:
-            self.offset_s.value = self.offset()
-            self.offset_s.add(ttft_s - known.raw_s)
-            self.offset_at = self.clock()
+            now = self.clock()
+            self.offsets.setdefault(known.priority, Offset(now)).learn(ttft_s - known.raw_s, now)
 
 
 class SloMetrics:
@@ -138,7 +203,7 @@ class SloMetrics:
         self.attainment = Gauge("edge:slo_attainment", "Share of requests judged over 60 s that met every "
                                 "objective of their class (refusals count as misses)", labels, registry=r)
         self.error = Histogram("edge:slo_ttft_prediction_error_seconds", "Measured TTFT minus the TTFT predicted at "
-                               "admission", ["model_name"], buckets=ERROR_BUCKETS, registry=r)
+                               "admission", labels, buckets=ERROR_BUCKETS, registry=r)
 
 
 class SloControl:
@@ -164,7 +229,7 @@ class SloControl:
         due = deadline(decision.ttft_slo_ms)
         predicted = self.predictor.predict(priority, due, tokens, self.pending)
         known = Pending(decision.client_class, decision.ttft_slo_ms, decision.tpot_slo_ms, tokens, text_bytes,
-                        *(predicted[:2] if predicted else (None, None)), due)
+                        *(predicted[:2] if predicted else (None, None)), due, priority)
         # nothing ahead at its rank: the request would start at once, and a refusal could not make it any faster
         # (what is left is its own prompt and the noise of the offset)
         if predicted is None or not decision.ttft_slo_ms or predicted[0] * 1e3 <= decision.ttft_slo_ms \
@@ -197,7 +262,7 @@ class SloControl:
         if known is None:
             return
         if known.predicted_s is not None:
-            self.metrics.label(self.metrics.error).observe(ttft_s - known.predicted_s)
+            self.metrics.label(self.metrics.error, **{"class": known.client_class}).observe(ttft_s - known.predicted_s)
         self.predictor.first_token(known, ttft_s)
 
     def observe(self, record: RequestRecord) -> None:

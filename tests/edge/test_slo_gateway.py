@@ -209,10 +209,11 @@ def test_outcomes_goodput_attainment_and_the_predictors_error_are_measured():
     assert metric(gateway, "edge:slo_goodput_requests_per_second", **{"class": "interactive"}) == pytest.approx(2 / 60)
     assert gateway.slo.signals() == {"slo_attainment_below": 0.4}
     # predicted: 100 tokens at 1000/s + 50 ms handoff = 150 ms; measured 2 s
-    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_count") == 1
+    interactive = {"class": "interactive"}
+    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_count", **interactive) == 1
     # 1.85 s late (a histogram with negative buckets has no _sum): counted from the 2.5 s bucket up
-    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_bucket", le="2.5") == 1
-    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_bucket", le="1.0") == 0
+    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_bucket", le="2.5", **interactive) == 1
+    assert metric(gateway, "edge:slo_ttft_prediction_error_seconds_bucket", le="1.0", **interactive) == 0
     assert not any(run.inflight.request_id in gateway.slo.pending for run in runs)  # ended: forgotten
 
 
@@ -264,17 +265,37 @@ def test_a_recompute_keeps_its_requests_deadline():
 
 
 def test_the_learned_offset_fades_without_first_tokens():
-    from edge.slo import TTFTPredictor
+    from edge.slo import Offset
+    offset = Offset(now=0.0)
+    offset.value.value = 4.0  # a spike learned at t = 0
+    assert offset.now(30.0) == pytest.approx(2.0)
+    assert offset.now(90.0) == pytest.approx(0.5)
 
-    class Clock:
-        t = 0.0
 
-        def __call__(self):
-            return self.t
-    clock = Clock()
-    predictor = TTFTPredictor(None, clock)
-    predictor.offset_s.value, predictor.offset_at = 4.0, 0.0  # a spike learned at t = 0
-    clock.t = 30.0
-    assert predictor.offset() == pytest.approx(2.0)
-    clock.t = 90.0
-    assert predictor.offset() == pytest.approx(0.5)
+def test_prefill_time_is_a_fixed_part_and_a_part_per_token():
+    from edge.slo import PrefillTime
+    line = PrefillTime()
+    line.add(1000, 1.0)
+    assert line.seconds(100) == pytest.approx(0.1)  # one size measured: a rate
+    for _ in range(20):  # 0.2 s for any prompt, then 1 ms a token
+        line.add(50, 0.25)
+        line.add(300, 0.5)
+    fixed, per_token = line.line()
+    assert fixed == pytest.approx(0.2, abs=0.02) and per_token == pytest.approx(0.001, rel=0.1)
+    assert line.seconds(50) == pytest.approx(0.25, abs=0.01)  # a rate alone would say 0.11 s
+
+
+def test_each_priority_learns_its_own_offset():
+    async def scenario():
+        gateway = make_gateway()
+        measured(gateway)
+        predictor = gateway.slo.predictor
+        for _ in range(30):  # batch prompts wait 5 s behind what outranks them; interactive ones 100 ms
+            for key, ttft_s in (("k-batch", 5.0), ("k-int", 0.25)):
+                run = admit(gateway, key, tokens=100)
+                gateway.pool.workers["w0"].current = None
+                gateway.slo.first_token(run.inflight, ttft_s)
+                gateway.slo.observe(record(run))
+        return predictor.offset(0), predictor.offset(10)
+    interactive, batch = asyncio.run(scenario())
+    assert interactive == pytest.approx(0.1, abs=0.02) and batch > 4.0

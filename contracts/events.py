@@ -54,6 +54,34 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class EngineMemory:
+    """Where the decode engine process's memory goes, in bytes (decode_gpu/service/memory.py). The parts held in
+    tensors are counted by their bytes; `libraries` and `rss` are measured; `other` is what is left of the RSS."""
+    rss: int  # the process's resident memory now
+    libraries: int  # resident before the model loaded: Python, torch, transformers, our code
+    weights: dict[str, int]  # the model's tensors by the precision held: q8_0, int4, int8, float32, bfloat16, ...
+    kv_pool: int  # the paged KV pool's size
+    kv_pool_resident: int  # ... of which in memory now: on the CPU its pages become resident as blocks are first used
+    swap: int  # host copies of preempted sequences' KV
+    buffers: int  # the rotary tables and the step's persistent inputs
+    device: str  # where weights, pool and buffers live: "cpu" (inside the RSS) or a GPU (outside it)
+    other: int  # rss less the above that live in it: tokenizer, grammar tables, activations, allocator slack
+
+
+@dataclass(frozen=True)
+class EngineDecisions:
+    """The decisions the engine takes while serving, as they stand (docs/decode.md, "Decisions measured while
+    serving")."""
+    weights: str  # what the linear layers hold, e.g. "q8_0" or "int4 (lm_head int8) up to batch 4, bfloat16 above"
+    float_above: int = -1  # the weight switch's live cut-off: quantized weights up to this batch; -1: no switch
+    weight_step_ms: dict[str, float] = field(default_factory=dict)  # its moving estimates, "rows/precision" -> ms
+    speculation: str = "off"  # off (not configured) | paused (turned off under load) | drafting | not drafting
+    spec_plain_level: float = 0.0  # live cost model: observed / start-up modelled ms of plain steps (0: none)
+    spec_verify_level: float = 0.0  # ... of verify steps (0: none seen yet; they follow the plain level)
+    spec_steps_since_verify: int = 0  # steps with drafts proposed but none verified (a probe verifies at 64)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
@@ -78,3 +106,5 @@ class EngineStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     prefix_cache_queries: int = 0  # prompt tokens of imports looked up in the pool's prefix cache (full blocks)
     prefix_cache_hits: int = 0  # ... and found there, so not imported again
+    memory: EngineMemory | None = None  # by component, refreshed with the stats (engine process only)
+    decisions: EngineDecisions | None = None  # the weight plan and speculation as they stand (engine process only)

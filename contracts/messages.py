@@ -139,6 +139,7 @@ class WorkerStatus:  # prefill worker -> gateway, right after the handshake
     engine_connected: bool = True
     n_embd: int = 0  # the size of an embedding (0: unknown)
     pooling: str = ""  # how embeddings are pooled: "mean", "cls", "last", "rank" (a reranker's head)
+    prefill_weights: str = ""  # the setting and what llama.cpp loaded: "auto: prefill-f16.gguf", "given: the GGUF"
 
 
 @dataclass(frozen=True)

@@ -288,7 +288,7 @@ def _component_errors(gateway: Gateway) -> dict:
 
 def _prefill_state(gateway: Gateway) -> dict:
     return {name: {"request": w.current_id, "stuck_count": w.stuck_count,
-                   "engine_connected": w.engine_connected}
+                   "engine_connected": w.engine_connected, "weights": w.info.prefill_weights if w.info else None}
             for name, w in gateway.pool.workers.items()}
 
 

@@ -93,9 +93,11 @@ class PrefillWorker:
 
     def status(self) -> WorkerStatus:
         cfg = self.prefiller.config
+        loaded = self.prefiller.weights_path
+        weights = "the GGUF" if loaded == self.prefiller.identity.path else os.path.basename(loaded)
         return WorkerStatus(self.name, self.prefiller.identity.fingerprint, cfg.n_ctx, cfg.kv_type,
                             self.prefiller.vocab_size, self.links.default_connected, self.embedder.n_embd,
-                            self.embedder.pooling_name)
+                            self.embedder.pooling_name, f"{cfg.weights}: {weights}")
 
     async def handle_gateway(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if await accept_peer(reader, writer, self.secret) is None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from decode_gpu.kv.importer import unrotate
+from decode_gpu.runner.device import lazy_zeros
 
 log = logging.getLogger(__name__)
 INT8_GROUP = 32  # elements sharing one scale in int8 storage (q8_0-style)
@@ -75,16 +76,16 @@ class KVPool:
         row = shape.head_dim // 2 if self.int4 else shape.head_dim  # int4: two codes a byte
         dims = (shape.num_blocks, shape.block_size, shape.num_kv_heads, row)
         dtype = STORAGE_DTYPES[shape.storage]
-        # [num_blocks, block_size, num_kv_heads, head_dim (/ 2 for int4)]
-        self.k = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        # [num_blocks, block_size, num_kv_heads, head_dim (/ 2 for int4)]; on the CPU resident as blocks are used
+        n = shape.num_layers
+        kv = lazy_zeros([dims] * 2 * n, dtype, device)
+        self.k, self.v = kv[:n], kv[n:]
         self.k_scale = self.v_scale = None
         if shape.storage in QUANT_GROUPS:
             # int8: [..., head_dim / 32] scales; int4: [..., head_dim / 32, 2] (scale, minimum) pairs
             scale_dims = dims[:-1] + (shape.head_dim // QUANT_GROUPS[shape.storage],) + ((2,) if self.int4 else ())
-            layers = range(shape.num_layers)
-            self.k_scale = [torch.zeros(scale_dims, dtype=torch.float16, device=device) for _ in layers]
-            self.v_scale = [torch.zeros(scale_dims, dtype=torch.float16, device=device) for _ in layers]
+            scales = lazy_zeros([scale_dims] * 2 * n, torch.float16, device)
+            self.k_scale, self.v_scale = scales[:n], scales[n:]
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %s storage, %.1f MiB on %s",
                  shape.num_blocks, shape.block_size, shape.num_blocks * shape.block_size, shape.storage,
                  shape.num_blocks * shape.block_size * shape.bytes_per_token() / 2**20, device)

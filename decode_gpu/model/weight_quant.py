@@ -62,6 +62,25 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     return totals
 
 
+def weights_by_precision(model: nn.Module) -> dict[str, int]:
+    """Bytes of every parameter and buffer by the precision it holds weights in: a quantized layer's codes and scales
+    under its weight_dtype (int8, int4, q8_0), an int8 embedding table under int8, everything else (norms, a float
+    copy kept for large batches, a float table) under its torch dtype. A tensor shared by two modules counts once."""
+    seen, totals = set(), {}
+    for module in model.modules():
+        quantized = module.held_as if isinstance(module, QuantizedLinear) else \
+            "int8" if isinstance(module, Int8Embedding) else None
+        held = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in held:
+            key = id(tensor) if tensor.is_meta or tensor.is_mkldnn else tensor.data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            precision = quantized if quantized and name not in ("weight", "bias") else dtype_name(tensor.dtype)
+            totals[precision] = totals.get(precision, 0) + tensor.numel() * tensor.element_size()
+    return totals
+
+
 def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dtype: torch.dtype,
                    float_above: int | None = None, prebuilt: dict[str, QuantizedLinear] | None = None,
                    head_int8: bool = False, packed: dict[str, PackedLinear] | None = None) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import math
+import mmap
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -12,6 +17,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU features with native bfloat16 dot products (oneDNN uses them for bfloat16 matmuls)
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+_ALIGN = 64  # bytes: each tensor of a lazily committed mapping starts on a cache line
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -66,3 +72,53 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
     return frozenset()
+
+
+def lazy_zeros(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Zero tensors of these shapes. On the CPU they share one private anonymous mapping, whose pages the kernel
+    hands out zeroed on their first write: memory becomes resident as it is used (a KV pool's blocks as sequences
+    take them), not all at start as torch.zeros's writes make it. Elsewhere, torch.zeros."""
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+    item = torch.empty(0, dtype=dtype).element_size()
+    sizes = [-(-math.prod(shape) * item // _ALIGN) * _ALIGN for shape in shapes]
+    mapping = mmap.mmap(-1, max(1, sum(sizes)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it lives
+    tensors, start = [], 0
+    for shape, size in zip(shapes, sizes):
+        n = math.prod(shape) * item
+        tensors.append(raw[start:start + n].view(dtype).view(shape))
+        start += size
+    return tensors
+
+
+def resident_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the pages these CPU tensors span that are resident now (mincore; a page shared by two counts once).
+    0 where libc has no mincore."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    page = mmap.PAGESIZE
+    spans = sorted((t.data_ptr() // page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page)) for t in tensors
+                   if t.device.type == "cpu" and not t.is_mkldnn and t.numel())
+    merged: list[list[int]] = []
+    for first, end in spans:
+        if merged and first <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([first, end])
+    resident = 0
+    for first, end in merged:
+        vec = (ctypes.c_ubyte * (end - first))()
+        if libc.mincore(ctypes.c_void_p(first * page), ctypes.c_size_t((end - first) * page), vec) == 0:
+            resident += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum())
+    return resident * page
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        return libc
+    except (OSError, AttributeError):
+        return None

@@ -8,6 +8,7 @@ gateway must have prefilled again. Other threads read only `snapshot`, the stats
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -15,20 +16,23 @@ import time
 from collections.abc import Callable
 
 from contracts.cpu_share import CpuShare
-from contracts.events import FinishReason, TokenEvent
+from contracts.events import EngineStats, FinishReason, TokenEvent
 from contracts.messages import Recompute
 from decode_gpu.core.admission import HandoffRejectedError
 from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.engine import DecodeEngine
 from decode_gpu.service.commands import AbortRequest, Admit, Command, Resume, SetSpeculation
+from decode_gpu.service.memory import MemoryAccount, decisions
 
 log = logging.getLogger("decode_gpu.service.server")
+MEMORY_EVERY_S = 0.5  # the memory components are read again at most this often (the stats go out every 0.5 s)
 
 
 class EngineLoop:
     def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop, stopping: threading.Event,
                  send_events: Callable[[list[TokenEvent]], None], send_recomputes: Callable[[list[Recompute]], None],
-                 gate: PriorityGate, cpu_share: CpuShare | None = None, pace_s: float = 0.0) -> None:
+                 gate: PriorityGate, cpu_share: CpuShare | None = None, pace_s: float = 0.0,
+                 account: MemoryAccount | None = None) -> None:
         self.engine = engine
         self.loop = loop
         self.stopping = stopping
@@ -44,7 +48,9 @@ class EngineLoop:
         # is refused before it gets here); a Resume's only once applied. AbortRequest and SetSpeculation are a few
         # bytes each, at most one per control frame read, and all of them are applied between two steps.
         self.inbox: queue.Queue[Command] = queue.Queue()
-        self.snapshot = engine.stats()  # published here; other threads never read engine state
+        self.account = account  # the memory by component and the decisions go out with the stats when set
+        self._memory, self._memory_at = None, float("-inf")
+        self.snapshot = self._stats()  # published here; other threads never read engine state
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -55,11 +61,21 @@ class EngineLoop:
                 self._step()
             if self.cpu_share is not None:
                 self.cpu_share.set_decoding(self.engine.best_running_priority)
-            self.snapshot = self.engine.stats()
+            self.snapshot = self._stats()
         self._drain_inbox(block=False)  # opened sequences still in the inbox end with the rest
         self._publish([self.engine.abort(request_id) for request_id in list(self.engine.requests)])
         if self.cpu_share is not None:
             self.cpu_share.set_decoding(None)
+
+    def _stats(self) -> EngineStats:
+        """The engine's stats, with its memory (read again every MEMORY_EVERY_S) and decisions when accounted."""
+        stats = self.engine.stats()
+        if self.account is None:
+            return stats
+        now = time.monotonic()
+        if now - self._memory_at >= MEMORY_EVERY_S:
+            self._memory, self._memory_at = self.account.memory(), now
+        return dataclasses.replace(stats, memory=self._memory, decisions=decisions(self.engine))
 
     def _step(self) -> None:
         self._step_started = time.monotonic()

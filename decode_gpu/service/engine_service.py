@@ -29,6 +29,7 @@ from decode_gpu.service.commands import AbortRequest, Admit, Command, Resume, Se
 from decode_gpu.service.engine_loop import EngineLoop
 from decode_gpu.service.gateway_link import DEFAULT_QUEUE_BYTES
 from decode_gpu.service.gateways import Gateways
+from decode_gpu.service.memory import MemoryAccount
 
 log = logging.getLogger("decode_gpu.service.server")
 STATS_INTERVAL_S = 0.5
@@ -38,7 +39,8 @@ MAX_EARLY_ABORTS = 10_000
 class EngineService:
     def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop, secret: bytes = b"",
                  max_handoff_frame: int = CONTROL_FRAME_BYTES, max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 cpu_share: CpuShare | None = None, pace_s: float = 0.0) -> None:
+                 cpu_share: CpuShare | None = None, pace_s: float = 0.0, account: MemoryAccount | None = None) -> None:
+        """account: the engine's memory by component, sent with the stats with its decisions (None: neither)."""
         self.engine = engine  # the asyncio side only opens handoffs with it (Admission.open reads no engine state)
         self.loop = loop
         self.secret = secret
@@ -47,7 +49,7 @@ class EngineService:
         self.stopping = threading.Event()
         self.gateways = Gateways(engine.tokenizer, self._on_abort, max_queue_bytes)
         self.engine_loop = EngineLoop(engine, loop, self.stopping, self.gateways.send_events,
-                                      self.gateways.send_recomputes, self.gate, cpu_share, pace_s)
+                                      self.gateways.send_recomputes, self.gate, cpu_share, pace_s, account)
         self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # aborts seen before the handoff
 
     @property

@@ -37,6 +37,7 @@ from decode_gpu.model.weight_quant import load_weights
 from decode_gpu.runner.device import resolve_device, resolve_dtype
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.service.engine_service import EngineService
+from decode_gpu.service.memory import MemoryAccount, rss_bytes, trim_heap
 
 log = logging.getLogger("decode_gpu.service.server")
 
@@ -52,6 +53,7 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
     rss_start = _rss_mib()
     model, weights = load_weights(identity, device, dtype, config.weight_dtype, spec.max_rows(config.max_num_seqs),
                                   fixed_precision=config.deterministic)
+    trimmed = trim_heap()  # loading and quantizing freed more than the model holds: give it back
     rss_model = _rss_mib()
     tokenizer = load_tokenizer(identity)
     # decode and llama.cpp prefill share the cores only when decode runs on the CPU
@@ -67,10 +69,12 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
                           swap_space_bytes=int(config.swap_space_gib * 2**30), speculative=spec)
     built = DecodeEngine(runner, engine, tokenizer, eos_token_ids(tokenizer, model))
     built.sampler.matchers.warm()  # the structured-output tables, off the engine thread
+    trimmed += trim_heap()
     pool_mib = runner.pool.shape.bytes_per_block() * runner.pool.shape.num_blocks / 2**20
     log.info("engine memory (RSS, MiB): %.0f before the model; %.0f after it (weights held: %.0f, on %s); %.0f "
-             "after the KV pool (%.0f, on %s), the step buffers, the tokenizer and the grammar tables", rss_start,
-             rss_model, weights.total_bytes / 2**20, device, _rss_mib(), pool_mib, device)
+             "after the KV pool (%.0f, on %s; on the CPU resident as its blocks are used), the step buffers, the "
+             "tokenizer and the grammar tables; %.0f of freed loading buffers given back", rss_start, rss_model,
+             weights.total_bytes / 2**20, device, _rss_mib(), pool_mib, device, trimmed / 2**20)
     return built
 
 
@@ -138,7 +142,9 @@ class EngineThread:
 async def serve(config: EngineProcessConfig, stop: asyncio.Event | None = None) -> None:
     """Until `stop` is set (by default: SIGINT or SIGTERM), or the engine thread ends on its own (an error)."""
     torch_thread = EngineThread()
+    libraries = rss_bytes()  # before the model: Python, torch, transformers, our code
     engine = await torch_thread.run(build_engine, config)
+    account = MemoryAccount(engine, libraries)
     loop = asyncio.get_running_loop()
     identity = engine.runner.identity
     max_frame = max_handoff_bytes(identity.n_layer, identity.num_kv_heads, identity.head_dim_k,
@@ -152,7 +158,7 @@ async def serve(config: EngineProcessConfig, stop: asyncio.Event | None = None) 
         log.info("decode paces its steps to one every %.0f ms while prompts wait for a prefill worker",
                  config.cpu_decode_pace_ms)
     service = EngineService(engine, loop, control_secret(config.listen), max_frame, config.max_gateway_queue_bytes,
-                            share, pace_s)
+                            share, pace_s, account)
     stepping = torch_thread.run(service.run_engine)
     if stop is None:
         stop = asyncio.Event()

@@ -5,8 +5,10 @@
 
 Two classes share the box: interactive (short prompts, a TTFT and a TPOT objective) and batch (longer prompts, no
 objective, priority 10), picked by the X-Tenant header. First the capacity of the mix is measured on ours with
-priorities only (requests a second when everything arrives at once); then each system gets the same seeded
-Poisson arrivals at 0.5x, 1.5x and 3x of it, one phase per load:
+priorities only (requests a second when everything arrives at once), and, unless given, the objectives are set to
+--margin times the p90 TTFT and TPOT of interactive requests in a phase at the lowest load on it (attainable below
+capacity on this box); then each system gets the same seeded Poisson arrivals at 0.5x, 1.5x and 3x of the capacity,
+one phase per load:
 - ours, objectives: the policy gives interactive ttft_slo_ms, tpot_slo_ms and on_slo_miss = "reject";
 - ours, priorities only: the same classes and priorities, no objectives;
 - llama-server (llama.cpp's, from checks/llama_server.py) when it is built, else llama-cpp-python's server when
@@ -160,16 +162,18 @@ async def capacity(system: System, args) -> float:
     return sum(1 for r in results if r.ok) / (time.perf_counter() - started)
 
 
-async def idle_latency(system: System, args) -> tuple[float, float]:
-    """TTFT and TPOT p50 (s) of interactive requests one at a time: what 'auto' objectives are scaled from."""
-    ttft, tpot = [], []
-    for i in range(5):
-        spec = workload(1, args.seed + 300 + i, 1.0, args.max_tokens)
-        result = (await offer(system, spec, np.zeros(1), 120))[0]
-        if result.ok:
-            ttft.append(result.ttft_s)
-            tpot.append(result.tpot_s or 0.0)
-    return float(np.median(ttft)), float(np.median(tpot))
+async def calibrate(system: System, rate: float, args) -> tuple[float, float]:
+    """TTFT and TPOT (s) that interactive requests get below capacity: the p90 of each over a phase of the mix at
+    `rate` (seeded apart from the measured phases). The objectives are set from these, so that they are attainable
+    on this box at this load, whatever its speed or the load beside the benchmark."""
+    n = max(6, round(rate * args.calibrate_s))
+    specs = workload(n, args.seed + 500, args.share, args.max_tokens)
+    results = await offer(system, specs, arrival_times(n, rate, args.seed + 500), args.calibrate_s + args.drain_s)
+    served = [r for r in results if r.ok and r.label == "interactive"]
+    if not served:
+        raise SystemExit("no interactive request was served while calibrating the objectives")
+    return (float(np.percentile([r.ttft_s for r in served], 90)),
+            float(np.percentile([r.tpot_s or 0.0 for r in served], 90)))
 
 
 async def run_system(system: System, rates: list[float], loads: list[float], args, slo) -> dict:
@@ -217,9 +221,13 @@ def main() -> None:
                         "phase's arrivals end counts as failed")
     parser.add_argument("--capacity-requests", type=int, default=24)
     parser.add_argument("--share", type=float, default=0.5, help="interactive share of the requests")
-    parser.add_argument("--ttft-slo-ms", type=int, default=0, help="interactive TTFT objective; 0: 4x the idle TTFT "
-                        "measured here (a busy or slow box keeps a meaningful objective)")
-    parser.add_argument("--tpot-slo-ms", type=int, default=0, help="interactive TPOT objective; 0: 2x the idle TPOT")
+    parser.add_argument("--ttft-slo-ms", type=int, default=0, help="interactive TTFT objective; 0: --margin times "
+                        "the p90 TTFT measured here at the lowest load (a busy or slow box keeps objectives it can "
+                        "meet below capacity)")
+    parser.add_argument("--tpot-slo-ms", type=int, default=0, help="interactive TPOT objective; 0: likewise")
+    parser.add_argument("--margin", type=float, default=1.25, help="objectives over the p90 measured below capacity")
+    parser.add_argument("--calibrate-s", type=float, default=30.0, help="seconds of arrivals at the lowest load on "
+                        "ours with priorities only, to measure what interactive requests get below capacity")
     parser.add_argument("--max-tokens", default="32,64", help="interactive,batch answer lengths")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -232,15 +240,16 @@ def main() -> None:
     async def run() -> tuple[float, dict]:
         priority_only.start()
         try:
-            idle = await idle_latency(priority_only, args)
+            await offer(priority_only, workload(4, args.seed + 7, 0.5, args.max_tokens), np.zeros(4), 120)  # warm-up
             cap = await capacity(priority_only, args)
+            below = await calibrate(priority_only, min(loads) * cap, args)
         finally:
             priority_only.stop()
-        args.ttft_slo_ms = args.ttft_slo_ms or max(100, round(4 * idle[0] * 1e3, -1))
-        args.tpot_slo_ms = args.tpot_slo_ms or max(20, round(2 * idle[1] * 1e3, -1))
-        print(f"idle interactive TTFT {idle[0] * 1e3:.0f} ms, TPOT {idle[1] * 1e3:.0f} ms; objectives "
-              f"{args.ttft_slo_ms:.0f} / {args.tpot_slo_ms:.0f} ms; measured capacity of the mix: {cap:.2f} req/s",
-              flush=True)
+        args.ttft_slo_ms = args.ttft_slo_ms or max(100, round(args.margin * below[0] * 1e3, -1))
+        args.tpot_slo_ms = args.tpot_slo_ms or max(20, round(args.margin * below[1] * 1e3, -1))
+        print(f"measured capacity of the mix: {cap:.2f} req/s; at {min(loads):g}x of it interactive p90 TTFT "
+              f"{below[0] * 1e3:.0f} ms, TPOT {below[1] * 1e3:.0f} ms; objectives {args.ttft_slo_ms:.0f} / "
+              f"{args.tpot_slo_ms:.0f} ms", flush=True)
         slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
         systems = [ours("ours, objectives", gguf, args.threads, policy(int(args.ttft_slo_ms), int(args.tpot_slo_ms))),
                    priority_only, *([other] if other else [])]

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 GGML_TYPES = {"q8_0": 8}  # weight_dtype -> ggml_type
 GGML_F32 = 0
 MAX_THREADS = 4  # threads of one call at most; measured at 1 and 2 only (no persistent ggml threadpool yet)
+# nodes a layer's graph may hold: it has one (y = W x) and two leaves; ggml's default graph (2048 nodes, 83 KB of
+# structs) made every (layer, row count) cost 85 KB: 190 MB over the embedded model's 121 layers at 16 row counts
+GRAPH_NODES = 4
 _TENSOR_DATA_OFFSET = 248  # offsetof(struct ggml_tensor, data) in ggml 0.25 (llama-cpp-python 0.3.36), checked
 _P = ctypes.c_void_p
 _CPUS = os.cpu_count() or 1
@@ -55,11 +59,11 @@ class _GGML:
             (base, "ggml_free"): (None, [_P]),
             (base, "ggml_new_tensor_2d"): (_P, [_P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
             (base, "ggml_mul_mat"): (_P, [_P, _P, _P]),
-            (base, "ggml_new_graph"): (_P, [_P]),
+            (base, "ggml_new_graph_custom"): (_P, [_P, ctypes.c_size_t, ctypes.c_bool]),
+            (base, "ggml_graph_overhead_custom"): (ctypes.c_size_t, [ctypes.c_size_t, ctypes.c_bool]),
             (base, "ggml_build_forward_expand"): (None, [_P, _P]),
             (base, "ggml_get_data"): (_P, [_P]),
             (base, "ggml_tensor_overhead"): (ctypes.c_size_t, []),
-            (base, "ggml_graph_overhead"): (ctypes.c_size_t, []),
             (base, "ggml_row_size"): (ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]),
             (base, "ggml_quantize_chunk"): (ctypes.c_size_t, [ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int64,
                                                               ctypes.c_int64, _P]),
@@ -105,19 +109,18 @@ class _MatMulGraph:
 
     def __init__(self, lib: _GGML, ggml_type: int, weight_ptr: int, in_features: int, out_features: int,
                  rows: int) -> None:
-        size = 4 * lib.tensor_overhead() + lib.graph_overhead() + 1024
+        size = 4 * lib.tensor_overhead() + lib.graph_overhead_custom(GRAPH_NODES, False) + 1024
         self._buffer = ctypes.create_string_buffer(size)  # the context's memory: tensor and graph structs only
         self._ctx = lib.init(_InitParams(size, ctypes.cast(self._buffer, _P), True))
         weight = lib.new_tensor_2d(self._ctx, ggml_type, in_features, out_features)  # ggml: [ne0 = in, ne1 = out]
         self._x = lib.new_tensor_2d(self._ctx, GGML_F32, in_features, rows)
         self._y = lib.mul_mat(self._ctx, weight, self._x)  # [ne0 = out, ne1 = rows]: row-major [rows, out]
-        self._graph = lib.new_graph(self._ctx)
+        self._graph = lib.new_graph_custom(self._ctx, GRAPH_NODES, False)
         lib.build_forward_expand(self._graph, self._y)
         _P.from_address(weight + _TENSOR_DATA_OFFSET).value = weight_ptr
-        # work: the activations quantized, sized for the most threads a call may use
+        # work (the activations quantized) for the most threads a call may use: in the calling thread's one buffer,
+        # shared by every graph it computes (a buffer per graph was 20 KB more per layer and row count)
         self._plan = lib.graph_plan(self._graph, _CPUS, None)
-        self._work = torch.empty(max(self._plan.work_size, 1), dtype=torch.uint8)
-        self._plan.work_data = self._work.data_ptr()
         self._lib = lib
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:  # x: [rows, in] float32, y: [rows, out] float32
@@ -125,6 +128,7 @@ class _MatMulGraph:
         # cores, docs/decode.md), up to MAX_THREADS: ggml starts and joins them per call, which paid at 2 threads
         # (29 against 42 ms over the embedded model's layers) but costs more with every thread
         self._plan.n_threads = min(torch.get_num_threads(), MAX_THREADS, _CPUS)
+        self._plan.work_data = _work_buffer(self._plan.work_size)
         _P.from_address(self._x + _TENSOR_DATA_OFFSET).value = x.data_ptr()
         _P.from_address(self._y + _TENSOR_DATA_OFFSET).value = y.data_ptr()
         status = self._lib.graph_compute(self._graph, ctypes.byref(self._plan))
@@ -134,6 +138,17 @@ class _MatMulGraph:
     def __del__(self) -> None:
         if getattr(self, "_ctx", None):
             self._lib.free(self._ctx)
+
+
+_work = threading.local()  # each thread's work buffer (the engine computes every layer on its one thread)
+
+
+def _work_buffer(size: int) -> int:
+    """The address of this thread's work buffer, grown to at least `size` bytes."""
+    buffer = getattr(_work, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _work.buffer = torch.empty(max(size, 1), dtype=torch.uint8)
+    return buffer.data_ptr()
 
 
 def quantize(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:

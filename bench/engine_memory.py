@@ -61,6 +61,7 @@ def account_rows(memory: dict) -> list[tuple[str, float]]:
     rows = [("libraries: Python, torch, transformers, our code", memory["libraries"] / MB)]
     rows += [(f"weights {precision}", n / MB) for precision, n in sorted(memory["weights"].items())]
     rows += [(f"KV pool (on {memory['device']})", memory["kv_pool"] / MB),
+             ("... of it resident (its blocks used so far)", memory["kv_pool_resident"] / MB),
              ("swap space of preempted sequences", memory["swap"] / MB),
              ("rotary tables and step inputs", memory["buffers"] / MB),
              ("other: tokenizer, grammar tables, activations, allocator", memory["other"] / MB),

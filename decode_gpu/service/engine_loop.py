@@ -22,7 +22,7 @@ from decode_gpu.core.admission import HandoffRejectedError
 from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.engine import DecodeEngine
 from decode_gpu.service.commands import AbortRequest, Admit, Command, Resume, SetSpeculation
-from decode_gpu.service.memory import MemoryAccount, decisions
+from decode_gpu.service.memory import MemoryAccount, decisions, trim_heap
 
 log = logging.getLogger("decode_gpu.service.server")
 MEMORY_EVERY_S = 0.5  # the memory components are read again at most this often (the stats go out every 0.5 s)
@@ -59,6 +59,8 @@ class EngineLoop:
                 self._pace()
             if self.engine.has_work:
                 self._step()
+                if not self.engine.has_work:  # a burst ended: its freed activations go back to the system
+                    trim_heap()
             if self.cpu_share is not None:
                 self.cpu_share.set_decoding(self.engine.best_running_priority)
             self.snapshot = self._stats()

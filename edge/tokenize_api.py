@@ -7,6 +7,9 @@
 The tokens are the ones a prefill worker would prefill: the same PromptRenderer (the GGUF's chat template, its
 BOS rule for completions) over the GGUF's tokenizer alone, which llama.cpp loads without the weights, in the
 gateway, in a thread off the event loop. Only the API key is checked: no model runs, so no queue or quota.
+
+The gateway holds one such Tokenizer per GGUF (shared_tokenizer), built on first use: these routes and the
+Anthropic Messages count_tokens route (edge.apis.anthropic_messages) load the vocabulary once between them.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ class Tokenizer:
                 return self._renderer.completion_tokens(prompt)
             return self._llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=False)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat(self, messages: list[dict], tools: str = "") -> list[int]:
+        """messages as a worker gets them (edge.apis.anthropic_messages.worker_messages); tools: JSON text."""
         with self._lock:
             self._load()
-            return self._renderer.chat_tokens(messages)
+            return self._renderer.chat_tokens(messages, tools)
 
     def detokenize(self, tokens: list[int]) -> str:
         with self._lock:
@@ -67,11 +71,16 @@ class Tokenizer:
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _tokenizer(model_path: str | None) -> Tokenizer:
+def shared_tokenizer(model_path: str | None, what: str = "tokenize") -> Tokenizer:
+    """The gateway's one Tokenizer for this GGUF (its vocabulary loads on first use). what: the work that needs it,
+    for the 503 when the gateway does not know the model's file."""
     if model_path is None:
-        raise ApiError(503, "the model's file is not known to the gateway, so it cannot tokenize",
+        raise ApiError(503, f"the model's file is not known to the gateway, so it cannot {what}",
                        error_type="server_error", code="unavailable")
-    return _TOKENIZERS.setdefault(model_path, Tokenizer(model_path))
+    tokenizer = _TOKENIZERS.get(model_path)
+    if tokenizer is None:
+        tokenizer = _TOKENIZERS[model_path] = Tokenizer(model_path)
+    return tokenizer
 
 
 def _checked_model(body, gateway: Gateway) -> None:
@@ -89,7 +98,7 @@ async def tokenize(request: web.Request, read_json, model_path: str | None) -> w
         gateway.check_key(request)
         body = await read_json(request, gateway)
         _checked_model(body, gateway)
-        tokenizer = _tokenizer(model_path)
+        tokenizer = shared_tokenizer(model_path)
         if body.get("messages") is not None:
             add_special = get_field(body, "add_special_tokens", bool, default=False)
             if add_special or get_field(body, "add_generation_prompt", bool, default=True) is False:
@@ -134,7 +143,7 @@ async def detokenize(request: web.Request, read_json, model_path: str | None) ->
                         None)) is not None:
             raise ApiError(400, f"tokens[{bad}] must be an integer token id, not {show(tokens[bad])}",
                            f"tokens[{bad}]", "invalid_type")
-        prompt = await asyncio.to_thread(_tokenizer(model_path).detokenize, tokens)
+        prompt = await asyncio.to_thread(shared_tokenizer(model_path).detokenize, tokens)
     except ApiError as err:
         gateway.rejected(request, err, None)
         return err.response()

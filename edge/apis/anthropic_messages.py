@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import types
 
 from aiohttp import web
 
@@ -15,6 +13,7 @@ from edge.apis.base import ClientApi, StreamWriter, chat_delta, sse_event
 from edge.openai_api import ApiError, GenerateRequest, parse_request
 from edge.request_fields import get_field, get_number, nested_string, show
 from edge.responses import Completion
+from edge.tokenize_api import shared_tokenizer
 
 ROLES = {"user", "assistant"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -335,29 +334,6 @@ class MessagesStream(StreamWriter):
         return sse_event("error", error_body(err))
 
 
-class TokenCounter:
-    """count_tokens: the prompt rendered and tokenized as a prefill worker does it (its PromptRenderer, over the
-    GGUF's tokenizer alone, which llama.cpp loads without the weights), in a thread off the event loop."""
-
-    def __init__(self, model_path: str) -> None:
-        self.model_path = model_path
-        self._renderer = None
-        self._lock = threading.Lock()
-
-    def count(self, messages: list[dict], tools: str) -> int:
-        with self._lock:  # one llama.cpp tokenizer, one caller at a time
-            if self._renderer is None:
-                import llama_cpp
-
-                from prefill_cpu.prompt_renderer import PromptRenderer
-                llm = llama_cpp.Llama(self.model_path, vocab_only=True, verbose=False)
-                self._renderer = PromptRenderer(types.SimpleNamespace(llm=llm))
-            return len(self._renderer.chat_tokens(messages, tools))
-
-
-_COUNTERS: dict[str, TokenCounter] = {}
-
-
 async def prompt_tokens(gateway, body, model_path: str | None, chat=None) -> tuple[GenerateRequest, int]:
     """POST /v1/messages/count_tokens's work once the key is checked and the body read: the request as chat sees
     it, and its prompt's tokens."""
@@ -369,12 +345,9 @@ async def prompt_tokens(gateway, body, model_path: str | None, chat=None) -> tup
     if request.model != gateway.model_name:
         raise ApiError(404, f"the model {show(request.model)} is not served here (this server serves "
                             f"{gateway.model_name})", "model", "model_not_found")
-    if model_path is None:
-        raise ApiError(503, "the model's file is not known to the gateway, so it cannot count tokens",
-                       error_type="server_error", code="unavailable")
-    counter = _COUNTERS.setdefault(model_path, TokenCounter(model_path))
+    tokenizer = shared_tokenizer(model_path, "count tokens")  # the one /tokenize uses too
     try:
-        tokens = await asyncio.to_thread(counter.count, worker_messages(request), request.template_tools)
+        tokens = len(await asyncio.to_thread(tokenizer.chat, worker_messages(request), request.template_tools))
     except BadPromptError as err:
         raise ApiError(400, str(err), "messages", "invalid_prompt") from None
     return request, tokens

@@ -48,10 +48,10 @@ def policy(ttft_slo_ms: int | None, tpot_slo_ms: int | None) -> str:
             + "".join(f'{tenant} = "{name}"\n' for name, tenant in CLASSES.items()))
 
 
-def ours(name: str, gguf: str, threads: int, policy_text: str) -> System:
+def ours(name: str, gguf: str, threads: int, policy_text: str, log_level: str = "WARNING") -> System:
     folder = Path(tempfile.mkdtemp(prefix="slo-bench-"))
     (folder / "policy.toml").write_text(policy_text)
-    (folder / "serve.toml").write_text(f'log_level = "WARNING"\npolicy = "{folder / "policy.toml"}"\n'
+    (folder / "serve.toml").write_text(f'log_level = "{log_level}"\npolicy = "{folder / "policy.toml"}"\n'
                                        f"threads_per_worker = {threads}\nmax_num_seqs = 64\n"
                                        f"[limits]\nprefill_queue_size = 512\n")
     return System(name, Path(gguf).name.removesuffix(".gguf"), lambda port: [
@@ -230,12 +230,16 @@ def main() -> None:
                         "ours with priorities only, to measure what interactive requests get below capacity")
     parser.add_argument("--max-tokens", default="32,64", help="interactive,batch answer lengths")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="WARNING", help="our servers' log level (INFO: a line per request, "
+                        "with where its TTFT went); each server's log is named at the end")
     args = parser.parse_args()
     args.max_tokens = tuple(int(x) for x in args.max_tokens.split(","))
     gguf = args.model or str(embedded_model_path())
     loads = [float(x) for x in args.loads.split(",")]
-    priority_only = ours("ours, priorities only", gguf, args.threads, policy(None, None))
+    priority_only = ours("ours, priorities only", gguf, args.threads, policy(None, None), args.log_level)
     other, note = baseline(gguf, args.threads)
+
+    logs: list[System] = []
 
     async def run() -> tuple[float, dict]:
         priority_only.start()
@@ -251,8 +255,10 @@ def main() -> None:
               f"{below[0] * 1e3:.0f} ms, TPOT {below[1] * 1e3:.0f} ms; objectives {args.ttft_slo_ms:.0f} / "
               f"{args.tpot_slo_ms:.0f} ms", flush=True)
         slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
-        systems = [ours("ours, objectives", gguf, args.threads, policy(int(args.ttft_slo_ms), int(args.tpot_slo_ms))),
+        systems = [ours("ours, objectives", gguf, args.threads, policy(int(args.ttft_slo_ms), int(args.tpot_slo_ms)),
+                        args.log_level),
                    priority_only, *([other] if other else [])]
+        logs.extend(systems)
         rates = [load * cap for load in loads]
         return cap, {system.name: await run_system(system, rates, loads, args, slo) for system in systems}
 
@@ -265,6 +271,7 @@ def main() -> None:
           f"{args.max_tokens[0]}/{args.max_tokens[1]} tokens; {time.perf_counter() - started:.0f} s in all")
     if note:
         print(f"Note: {note}")
+    print("Logs: " + "; ".join(f"{system.name}: {system.log}" for system in logs))
     print(table(results, rates, loads))
 
 

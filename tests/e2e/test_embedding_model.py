@@ -109,6 +109,8 @@ def test_generation_routes_and_embeddings_refuse_a_reranker_by_name(server):
         assert "is an embedding model" in error["message"] and path in error["message"]
         if path == "/v1/messages":
             assert refused.json()["type"] == "error"  # in Anthropic's shape there
+    counted = post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": chat["messages"]})
+    assert counted.status_code == 400 and "no chat template" in counted.json()["error"]["message"]
     embed = post(server, "/v1/embeddings", {"model": MODEL, "input": "hi"})
     assert embed.status_code == 400 and "/v1/rerank" in embed.json()["error"]["message"]
     bad = post(server, "/v1/rerank", {"model": MODEL, "query": QUERY, "documents": ["ok", 7]})

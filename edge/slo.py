@@ -153,11 +153,11 @@ class TTFTPredictor:
             if worker.current is None or worker.current.priority > priority:  # idle, or it would be preempted
                 continue
             started = (self.pool.registry.get(worker.current.job.request_id) or InFlight("", 0)).prefill_started_at
-            left_s = self._seconds(self._tokens_of(worker.current.job, pending))
-            if started is not None:
-                left_s = max(0.0, left_s - (now - started))
+            tokens_there = self._tokens_of(worker.current.job, pending)
+            whole_s = self._seconds(tokens_there)
+            left_s = max(0.0, whole_s - (now - started)) if started is not None else whole_s
             ahead_s += left_s
-            ahead += left_s / max(self._seconds(1.0), 1e-9)
+            ahead += tokens_there * left_s / whole_s if whole_s > 0 else 0.0
         raw = ahead_s / len(ready) + self._seconds(tokens) + (self.handoff_s.value or 0.0)
         return max(0.0, raw + self.offset(priority)), raw, ahead
 

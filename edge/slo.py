@@ -123,7 +123,8 @@ class TTFTPredictor:
     def __init__(self, pool: PrefillPool, clock=time.monotonic) -> None:
         self.pool, self.clock = pool, clock
         self.prefill = PrefillTime()  # one worker's seconds by prompt tokens computed (prompt-cache hits not)
-        self.cached_share = Ewma(value=0.0)  # of a prompt's tokens, found in the worker's prompt cache
+        # prompt tokens a fresh prompt finds in the worker's prompt cache (a shared prefix: the chat template's)
+        self.cached_tokens = Ewma()
         self.handoff_s = Ewma()
         # per priority: a request's first token also waits on what ranks above it and arrives after it (never
         # predicted, so each level learns its own), while the same offset for all would carry the lowest level's
@@ -162,7 +163,7 @@ class TTFTPredictor:
         return max(0.0, raw + self.offset(priority)), raw, ahead
 
     def _seconds(self, tokens: float) -> float:
-        return self.prefill.seconds(tokens * (1 - self.cached_share.value))
+        return self.prefill.seconds(max(1.0, tokens - (self.cached_tokens.value or 0.0)))
 
     def offset(self, priority: int) -> float:
         known = self.offsets.get(priority)
@@ -179,7 +180,8 @@ class TTFTPredictor:
         """A real prefill: its time, its handoff, and how many tokens its text made."""
         if done.prefill_ms > 0 and done.num_prompt_tokens:
             self.prefill.add(done.num_prompt_tokens - done.cached_tokens, done.prefill_ms / 1e3)
-            self.cached_share.add(done.cached_tokens / done.num_prompt_tokens)
+            if done.cached_tokens <= done.num_prompt_tokens / 2:  # more: a preempted prefill resumed, or a repeat
+                self.cached_tokens.add(done.cached_tokens)
         self.handoff_s.add(done.handoff_ms / 1e3)
         if known is not None and known.text_bytes and done.num_prompt_tokens:
             self.tokens_per_byte.add(done.num_prompt_tokens / known.text_bytes)

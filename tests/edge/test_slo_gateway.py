@@ -299,3 +299,12 @@ def test_each_priority_learns_its_own_offset():
         return predictor.offset(0), predictor.offset(10)
     interactive, batch = asyncio.run(scenario())
     assert interactive == pytest.approx(0.1, abs=0.02) and batch > 4.0
+
+
+def test_the_prefix_fresh_prompts_find_cached_is_not_predicted_as_work():
+    from edge.slo import TTFTPredictor
+    predictor = TTFTPredictor(None)
+    predictor.prefilled(PrefillDone("a", 130, 100.0, 0, 5.0, cached_tokens=30), None)  # 100 computed in 100 ms
+    predictor.prefilled(PrefillDone("b", 300, 50.0, 0, 5.0, cached_tokens=250), None)  # a preempted one, resumed
+    assert predictor.cached_tokens.value == 30  # the resumed one's cached chunks are not a shared prefix
+    assert predictor._seconds(130) == pytest.approx(0.1, rel=0.05)  # a fresh 130-token prompt computes 100

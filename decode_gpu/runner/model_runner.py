@@ -293,34 +293,54 @@ class ModelRunner:
         # what a sequence more costs: 2 rows a sequence against 1 + num_draft, for the same rows
         many = min(max_num_seqs, limit // 2)
         few = -(-2 * many // (1 + num_draft))
-        points = {("plain", r): plain(r) for r in plain_rows} | {("verify", r): verify(r) for r in verify_rows}
+        # fewest rows first (what small batches plan with), the two kinds side by side: a budget spent early leaves
+        # out the largest counts, which the model extrapolates
+        keys = sorted([("plain", r) for r in plain_rows] + [("verify", r) for r in verify_rows], key=lambda k: k[1])
+        points = {key: plain(key[1]) if key[0] == "plain" else verify(key[1]) for key in keys}
         if many > few:
             points |= {("many", 2 * many): verify(2 * many, many), ("few", 2 * many): verify(2 * many)}
         ms = self._median_ms(points, reps, budget_s)
-        seq_ms = max(0.0, (ms["many", 2 * many] - ms["few", 2 * many]) / (many - few)) if many > few else 0.0
-        costs = StepCosts(tuple((r, ms["plain", r]) for r in plain_rows),
-                          tuple((r, ms["verify", r]) for r in verify_rows), 1 + num_draft, seq_ms)
+        seq_ms = max(0.0, (ms["many", 2 * many] - ms["few", 2 * many]) / (many - few)) \
+            if ("few", 2 * many) in ms else 0.0
+        plain_ms = tuple((r, ms["plain", r]) for r in plain_rows if ("plain", r) in ms)
+        verify_ms = tuple((r, ms["verify", r]) for r in verify_rows if ("verify", r) in ms)
+        if len(verify_ms) == 1:  # the budget spent early: past its one point, verify grows as the plain step does
+            (r0, ms0), shape = verify_ms[0], StepCosts(plain_ms, verify_ms)
+            verify_ms += ((2 * r0, ms0 * shape.plain_ms(2 * r0) / shape.plain_ms(r0)),)
+        costs = StepCosts(plain_ms, verify_ms, 1 + num_draft, seq_ms)
         log.info("speculative decoding's cost model, ms by rows fed (context %d), measured in %.1f s: %s", context,
                  time.perf_counter() - started, costs.describe())
         return costs
 
-    def _median_ms(self, forwards: dict, reps: int, budget_s: float = float("inf")) -> dict:
-        """The median ms of each forward over up to `reps` rounds that run every forward once, after a warm-up round,
-        as many as fit in budget_s (at least one): what a step in a run of many costs (the best of them would be
-        optimistic)."""
-        times = {key: [] for key in forwards}
-        started = time.perf_counter()
-        for rep in range(reps + 1):
-            if rep > 1 and (time.perf_counter() - started) * (rep + 1) / rep > budget_s:
+    def _median_ms(self, forwards: dict, reps: int, budget_s: float = float("inf"),
+                   needed: tuple[str, ...] = ("plain", "verify")) -> dict:
+        """The median ms of each forward over up to `reps` rounds that run every forward once, as many rounds as fit
+        in budget_s: what a step in a run of many costs (the best of them would be optimistic). In the first round
+        each forward is warmed up right before it is timed (packing, kernel selection, Triton's compiles), and the
+        round stops at the budget once one forward of each `needed` kind (a key's first element) is timed: those
+        not reached are left out of the answer, so a slow machine (a CPU hog) keeps the probe within the budget."""
+        times: dict = {key: [] for key in forwards}
+        began = time.perf_counter()
+        for rep in range(reps):
+            if rep and (time.perf_counter() - began) * (rep + 1) / rep > budget_s:
                 break  # another round would overrun the budget
             for key, forward in forwards.items():
-                started = time.perf_counter()
-                forward()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                if rep:  # round 0 warms up: packing, kernel selection, Triton's compiles
-                    times[key].append(time.perf_counter() - started)
-        return {key: sorted(t)[len(t) // 2] * 1e3 for key, t in times.items()}
+                if rep == 0 and time.perf_counter() - began > budget_s and \
+                        {k[0] for k, t in times.items() if t} >= set(needed):
+                    break
+                if rep == 0:
+                    self._timed(forward)  # the warm-up
+                elif not times[key]:
+                    continue  # not reached in the first round
+                times[key].append(self._timed(forward))
+        return {key: sorted(t)[len(t) // 2] * 1e3 for key, t in times.items() if t}
+
+    def _timed(self, forward) -> float:
+        started = time.perf_counter()
+        forward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
 
     def _before_forward(self, seqs: list[Sequence]) -> None:
         """Thread count (decode on the CPU next to llama.cpp prefill) and the priority the gate waits with."""

@@ -13,8 +13,9 @@ Speculation costs compute, and how much depends on the device and the weights: o
 rows costs almost nothing; on a CPU with int8 weights each row costs nearly as much as the first. So the step is
 planned against a cost model (StepCosts: a forward's milliseconds by the rows it feeds), measured by a short probe
 at start-up (or reused from a quiet start) and then corrected by the steps as they run (LiveCosts: a moving estimate
-of observed against modelled time, for plain and for verify steps apart). A plan that drafts must beat the plain step
-by `margin` to start drafting and by `keep_margin` to go on (hysteresis); when no verify step has run for
+of observed against modelled time from the plain steps, which verify steps follow, times verify's own ratio to it).
+A plan that drafts must beat the plain step by `margin` to start drafting and by `keep_margin` to go on
+(hysteresis); when no verify step has run for
 `probe_steps` steps while drafts were proposed, one sequence's draft is verified anyway, so that a cost model taken
 in a noisy second cannot keep speculation off for the day.
 Each sequence estimates the chance that its next draft token is accepted (from its recent drafts, decayed); the
@@ -109,23 +110,30 @@ class StepCosts:
 
 
 class LiveCosts:
-    """StepCosts corrected by what real steps take: the start-up curves' shape, times a level per kind of step (plain,
-    verify) that follows observed / modelled ms as a moving estimate (each step weighs `weight`; one observation is
-    clamped to 1/8..8x, so a stall does not swing it). Verify steps not yet observed follow the plain level (a busy
-    machine slows both)."""
+    """StepCosts corrected by what real steps take: the start-up curves' shape, times a level that follows observed /
+    modelled ms of plain steps as a moving estimate (each step weighs `weight`; one observation is clamped to
+    1/8..8x, so a stall does not swing it), and for verify steps that level times a ratio, the moving estimate of how
+    far verify steps stand off it. Load (a neighbour busy at start-up, or now) moves both kinds alike, so the plain
+    steps, which run all the time, carry it to verify at once; the ratio, learnt from the rarer verify steps, keeps
+    what the probe misjudged between the two (1 until one is observed)."""
 
     def __init__(self, prior: StepCosts, weight: float = 0.2) -> None:
         self.prior = prior
         self.weight = weight
         self.plain_level = 1.0
-        self.verify_level: float | None = None
+        self.verify_ratio = 1.0
         self.observed = {"plain": 0, "verify": 0}
+
+    @property
+    def verify_level(self) -> float | None:
+        """Observed over modelled verify ms as it stands (None until a verify step is observed)."""
+        return self.plain_level * self.verify_ratio if self.observed["verify"] else None
 
     def plain_ms(self, rows: int) -> float:
         return self.prior.plain_ms(rows) * self.plain_level
 
     def verify_ms(self, rows: int, seqs: int) -> float:
-        return self.prior.verify_ms(rows, seqs) * (self.verify_level or self.plain_level)
+        return self.prior.verify_ms(rows, seqs) * self.plain_level * self.verify_ratio
 
     def observe(self, kind: str, rows: int, seqs: int, ms: float) -> None:
         """A real step of `kind` ("plain" or "verify") fed `rows` rows of `seqs` sequences and took `ms`."""
@@ -137,8 +145,7 @@ class LiveCosts:
         if kind == "plain":
             self.plain_level += self.weight * (ratio - self.plain_level)
         else:
-            level = self.verify_level or self.plain_level
-            self.verify_level = level + self.weight * (ratio - level)
+            self.verify_ratio += self.weight * (min(8.0, max(0.125, ratio / self.plain_level)) - self.verify_ratio)
 
     def describe(self) -> str:
         verify = f"{self.verify_level:.2f}" if self.verify_level is not None else "as plain"

@@ -413,6 +413,22 @@ def test_the_live_cost_model_follows_injected_step_times():
     assert "plain 2" in live.describe() or "plain 3" in live.describe()
 
 
+def test_a_probe_taken_under_a_hog_is_corrected_for_verify_by_the_plain_steps():
+    """A start-up model measured while a hog ran: every step of both kinds 2.5x too dear. Once the hog stops, the
+    plain steps that run all the time bring verify's cost down with theirs, without waiting for verify steps (which a
+    model that thinks them dear seldom runs); verify's own offset from plain, once observed, stays."""
+    live = LiveCosts(FLAT)
+    live.observe("verify", 5, 1, FLAT.verify_ms(5, 1))  # one verify step during the start, as modelled
+    for _ in range(40):
+        live.observe("plain", 1, 1, 0.4 * FLAT.plain_ms(1))
+    assert live.plain_ms(1) == pytest.approx(0.4 * FLAT.plain_ms(1), rel=0.01)
+    assert live.verify_ms(5, 1) == pytest.approx(0.4 * FLAT.verify_ms(5, 1), rel=0.01)
+    for _ in range(40):
+        live.observe("verify", 5, 1, 0.6 * FLAT.verify_ms(5, 1))  # verify a bit dearer than plain's level says
+    assert live.verify_ms(5, 1) == pytest.approx(0.6 * FLAT.verify_ms(5, 1), rel=0.01)
+    assert live.verify_level == pytest.approx(0.6, rel=0.01)
+
+
 def test_speculation_starts_at_one_margin_and_keeps_going_at_a_smaller_one():
     """Hysteresis: a plan 20% better than the plain step does not start drafting (margin 0.3) but keeps it going
     (keep_margin 0.1); when the live costs say verify got dearer, drafting stops."""

@@ -56,3 +56,19 @@ def test_within_the_hysteresis_the_plan_stays():
     switch = _switch()
     _serve(switch, 12, {"quantized": 9.5, "float": 10.0}, 30)  # quantized 5% faster above the plan: not enough
     assert switch.float_above == 8
+
+
+def test_the_start_up_plan_measures_torch_int_kernels_only_where_they_can_win(monkeypatch):
+    """Without AVX-512 torch's packed int4/int8 kernels lose to float (2-13x at batch 1 on an AVX2 CPU): auto measures
+    only ggml's q8_0 there, which saves building and timing them at every start; with AVX-512 both are measured."""
+    import torch
+
+    from decode_gpu.model import ggml_linear, weight_plan
+    measured = []
+    monkeypatch.setattr(weight_plan, "_measured_cpu_plan", lambda model, max_batch, kinds, head: measured.append(kinds))
+    monkeypatch.setattr(ggml_linear, "available", lambda: True)
+    types = weight_plan.GGUFWeightTypes(frozenset({"Q4_1"}), "Q8_0")
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        weight_plan.auto_weight_plan(torch.device("cpu"), types, object(), 8)
+    assert measured == [("q8_0",), ("int4", "q8_0")]

@@ -81,11 +81,12 @@ def served(settings_toml: str, chats: int, max_tokens: int) -> list[tuple[str, f
                     ready_path="/health")
     system.start()
     try:
-        engine = _engine_process(httpx.get(system.url + "/health", timeout=5).json())
+        health = httpx.get(system.url + "/health", timeout=5).json()
+        engine, model = _engine_process(health), health["model"]
         before = engine.memory_info().rss / MB
 
         def chat(i: int) -> int:
-            body = {"model": "x", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" ({i})"}],
+            body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" ({i})"}],
                     "max_tokens": max_tokens, "temperature": 0.7, "seed": i}
             response = httpx.post(system.url + "/v1/chat/completions", json=body, timeout=600)
             response.raise_for_status()

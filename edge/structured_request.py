@@ -18,7 +18,8 @@ COMPILES_PER_OWNER = 1  # of them, at most this many for one API key (or one cli
 
 
 async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
-                           model_path: str | None = None, owner: str | None = None) -> None:
+                           model_path: str | None = None, owner: str | None = None,
+                           queue_per_key: int | None = None) -> None:
     """A constraint the engine cannot enforce is the client's 400 naming the problem (code
     invalid_structured_output), one too large or too slow to compile a 400 too (code structured_output_too_complex),
     a client whose compiles already fill its queue, or whose turn does not come within the limit, a 429
@@ -26,14 +27,15 @@ async def check_structured(request: GenerateRequest, timeout_s: float | None = N
     constraint is compiled as the prefill workers will compile it, over the model's vocabulary (the GGUF at
     model_path, its tokenizer only), in a child process that is killed at timeout_s (grammar_compile_timeout_s) or
     when the client goes away (this task cancelled, which also takes a waiting compile out of its key's queue).
-    owner: whose share the compile takes (compile_owner)."""
+    owner: whose share the compile takes (compile_owner). queue_per_key: grammar_compile_queue_per_key (None: the
+    knob's default)."""
     constraint = request.sampling.get("structured")
     if constraint is None:
         return
     from contracts.grammar import GrammarBusyError, GrammarError, GrammarOwnerBusyError
     from contracts.grammar_compile import compile_timeout_s
     try:
-        await _check(model_path).check(*constraint, timeout_s or compile_timeout_s(), owner)
+        await _check(model_path, queue_per_key).check(*constraint, timeout_s or compile_timeout_s(), owner)
     except GrammarOwnerBusyError as err:
         raise ApiError(429, str(err), request.structured_param, err.code, "rate_limit_error",
                        {"Retry-After": "1"}) from None
@@ -49,7 +51,7 @@ def compile_owner(key_id: str | None, address: str | None) -> str:
     return f"key:{key_id}" if key_id else f"address:{address or ''}"
 
 
-def _check(model_path: str | None):
+def _check(model_path: str | None, queue_per_key: int | None = None):
     from contracts.compile_processes import CompileProcesses
     from contracts.grammar_compile import GatewayCheck
     check = _GRAMMAR_CHECKS.get(model_path)
@@ -57,17 +59,15 @@ def _check(model_path: str | None):
         vocabulary = "prefill_cpu.grammar:GGUFVocabulary" if model_path else None
         check = _GRAMMAR_CHECKS[model_path] = GatewayCheck(CompileProcesses(
             COMPILE_PROCESSES, COMPILES_PER_OWNER, vocabulary, model_path or ""))
+    if queue_per_key is not None:  # the config's (the route passes it with each check)
+        check.processes.queue_per_owner = queue_per_key
     return check
 
 
-def warm_structured_checks(model_path: str | None, queue_per_key: int | None = None) -> None:
+def warm_structured_checks(model_path: str | None) -> None:
     """Start the gateway's compile processes now (each loads the model's vocabulary, a second or two), so that the
-    first structured request does not wait for them. queue_per_key: grammar_compile_queue_per_key, if not the
-    default."""
-    processes = _check(model_path).processes
-    if queue_per_key is not None:
-        processes.queue_per_owner = queue_per_key
-    processes.warm()
+    first structured request does not wait for them."""
+    _check(model_path).processes.warm()
 
 
 def structured_state() -> dict:

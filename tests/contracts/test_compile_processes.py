@@ -20,6 +20,9 @@ import pytest
 from contracts.compile_processes import CompileCancelled, CompileProcesses
 from contracts.grammar import GrammarBusyError, GrammarOwnerBusyError
 from contracts.grammar_compile import GatewayCheck
+from edge import structured_request
+from edge.openai_api import ApiError, GenerateRequest
+from edge.structured_request import check_structured
 
 FAKE_CHILD = r"""
 import json, os, sys, time
@@ -246,3 +249,31 @@ def test_the_gateway_check_never_queues_a_cached_constraint_and_drops_a_cancelle
         return cached_s
     assert asyncio.run(scenario()) < 0.05
     assert b.lines().count("start cached") == 1 and "start leaving" not in b.lines()
+
+
+def test_the_gateway_answers_a_full_queue_with_a_429_and_takes_the_configured_queue(bench, monkeypatch):
+    """check_structured: with grammar_compile_queue_per_key = 0 a key's second concurrent compile is the 429 at once
+    (Retry-After: 1); with 1 it waits its turn and passes."""
+    b = bench()
+    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, GatewayCheck(b.processes))
+
+    def request(source: str) -> GenerateRequest:
+        return GenerateRequest("chat", "m", {"structured": ("regex", source)}, False, False, None,
+                               structured_param="guided_regex")
+
+    async def scenario():
+        first = b.gate("first")
+        running = asyncio.ensure_future(check_structured(request(first), LONG_S, owner="key:a"))
+        await asyncio.to_thread(until, lambda: b.started(first))
+        with pytest.raises(ApiError) as refused:
+            await check_structured(request("refused"), LONG_S, owner="key:a", queue_per_key=0)
+        waiting = asyncio.ensure_future(check_structured(request("waiting"), LONG_S, owner="key:a",
+                                                         queue_per_key=1))
+        await asyncio.to_thread(until, lambda: b.queued() == 1)
+        b.release(first)
+        await asyncio.gather(running, waiting)
+        return refused.value
+    error = asyncio.run(scenario())
+    assert (error.status, error.code, error.param) == (429, "structured_output_compiles_per_key", "guided_regex")
+    assert error.headers == {"Retry-After": "1"} and "1 structured-output compile(s) running" in error.message
+    assert b.lines()[-2:] == ["start waiting", "end waiting"] and "start refused" not in b.lines()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from contracts.cache import converted_dir
@@ -35,8 +36,6 @@ def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch
         _convert(identity, weights, dtype)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device).eval()
-    if device.type == "cpu":
-        own_memory(model)
     apply_rope_freqs(model)
     log.info("decode model %s loaded on %s as %s in %.1f s", os.path.basename(identity.path), device,
              dtype, time.perf_counter() - started)
@@ -44,13 +43,34 @@ def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch
 
 
 @torch.no_grad()
-def own_memory(model: PreTrainedModel) -> None:
-    """Copy the model's tensors out of the safetensors file transformers maps them from, one at a time. A tensor
-    loaded on the CPU is a view of that mapping, and one live view (a norm's weight) keeps the whole mapping, and
-    every page of it read while fusing and quantizing, resident: on the embedded model the whole 538 MB float32
-    file, though the engine then holds 171 MB of q8_0 and int8 weights (docs/decode.md, "Memory")."""
+def own_memory(model: nn.Module) -> int:
+    """Copy the tensors the model still holds out of the safetensors files transformers mapped them from; the bytes
+    copied. A tensor loaded on the CPU is a view of that mapping, and one live view (a norm's weight) keeps the whole
+    mapping, and every page of it read while fusing and quantizing, resident: on the embedded model the whole 538 MB
+    float32 file, though the engine then holds 171 MB of q8_0 and int8 weights (docs/decode.md, "Memory"). Called
+    once the weight plan is made, so only what it kept is copied."""
+    mapped = _mapped_ranges(".safetensors")
+    copied = 0
     for tensor in [*model.parameters(), *model.buffers()]:  # a tied weight is one Parameter: copied once
-        tensor.data = tensor.data.clone()
+        if tensor.device.type == "cpu" and not tensor.is_mkldnn and any(a <= tensor.data_ptr() < b for a, b in mapped):
+            tensor.data = tensor.data.clone()
+            copied += tensor.numel() * tensor.element_size()
+    return copied
+
+
+def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files whose name ends with `suffix` (none off Linux)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith(suffix):
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
 
 
 def load_tokenizer(identity: GGUFIdentity, cache_dir: Path | None = None):

@@ -144,7 +144,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     fixed_precision (deterministic decoding): one precision for every batch size (auto's plan without its float
     weights for larger batches)."""
     from decode_gpu.model.fused_projections import fuse_projections
-    from decode_gpu.model.loader import load_decode_model
+    from decode_gpu.model.loader import load_decode_model, own_memory
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, not {weight_dtype!r}")
     # the GGUF's own types matter to auto (CUDA follows them, the CPU measures by them) and to int4's lm_head
@@ -169,6 +169,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     else:
         quantize_model(model, plan.weight_dtype, device, dtype, plan.float_above, plan.prebuilt,
                        plan.weight_dtype == "int4" and plan.head_int8 and _int8_head_fits(device, dtype), plan.packed)
+    own_memory(model)  # what the plan kept, out of the loaded file's mapping (which then goes)
     report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
     log.info("decode %s", report.describe())
     return model, report

@@ -65,6 +65,23 @@ def test_weights_are_counted_once_by_the_precision_they_are_held_in():
     assert held["int8"] == codes  # the float32 copies, norms and biases are float32's
 
 
+def test_the_weights_kept_are_copied_out_of_the_loaded_files_mapping(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from decode_gpu.model.loader import _mapped_ranges, own_memory
+    _tiny_model().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    mapped = [r for r in _mapped_ranges(".safetensors")]
+    assert mapped  # transformers maps the file: its tensors are views of it
+    norms = sum(p.numel() * 4 for name, p in model.named_parameters() if "norm" in name)
+    for layer in model.model.layers:  # what a weight plan replaces (here: dropped) is not copied
+        layer.mlp = torch.nn.Identity()
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    copied = own_memory(model)
+    assert norms < copied <= held and not _mapped_ranges(".safetensors")  # the mapping went with its last view
+    assert own_memory(model) == 0
+
+
 def test_the_account_of_a_tiny_engine_adds_up_and_goes_out_with_the_stats(tiny_gguf, tmp_path, monkeypatch):
     from decode_gpu.service.server import build_engine
     monkeypatch.setenv("EDGE_LLM_CACHE", str(tmp_path))

@@ -31,6 +31,30 @@ def embedded_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def embedded_identity(embedded_model_path):
+    from contracts.identity import read_gguf_identity
+    return read_gguf_identity(embedded_model_path)
+
+
+@pytest.fixture(scope="session")
+def embedded_float32(embedded_identity):
+    """The embedded model in float32, loaded once for every module that decodes with it (the engine's native forward
+    reads its modules and changes nothing). A test that changes the model works on a copy.deepcopy, or puts back what
+    it changed."""
+    from decode_gpu.model.loader import load_decode_model
+    return load_decode_model(embedded_identity, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def embedded_greedy_runs(embedded_float32, embedded_identity) -> list:
+    """Each of embedded_continuations.PROMPTS followed by the tokens embedded_float32 decodes greedily after it (the
+    teacher-forced fidelity tests' inputs). # each [1, prompt + POSITIONS]"""
+    from decode_gpu.model.loader import load_tokenizer
+    from embedded_continuations import greedy_continuations
+    return greedy_continuations(embedded_float32, load_tokenizer(embedded_identity))
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
     """Factory: tiny_gguf(arch in tiny_gguf.ARCHS, "f32" | "f16") -> path of a tiny random-weight GGUF."""
     made: dict[tuple[str, str], Path] = {}

@@ -5,7 +5,6 @@ import torch
 
 from contracts.handoff import SamplingParams
 from decode_gpu.engine import DecodeEngine, EngineConfig
-from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
@@ -16,7 +15,7 @@ TEXT = ("Operators of on-prem appliances care about predictable latency, honest 
 
 
 @pytest.fixture(scope="module")
-def workload(embedded_model_path):
+def workload(embedded_model_path, embedded_float32):
     """16 requests: prompt lengths 64/256/1024 in a 6:3:1 mix (10/5/1), output lengths 18 to 30.
 
     Every output crosses a 16-token block boundary, so a full pool must preempt to let them grow."""
@@ -32,7 +31,7 @@ def workload(embedded_model_path):
         identity = prefiller.identity
     finally:
         prefiller.close()
-    return identity, load_decode_model(identity, CPU, torch.float32), handoffs
+    return identity, embedded_float32, handoffs
 
 
 def run(identity, model, handoffs, kv_tokens, max_num_seqs=32):
@@ -58,9 +57,11 @@ def test_batched_equals_alone_and_survives_a_small_pool(workload):
     batched, stats = run(identity, model, handoffs, kv_tokens=8192)
     assert stats.num_preemptions == 0
     assert batched == alone
-    # 16 requests need ~3.3k positions at once; 68 blocks (1088 tokens) fit the 1024-token prompt alone,
-    # and admission fills the pool, so growth forces swaps and resumes
-    squeezed, stats = run(identity, model, handoffs, kv_tokens=1088)
+    # 16 requests need ~3.3k positions at once: their prompts take 184 blocks and each output two more. 208 blocks
+    # (3328 tokens) admit every prompt and its first new block, and the growth past each output's 16th token forces
+    # a swap (the 1024-token request's 65 blocks out and back in: 200 to 215 blocks do), in about as many steps as
+    # the batched run (a pool that fits the longest prompt alone swaps too, but runs three times the steps)
+    squeezed, stats = run(identity, model, handoffs, kv_tokens=3328)
     assert stats.num_preemptions > 0
     assert squeezed == alone
     # no EOS or stop ids are configured here, so every request runs to exactly its max_tokens

@@ -41,6 +41,9 @@ class PagedBatch:
     # the torch path's decode view (one new token per sequence, step_inputs.StepInputs builds it)
     decode_blocks: torch.Tensor | None = None  # [n_seqs * n_blocks] each sequence's first n_blocks pool blocks
     decode_mask: torch.Tensor | None = None  # [n_seqs, 1, 1, n_blocks * block_size] True inside the context
+    # the CPU's decode view when every row's context is exactly this long (a batch of one, equal lengths, a length
+    # group of one): the gathered blocks are cut to it and attended with no mask (decode_mask is then None)
+    decode_len: int | None = None
     # the torch path on the CPU: sequences of similar context length attended apart, each group padded to its own
     # longest context: (the group's new tokens [g] long, in batch order, and its own PagedBatch, which holds the
     # dense view; this batch's is then left out); empty: all together

@@ -9,12 +9,34 @@ import torch.nn.functional as F
 
 from decode_gpu.attention.paged_batch import NO_EXTRAS, Extras, PagedBatch
 
+# On the CPU, attention over at most this many (row, context token) pairs runs on one thread: its gather and SDPA
+# are a few tens of microseconds of work, and a parallel region that small costs more in its fork and join than it
+# saves; on a loaded machine (prefill workers on the same cores) far more, as the region waits for a descheduled
+# thread (a batch-1 step's 30 layers: ~4 ms of attention on one thread against 17-500 ms on two, load 4 on 2 cores)
+ONE_THREAD_TOKENS = 2048
+
 
 def torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                     scale: float, extras: Extras = NO_EXTRAS) -> torch.Tensor:
     """Gather every context into dense tensors, then one masked SDPA. # [n_new, n_heads, head_dim]"""
+    threads = torch.get_num_threads() if q.device.type == "cpu" else 1
+    if threads > 1 and _attended_tokens(paged) <= ONE_THREAD_TOKENS:
+        torch.set_num_threads(1)
+        try:
+            paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
+            return _torch_context_attention(paged, layer, q, scale, extras)
+        finally:
+            torch.set_num_threads(threads)
     paged.pool.write(layer, paged.slot_mapping, new_k, new_v)
     return _torch_context_attention(paged, layer, q, scale, extras)
+
+
+def _attended_tokens(paged: PagedBatch) -> int:
+    """(row, context token) pairs the torch path gathers and attends, from host facts (no sync). Groups count whole."""
+    if paged.groups:
+        return sum(_attended_tokens(group) for _, group in paged.groups)
+    blocks = paged.decode_blocks if paged.decode_blocks is not None else paged.gather_blocks
+    return blocks.numel() * paged.pool.shape.block_size
 
 
 def _torch_context_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scale: float,
@@ -59,6 +81,8 @@ def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scal
     n_seqs = q.shape[0]
     # [n_seqs * n_blocks, block_size, num_kv_heads, head_dim]
     k_ctx, v_ctx = paged.pool.gather_blocks(layer, paged.decode_blocks, q.dtype)
+    if paged.decode_len is not None:
+        return _exact_decode_attention(paged, q, k_ctx, v_ctx, scale, extras)
     k_ctx = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:]).transpose(1, 2)  # [n_seqs, kv_heads, span, head_dim]
     v_ctx = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:]).transpose(1, 2)
     if extras.softcap is None and q.dtype == torch.float32:  # the grouped layout wins in float32 only (see there)
@@ -71,6 +95,26 @@ def _torch_decode_attention(paged: PagedBatch, layer: int, q: torch.Tensor, scal
     mask = _mask(paged, extras.window)  # [n_seqs, 1, 1, span]
     out = _attend(q[:, :, None], k_ctx, v_ctx, mask, scale, extras.softcap)  # [n_seqs, n_heads, 1, head_dim]
     return out[:, :, 0]
+
+
+def _exact_decode_attention(paged: PagedBatch, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                            scale: float, extras: Extras) -> torch.Tensor:
+    """Every row's context is exactly paged.decode_len long: the gathered blocks cut to it (to its last `window`
+    positions on a sliding layer) and attended with no mask, which is what the mask would leave.
+    q: [n_seqs, n_heads, head_dim]; k_ctx, v_ctx: [n_seqs * n_blocks, block_size, kv_heads, head_dim]
+    -> [n_seqs, n_heads, head_dim]"""
+    n_seqs, n_heads, d = q.shape
+    length = paged.decode_len
+    start = max(0, length - extras.window) if extras.window else 0
+    k = k_ctx.view(n_seqs, -1, *k_ctx.shape[2:])[:, start:length].transpose(1, 2)  # [n_seqs, kv_heads, len, d]
+    v = v_ctx.view(n_seqs, -1, *v_ctx.shape[2:])[:, start:length].transpose(1, 2)
+    kv_heads = k.shape[1]
+    if extras.softcap is not None:
+        return _attend(q[:, :, None], k, v, None, scale, extras.softcap)[:, :, 0]
+    if q.dtype == torch.float32:  # the query heads of a KV head as its query rows (_attend_grouped's layout)
+        out = F.scaled_dot_product_attention(q.reshape(n_seqs, kv_heads, n_heads // kv_heads, d), k, v, scale=scale)
+        return out.view(n_seqs, n_heads, d)
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0]
 
 
 def _mask(paged: PagedBatch, window: int | None) -> torch.Tensor:
@@ -125,14 +169,16 @@ def _additive_mask(paged: PagedBatch, window: int | None, group: int, dtype: tor
     return paged.additive_masks[key]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
             softcap: float | None) -> torch.Tensor:
     """Masked attention; SDPA unless the scores are soft-capped, which SDPA cannot do.
-    q: [n, n_heads, n_q, d]; k, v: [n, kv_heads, n_k, d]; mask: broadcastable to [n, n_heads, n_q, n_k]."""
+    q: [n, n_heads, n_q, d]; k, v: [n, kv_heads, n_k, d]; mask: broadcastable to [n, n_heads, n_q, n_k], or None
+    (every key is attended)."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [n, n_heads, n_k, d]
     scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)  # [n, n_heads, n_q, n_k]
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    scores = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
     return weights @ v

@@ -58,6 +58,10 @@ class Norm:
     in_float: bool
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dim() == 1 and self.weight.dtype == torch.float32:
+            # one call instead of four: in float32 both forms are the normalized input times the weight, and the
+            # fused kernel multiplies the same two numbers (bit for bit the same result)
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         if self.in_float:
             return (h * self.weight).to(x.dtype)
@@ -199,7 +203,7 @@ class NativeDecoder:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         positions = positions.long()
-        rotary = [(cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None])
+        rotary = [(cos.index_select(0, positions)[:, None], self._signed(sin.index_select(0, positions))[:, None])
                   for cos, sin in zip(self.cos, self.sin)]  # each [n, 1, rotary_dim]
         residual = None
         for layer in self.layers:
@@ -238,13 +242,20 @@ class NativeDecoder:
             h = layer.mlp_out_norm(h)
         return h, residual
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _signed(self, sin: torch.Tensor) -> torch.Tensor:
+        """A forward's sin rows with their first half negated, once a forward rather than once a layer: rotate_half's
+        negation folded in (negating is exact: the products are transformers' bit for bit). # [n, rotary_dim]"""
+        half = self.rotary_dim // 2
+        return torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """RoPE in transformers' half-split layout over the first rotary_dim of each head (all of it but for
-        Phi-3's partial rotary). x: [n, heads, d]; cos, sin: [n, 1, rotary_dim]."""
+        Phi-3's partial rotary): x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], as [x2, x1] times the
+        sin table with its first half negated. x: [n, heads, d]; cos, signed_sin: [n, 1, rotary_dim]."""
         r = self.rotary_dim
         part = x if r == x.shape[-1] else x[..., :r]
         half = r // 2
-        rotated = part * cos + torch.cat([-part[..., half:], part[..., :half]], dim=-1) * sin
+        rotated = part * cos + torch.cat([part[..., half:], part[..., :half]], dim=-1) * signed_sin
         return rotated if r == x.shape[-1] else torch.cat([rotated, x[..., r:]], dim=-1)
 
 

@@ -111,17 +111,32 @@ class StepInputs:
             if len(groups) > 1:
                 dense["groups"] = tuple(self._group(rows_, num_splits) for rows_ in groups)
             else:
-                dense = self._decode_view(self.block_tables[:rows], self.context_lens[:rows], max_context)
+                dense = self._decode_view(self.block_tables[:rows], self.context_lens[:rows], max_context,
+                                          self._equal_length(slice(0, rows), max_context))
         return PagedBatch(self.pool, self.backend, self.slots[:rows], self.block_tables[:rows],
                           self.context_lens[:rows], self.query_start[:rows], self.query_lens[:rows], 1, num_splits,
                           **dense)
 
-    def _decode_view(self, tables: torch.Tensor, context_lens: torch.Tensor, max_context: int) -> dict:
-        """The torch path's decode view of these rows: their blocks up to max_context, and each row's mask."""
+    def _decode_view(self, tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
+                     exact: int | None = None) -> dict:
+        """The torch path's decode view of these rows: their blocks up to max_context, and each row's mask; with
+        `exact` (every row's context is that long), the blocks up to it and no mask."""
+        if exact is not None:
+            n_blocks = -(-exact // self.block_size)
+            return {"decode_blocks": tables[:, :n_blocks].reshape(-1), "decode_len": exact}  # [rows * n_blocks]
         n_blocks = -(-max_context // self.block_size)
         span = torch.arange(n_blocks * self.block_size, device=self.device)  # [n_blocks * block_size]
         return {"decode_blocks": tables[:, :n_blocks].reshape(-1),  # [rows * n_blocks]
                 "decode_mask": (span[None, :] < context_lens[:, None])[:, None, None]}  # [rows, 1, 1, span]
+
+    def _equal_length(self, rows, max_context: int) -> int | None:
+        """The context length every one of these rows has, when they all have the same one and it is no longer than
+        max_context; None otherwise, and off the CPU (where the lengths are not on the host without a sync)."""
+        if self.device.type != "cpu":
+            return None
+        lengths = self._columns[CONTEXT, rows]  # numpy: the host buffer is the device's on the CPU
+        first = int(lengths[0])
+        return first if first <= max_context and bool((lengths == first).all()) else None
 
     def _group(self, rows: list[int], num_splits: int) -> tuple[torch.Tensor, PagedBatch]:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)  # [g]
@@ -129,5 +144,5 @@ class StepInputs:
         longest = int(self._columns[CONTEXT, rows].max())
         group = PagedBatch(self.pool, self.backend, self.slots[:0], tables, context_lens, self.query_start[:len(rows)],
                            self.query_lens[:len(rows)], 1, num_splits,
-                           **self._decode_view(tables, context_lens, longest))
+                           **self._decode_view(tables, context_lens, longest, self._equal_length(rows, longest)))
         return index, group

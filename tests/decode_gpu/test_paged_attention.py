@@ -107,3 +107,40 @@ def test_multi_token_queries_of_different_lengths_attend_in_groups_with_the_same
     want, _ = paged_attention(_Layer(), q, new_k, new_v, None, scaling=D ** -0.5, paged=together,
                               sliding_window=window)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("contexts", [[40], [33, 33, 33]], ids=["one-row", "equal-lengths"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (None, 30.0)])
+def test_equal_length_decode_rows_attend_unmasked_and_on_one_thread_as_the_masked_path_does(contexts, window, softcap,
+                                                                                            monkeypatch):
+    """Rows whose contexts are all equally long (a batch of one) get their gathered blocks cut to that length and no
+    mask, on one thread when that small; the masked path over the padded span gives the same, and the thread count
+    is back as it was after each layer."""
+    from contracts.handoff import SamplingParams
+    from decode_gpu.core.sequence import Sequence
+    from decode_gpu.runner.step_inputs import StepInputs
+    num_blocks = 12
+    pool = KVPool(PoolShape(1, num_blocks, BS, N_KV, D, "float32"), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(4)
+    pool.write(0, torch.arange(num_blocks * BS), *(torch.randn(num_blocks * BS, N_KV, D, generator=generator)
+                                                   for _ in range(2)))
+    order = torch.randperm(num_blocks - 1, generator=generator).tolist()
+    seqs = [Sequence(f"s{i}", 0, i, n - 1, [1] * n, SamplingParams(), num_cached=n - 1) for i, n in enumerate(contexts)]
+    tables = [[order.pop() for _ in range(-(-n // BS))] for n in contexts]
+    inputs = StepInputs(pool, num_blocks - 1, capacity=4, max_blocks=8, device=torch.device("cpu"), backend="torch")
+    rows = len(seqs)
+    inputs.fill(seqs, tables, rows)
+    exact = inputs.batch(rows, 100)  # a longer max_context than any row's: the cut follows the rows' own length
+    assert exact.decode_len == contexts[0] and exact.decode_mask is None
+    q, new_k, new_v = (torch.randn(1, heads, rows, D, generator=generator) for heads in (N_HEADS, N_KV, N_KV))
+    threads = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (threads.append(n), set_threads(n)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    got, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=exact, sliding_window=window, softcap=softcap)
+    assert threads == [1, 2]
+    monkeypatch.setattr(StepInputs, "_equal_length", lambda *args: None)
+    masked = inputs.batch(rows, 100)
+    assert masked.decode_len is None and masked.decode_mask is not None
+    want, _ = paged_attention(_Layer(), q, new_k, new_v, None, paged=masked, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

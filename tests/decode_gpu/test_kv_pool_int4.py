@@ -20,7 +20,7 @@ from decode_gpu.kv.pool import (
     storage_fits,
     unpack_int4,
 )
-from embedded_continuations import POSITIONS, PROMPTS, greedy_continuations
+from embedded_continuations import POSITIONS, PROMPTS
 from tiny_llama import greedy_tokens
 
 CPU = torch.device("cpu")
@@ -147,17 +147,14 @@ def test_swap_out_and_in_and_copy_on_write_carry_the_scales():
 # ---- fidelity on the embedded model ----
 
 @pytest.fixture(scope="module")
-def embedded():
+def embedded(embedded_float32, embedded_identity, embedded_greedy_runs):
     """The embedded model in float32 with paged attention, its identity, and each prompt followed by the 32 tokens
-    float32 decodes greedily after it."""
-    from contracts.identity import read_gguf_identity
-    from decode_gpu.model.loader import load_decode_model, load_tokenizer
-    from prefill_cpu.embedded_model import embedded_model_path
-    identity = read_gguf_identity(str(embedded_model_path()))
-    model, tokenizer = load_decode_model(identity, CPU, torch.float32), load_tokenizer(identity)
-    runs = greedy_continuations(model, tokenizer)
+    float32 decodes greedily after it. The model is the session's: its own attention comes back afterwards."""
+    model = embedded_float32
+    own = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return model, identity, runs
+    yield model, embedded_identity, embedded_greedy_runs
+    model.set_attn_implementation(own)
 
 
 def paged_logprobs(model, ids: torch.Tensor, storage: str) -> torch.Tensor:

@@ -13,7 +13,6 @@ import torch
 from checks.shared_prefix import BLOCK, N_REQUESTS, SYSTEM_TOKENS, shared_prefix_handoffs
 from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
-from decode_gpu.model.loader import load_decode_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from prefill_cpu.prefiller import PrefillConfig, Prefiller
 
@@ -22,7 +21,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def shared_prefix(embedded_model_path):
+def shared_prefix(embedded_model_path, embedded_float32):
     prefiller = Prefiller(PrefillConfig(embedded_model_path, n_ctx=512, n_threads=2, kv_type="f16",
                                         prefix_cache_tokens=512, prefix_cache_entries=2))
     try:
@@ -30,7 +29,7 @@ def shared_prefix(embedded_model_path):
         identity = prefiller.identity
     finally:
         prefiller.close()
-    return identity, load_decode_model(identity, CPU, torch.float32), handoffs
+    return identity, embedded_float32, handoffs
 
 
 def _run(identity, model, handoffs, prefix_caching: bool):

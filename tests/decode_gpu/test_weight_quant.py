@@ -14,7 +14,7 @@ from decode_gpu.model.int8_linear import Int8Embedding, Int8Linear
 from decode_gpu.model.packed_linear import PackedLinear, pack_linears, packs
 from decode_gpu.model.weight_plan import _measured_cpu_plan
 from decode_gpu.model.weight_quant import held_weight_dtype, quantize_model, weight_bytes
-from embedded_continuations import POSITIONS, greedy_continuations
+from embedded_continuations import POSITIONS
 from tiny_llama import TINY_LLAMA, greedy_tokens, handoff
 
 CPU = torch.device("cpu")
@@ -87,16 +87,13 @@ def test_the_engine_decodes_quantized_weights_as_transformers_generate_does(weig
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The embedded model in float32, and for each prompt: the prompt + its own 32-token greedy continuation, and
-    the log-probabilities it gives at those 32 positions (teacher forcing)."""
-    from contracts.identity import read_gguf_identity
-    from decode_gpu.model.loader import load_decode_model, load_tokenizer
-    from prefill_cpu.embedded_model import embedded_model_path
-    identity = read_gguf_identity(str(embedded_model_path()))
-    model, tokenizer = load_decode_model(identity, CPU, torch.float32), load_tokenizer(identity)
+def reference(embedded_float32, embedded_greedy_runs):
+    """The embedded model in float32 (the session's: the tests quantize copies of it), and for each prompt: the
+    prompt + its own 32-token greedy continuation, and the log-probabilities it gives at those 32 positions (teacher
+    forcing)."""
+    model = embedded_float32
     with torch.inference_mode():
-        return model, [(ids, _logprobs(model, ids)) for ids in greedy_continuations(model, tokenizer)]
+        return model, [(ids, _logprobs(model, ids)) for ids in embedded_greedy_runs]
 
 
 def _logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ from sampling.sampler import SampledRow, sample_rows
 from sampling.sampling_params import SamplingBatch, SamplingRow, banned_end_tokens
 
 log = logging.getLogger(__name__)
+# On the CPU, a step of at most this many rows samples on one thread: its reductions over the vocabulary are tens of
+# microseconds of work, less than a parallel region's fork and join, and far less than its wait for a descheduled
+# thread on a loaded machine (torch_attention.ONE_THREAD_TOKENS says the same of the attention)
+ONE_THREAD_ROWS = 4
 
 
 class StepSampler:
@@ -29,6 +33,16 @@ class StepSampler:
 
     def sample(self, rows: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[SampledRow]:
         """Every row's token. # logits: [len(rows), vocab]"""
+        threads = torch.get_num_threads() if logits.device.type == "cpu" else 1
+        if threads == 1 or len(rows) > ONE_THREAD_ROWS:
+            return self._sample(rows, logits)
+        torch.set_num_threads(1)
+        try:
+            return self._sample(rows, logits)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _sample(self, rows: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[SampledRow]:
         try:
             return sample_rows(logits, self._batch(rows, logits))
         except Exception:

@@ -43,6 +43,7 @@ FORWARDS = ("native", "transformers")
 # model types whose embedding rows are scaled by sqrt(hidden size) (transformers does it in its embedding module,
 # which an int8 table replaces)
 SCALED_EMBEDDINGS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' modules that only call F.silu
 ROTARY_CHUNK = 4096  # positions per call when building the table (bounds the transient memory)
 # deterministic: every matmul runs on row blocks of exactly this many rows (the last padded), so that a row's product
 # comes from the same kernel, shape and reduction order whatever the batch (BLAS picks kernels by row count)
@@ -189,6 +190,8 @@ class NativeDecoder:
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
         softcap = getattr(attn, "attn_logit_softcapping", None) if config.model_type == "gemma2" else None
         act = getattr(mlp, "act_fn", None) or mlp.activation_fn
+        if type(act).__name__ in SILU_MODULES and not getattr(act, "inplace", False):
+            act = F.silu  # what the module's forward calls, without a module call a layer
         return Layer(index=index, attn_norm=self._norm(layer.input_layernorm), qkv=qkv, qk_norm=qk_norm,
                      o_proj=Projection([attn.o_proj], self.rows),
                      attn_out_norm=self._norm(layer.post_attention_layernorm) if gemma else None,

@@ -311,7 +311,7 @@ class EmbeddingWorker(PrefillWorker):
     def status(self) -> WorkerStatus:
         # engine_connected: no job of this worker's needs an engine (the gateway dispatches embeddings regardless)
         return WorkerStatus(self.name, self.fingerprint, self.embedder.n_ctx, "", self.vocab_size, False,
-                            self.embedder.n_embd, self.embedder.pooling_name)
+                            self.embedder.n_embd, self.embedder.pooling_name, "embeddings only: the GGUF")
 
     async def _answer(self, job: PrefillJob, writer: asyncio.StreamWriter) -> PrefillFailed:
         return PrefillFailed(job.request_id, "bad_prompt", f"{os.path.basename(self.model_path)} is an embedding "

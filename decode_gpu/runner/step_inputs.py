@@ -24,6 +24,10 @@ from decode_gpu.kv.pool import KVPool
 
 log = logging.getLogger(__name__)
 IDS, POSITIONS, SLOTS, CONTEXT = range(4)
+# the CPU's unmasked decode view (PagedBatch.decode_len) for batches of equal lengths up to this many rows: a batch
+# of one, a deterministic step's rows each alone; measured faster at 1 and 8 rows, not measured clean at 32 (a run on
+# a loaded machine had it 2x slower there, a synthetic run equal), so larger batches keep the masked view
+EXACT_MAX_ROWS = 8
 
 
 class StepInputs:
@@ -134,7 +138,9 @@ class StepInputs:
         max_context; None otherwise, and off the CPU (where the lengths are not on the host without a sync)."""
         if self.device.type != "cpu":
             return None
-        lengths = self._columns[CONTEXT, rows]  # numpy: the host buffer is the device's on the CPU
+        lengths = self._columns[CONTEXT, rows]
+        if len(lengths) > EXACT_MAX_ROWS:
+            return None  # numpy: the host buffer is the device's on the CPU
         first = int(lengths[0])
         return first if first <= max_context and bool((lengths == first).all()) else None
 

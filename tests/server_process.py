@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -68,6 +69,12 @@ class ServerProcess:
     def child_pids(self) -> list[int]:
         return [p["pid"] for p in self.health()["processes"].values() if p["pid"]]
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
@@ -77,6 +84,17 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             raise
+
+
+def served(config_text: str, policy_text: str | None = None, name: str = "serve"):
+    """A module-scoped `server` fixture: `edge serve` with this config and policy, started once for the module's
+    tests (in a folder of its own, named after `name`) and stopped after the last. In a test module:
+    `server = served(CONFIG, POLICY)`."""
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        with ServerProcess(config_text, tmp_path_factory.mktemp(name), policy_text).start() as process:
+            yield process
+    return server
 
 
 def pid_alive(pid: int) -> bool:

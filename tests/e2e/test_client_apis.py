@@ -41,10 +41,9 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "requir
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve")
-    server = ServerProcess(CONFIG + f'audit_log = "{workdir / "audit.jsonl"}"\n', workdir, POLICY).start()
-    server.audit = workdir / "audit.jsonl"
-    yield server
-    server.stop()
+    with ServerProcess(CONFIG + f'audit_log = "{workdir / "audit.jsonl"}"\n', workdir, POLICY).start() as server:
+        server.audit = workdir / "audit.jsonl"
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess, pid_alive, wait_for
+from server_process import ServerProcess, pid_alive, served, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -63,11 +63,7 @@ def fresh_text(tag: str, n_words: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n_words))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("serve"), POLICY).start()
-    yield server
-    server.stop()
+server = served(CONFIG, POLICY)
 
 
 @pytest.fixture(scope="module")
@@ -374,8 +370,7 @@ def _run_dir(server: ServerProcess) -> Path:
 
 
 def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
-    server = ServerProcess(CONFIG, tmp_path, POLICY).start()
-    try:
+    with ServerProcess(CONFIG, tmp_path, POLICY).start() as server:  # stopped whatever fails inside
         run_dir = _run_dir(server)
         assert run_dir.stat().st_mode & 0o777 == 0o700
         children = server.child_pids()
@@ -399,8 +394,6 @@ def test_sigterm_ends_streams_explicitly_and_leaves_no_process(tmp_path):
         assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
         assert server.stop() == 0
         reader.join(30)
-    finally:
-        server.stop()  # never leak a server, whatever failed above
     data = [line for line in lines if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
     assert '"code": "aborted"' in data[-2]  # 500 tokens take far longer than the 1 s grace period

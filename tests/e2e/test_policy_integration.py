@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from server_process import ServerProcess, wait_for
+from server_process import served, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -44,11 +44,7 @@ retry_after_s = 3
 LOAD_PROMPT = "Counting: " + ", ".join(str(i) for i in range(1, 31)) + ","
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("policy-serve"), POLICY).start()
-    yield server
-    server.stop()
+server = served(CONFIG, POLICY, "policy-serve")
 
 
 def complete(server, headers=None, **body):

@@ -370,8 +370,7 @@ def test_the_real_server_logs_every_request_and_enforces_a_quota(tmp_path):
     from server_process import ServerProcess
     audit = tmp_path / "audit.log"
     policy = POLICY.replace("tokens_per_day = 100", "tokens_per_day = 5") + "[audit]\nlog_text = true\n"
-    server = ServerProcess(f'audit_log = "{audit}"\nkv_cache_tokens = 2048\n', tmp_path, policy).start()
-    try:
+    with ServerProcess(f'audit_log = "{audit}"\nkv_cache_tokens = 2048\n', tmp_path, policy).start() as server:
         def chat(key: str) -> httpx.Response:
             return httpx.post(server.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                               json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi\n"}]},
@@ -382,8 +381,6 @@ def test_the_real_server_logs_every_request_and_enforces_a_quota(tmp_path):
         over = chat("k-team")  # the first one's prompt alone is over 5 tokens
         assert over.status_code == 429 and over.json()["error"]["code"] == "quota_exceeded"
         assert 0 < int(over.headers["Retry-After"]) <= 24 * 3600
-    finally:
-        server.stop()
     wrong, ok, refused = lines(audit)
     assert (wrong["status"], wrong["http_status"], wrong["key_id"]) == ("rejected", 401, key_id("wrong"))
     assert (ok["status"], ok["request_id"], ok["key_id"]) == ("finished", first.json()["id"], "team-a")

@@ -29,7 +29,7 @@ from edge.state import GATEWAY
 from edge.status import SESSION_COOKIE, WINDOW_S, StatusBoard, StatusSessions
 from policies.enforcer import PolicyEnforcer
 from policies.schema import Policy, Tier
-from server_process import ServerProcess, wait_for
+from server_process import served, wait_for
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 ADMIN, USER, BATCH = "admin-key-0123", "user-key-0123", "batch-key-0123"
@@ -321,11 +321,7 @@ class Browser:
         self.process.wait(30)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = ServerProcess(CONFIG, tmp_path_factory.mktemp("status-serve"), POLICY).start()
-    yield server
-    server.stop()
+server = served(CONFIG, POLICY, "status-serve")
 
 
 @pytest.fixture(scope="module")

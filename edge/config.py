@@ -76,6 +76,7 @@ class ServeConfig:
     decode_yields_to_prefill: str = knob("decode_yields_to_prefill")
     cpu_decode_pace_ms: float = knob("cpu_decode_pace_ms")
     grammar_compile_timeout_s: float = knob("grammar_compile_timeout_s")
+    grammar_compile_queue_per_key: int = knob("grammar_compile_queue_per_key")
     tool_call_parser: str = knob("tool_call_parser")
     reasoning_parser: str = knob("reasoning_parser")
     launch: bool = knob("launch")

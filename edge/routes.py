@@ -84,7 +84,8 @@ async def _generate(request: web.Request, kind: str, api: ClientApi | None = Non
         parsed = api.parse(body, gateway.pool.vocab_size, await _chat_format(gateway, kind)) if api else \
             parse_request(body, kind, vocab_size=gateway.pool.vocab_size, chat=await _chat_format(gateway, kind))
         await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway),
-                               compile_owner(key_id(_bearer(request)), request.remote))
+                               compile_owner(key_id(_bearer(request)), request.remote),
+                               gateway.config.grammar_compile_queue_per_key)
         run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()

@@ -27,6 +27,7 @@ CONFIG = f"""
 kv_cache_tokens = 8192
 max_model_len = 1200
 grammar_compile_timeout_s = {COMPILE_LIMIT_S}
+grammar_compile_queue_per_key = 1
 engine_heartbeat_timeout_s = {ENGINE_HEARTBEAT_S}
 [limits]
 shutdown_grace_s = {GRACE_S}
@@ -126,21 +127,26 @@ def test_explosive_schemas_whose_clients_leave_stall_nobody(server):
 
 
 def test_one_key_gets_one_compile_at_a_time(server):
-    results: list[httpx.Response] = []
+    """One compiling, one waiting its turn (grammar_compile_queue_per_key = 1), the third refused at once."""
+    results: list[tuple[float, httpx.Response]] = []
 
     def send(variant: int) -> None:
-        results.append(httpx.post(server.base + "/v1/chat/completions", headers=auth(ATTACKERS[0]), timeout=30,
+        started = time.perf_counter()
+        response = httpx.post(server.base + "/v1/chat/completions", headers=auth(ATTACKERS[0]), timeout=30,
                                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                         "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
-                                            "name": "x", "schema": explosive(100 + variant)}}}))
+                                            "name": "x", "schema": explosive(100 + variant)}}})
+        results.append((time.perf_counter() - started, response))
     threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    codes = sorted((r.status_code, r.json()["error"]["code"]) for r in results)
-    assert (429, "structured_output_compiles_per_key") in codes, codes
-    assert (400, "structured_output_too_complex") in codes, codes
+    codes = sorted((r.status_code, r.json()["error"]["code"]) for _, r in results)
+    assert codes.count((429, "structured_output_compiles_per_key")) == 1, codes
+    assert codes.count((400, "structured_output_too_complex")) == 2, codes  # the waiting one had its turn
+    refused_s = [s for s, r in results if r.status_code == 429]
+    assert refused_s[0] < 1.0, refused_s
 
 
 def ttft(base: str, key: str, prompt: str) -> tuple[float, int]:

@@ -119,6 +119,8 @@ def test_auto_on_the_cpu_measures_q8_0_only_where_ggml_loads(monkeypatch):
         return weight_plan.WeightPlan("float", "measured")
 
     monkeypatch.setattr(weight_plan, "_measured_cpu_plan", measured)
+    # an AVX-512 CPU, where torch's int4 is measured too (without it only ggml's q8_0: test_weight_switch.py)
+    monkeypatch.setattr(weight_plan.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     types = weight_plan.GGUFWeightTypes(frozenset({"Q4_1"}), "Q8_0")
     weight_plan.auto_weight_plan(CPU, types, model=nn.Linear(32, 32))
     monkeypatch.setattr(ggml_linear, "available", lambda: False)

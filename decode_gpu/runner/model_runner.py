@@ -268,8 +268,10 @@ class ModelRunner:
         all of them alike rather than on a few; as many rounds as fit in budget_s (at least one)."""
         bs = self.pool.shape.block_size
         limit = max_num_seqs * (1 + num_draft)
-        per_seq = max(1, min(-(-(COST_CONTEXT + 1 + num_draft) // bs), self.num_blocks // max_num_seqs))
-        context = max(1, per_seq * bs - 1 - num_draft)
+        per_seq = max(1, min(-(-(COST_CONTEXT + 1 + num_draft) // bs), self.num_blocks // max_num_seqs,
+                             self._max_blocks))
+        # within max_model_len too: the rotary table and the block tables end there
+        context = max(1, min(per_seq * bs, self.config.max_model_len) - 1 - num_draft)
 
         def probes(n: int) -> tuple[list[_Probe], dict[str, list[int]]]:
             seqs = [_Probe(str(i), [0] * (context + 1 + num_draft), context) for i in range(n)]

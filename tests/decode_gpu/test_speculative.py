@@ -491,3 +491,12 @@ def test_a_spent_budget_leaves_out_the_largest_row_counts(tiny):
     full = runner.measure_step_costs(4, 2, budget_s=60.0)
     assert [rows for rows, _ in full.plain] == measurement_rows(4)
     assert [rows for rows, _ in full.verify] == [r for r in measurement_rows(12) if r > 1]
+
+
+def test_the_probe_stays_within_a_short_max_model_len(tiny):
+    """max_model_len under the probe's 256-token context: its dummy sequences end where the rotary table does."""
+    model, identity = tiny[:2]
+    config = RunnerConfig(kv_cache_tokens=512, kv_storage="float32", max_model_len=100)
+    runner = ModelRunner(model, identity, config, torch.device("cpu"))
+    costs = runner.measure_step_costs(2, 2, budget_s=0.0)
+    assert costs.plain and costs.verify

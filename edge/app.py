@@ -191,7 +191,7 @@ def make_app(config: ServeConfig) -> web.Application:
     elif config.launch:
         app[SUPERVISOR] = supervisor = Supervisor()
         pool.on_stuck = lambda name: _kill_stuck(supervisor, name)
-        app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses, run_dir))
+        app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses, run_dir, embedding_only))
     if run_dir is not None and not config.run_dir:
         app.on_cleanup.append(lambda _: _remove_run_dir(run_dir))
     app.cleanup_ctx.append(_connections)
@@ -202,10 +202,11 @@ def make_app(config: ServeConfig) -> web.Application:
     return app
 
 
-def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str):
+def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str,
+               embedding_only: bool = False):
     async def context(app: web.Application):
         config, supervisor = app[CONFIG], app[SUPERVISOR]
-        if app[GATEWAY].embedding_only:  # the workers alone: no engine, no handoff, no structured outputs
+        if embedding_only:  # the workers alone: no engine, no handoff, no structured outputs
             start_embedding_workers(supervisor, config, model_path, worker_addresses)
             watcher = spawn(supervisor.watch(), "the process supervisor", log)
             yield

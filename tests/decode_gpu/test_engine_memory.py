@@ -177,8 +177,7 @@ def test_the_default_engine_holds_under_the_goal_after_16_concurrent_chats(tmp_p
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             assert sum(pool.map(chat, range(16))) > 16
-        rss = engine.memory_info().rss
-        memory = _reported_after(server, rss)
+        memory, rss = _reported_after(server, engine)
         held = sum(memory["weights"].values())
         parts = memory["libraries"] + held + memory["kv_pool_resident"] + memory["buffers"] + memory["swap"]
         table = {k: round(v / MB) if isinstance(v, int) else v for k, v in memory.items()}
@@ -210,15 +209,16 @@ def _engine_process(health: dict) -> psutil.Process:
     raise AssertionError(f"no decode engine among {health['processes']}")
 
 
-def _reported_after(server, rss: int) -> dict:
-    """The engine's memory in /health, from a report as recent as the RSS read (stats every 0.5 s)."""
+def _reported_after(server, engine) -> tuple[dict, int]:
+    """The engine's memory in /health and its RSS read at the same time (stats every 0.5 s): the RSS is read again
+    at every try, since the engine gives freed pages back (malloc_trim) once the burst has ended."""
     from server_process import wait_for
     found = {}
 
     def recent() -> bool:
         memory = (server.health().get("engine") or {}).get("memory")
-        found["memory"] = memory
-        return bool(memory) and abs(memory["rss"] - rss) <= 0.05 * rss
+        found["memory"], found["rss"] = memory, engine.memory_info().rss
+        return bool(memory) and abs(memory["rss"] - found["rss"]) <= 0.05 * found["rss"]
 
     wait_for(recent, timeout_s=10)
-    return found["memory"]
+    return found["memory"], found["rss"]

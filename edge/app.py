@@ -208,33 +208,35 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
         config, supervisor = app[CONFIG], app[SUPERVISOR]
         if embedding_only:  # the workers alone: no engine, no handoff, no structured outputs
             start_embedding_workers(supervisor, config, model_path, worker_addresses)
-            watcher = spawn(supervisor.watch(), "the process supervisor", log)
-            yield
-            watcher.cancel()
-            await supervisor.shutdown()
-            return
-        # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
-        share = os.path.join(run_dir, "cpu-share")
-        engine = engine_config(config, model_path, engine_address, share)
-        supervisor.add("decode_engine", "decode_gpu.service.server", config_argv(engine))
-        if config.cpu_decode_pace_ms and default_threads(config) > 1:
-            log.warning("cpu_decode_pace_ms = %g with %d threads a prefill worker: a worker that shares the cores "
-                        "with decode runs half its threads while decode has sequences, so the cores idle while decode "
-                        "waits out its pace; pacing pays with threads_per_worker = 1 and a worker per core "
-                        "(docs/config.md)", config.cpu_decode_pace_ms, default_threads(config))
-        kv_type = worker_kv_type(config, engine_address)
-        log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,
-                 engine_address)
-        for name, address in worker_addresses.items():
-            worker = worker_config(config, model_path, name, address, engine_address, kv_type, default_threads(config),
-                                   share)
-            supervisor.add(name, "prefill_cpu.worker", config_argv(worker))
+        else:
+            _add_engine_and_workers(supervisor, config, model_path, engine_address, worker_addresses, run_dir)
         watcher = spawn(supervisor.watch(), "the process supervisor", log)
-        warm_structured_checks(model_path)  # the gateway's compile processes load the vocabulary meanwhile
+        if not embedding_only:
+            warm_structured_checks(model_path)  # the gateway's compile processes load the vocabulary meanwhile
         yield
         watcher.cancel()
         await supervisor.shutdown()
     return context
+
+
+def _add_engine_and_workers(supervisor, config: ServeConfig, model_path: str, engine_address: str,
+                            worker_addresses: dict[str, str], run_dir: str) -> None:
+    # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
+    share = os.path.join(run_dir, "cpu-share")
+    engine = engine_config(config, model_path, engine_address, share)
+    supervisor.add("decode_engine", "decode_gpu.service.server", config_argv(engine))
+    if config.cpu_decode_pace_ms and default_threads(config) > 1:
+        log.warning("cpu_decode_pace_ms = %g with %d threads a prefill worker: a worker that shares the cores "
+                    "with decode runs half its threads while decode has sequences, so the cores idle while decode "
+                    "waits out its pace; pacing pays with threads_per_worker = 1 and a worker per core "
+                    "(docs/config.md)", config.cpu_decode_pace_ms, default_threads(config))
+    kv_type = worker_kv_type(config, engine_address)
+    log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,
+             engine_address)
+    for name, address in worker_addresses.items():
+        worker = worker_config(config, model_path, name, address, engine_address, kv_type, default_threads(config),
+                               share)
+        supervisor.add(name, "prefill_cpu.worker", config_argv(worker))
 
 
 async def _connections(app: web.Application):

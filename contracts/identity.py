@@ -1,6 +1,6 @@
 """What both sides must agree on about a GGUF: its fingerprint and its attention shape.
 
-Read from GGUF metadata with the `gguf` package (no llama.cpp, no torch), so the prefill worker and
+Read from GGUF metadata with contracts.gguf_header (no llama.cpp, no torch), so the prefill worker and
 the decode engine compute the same identity for the same file.
 """
 
@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 
 import gguf
+
+from contracts.gguf_header import GGUFHeader, read_header
 
 # How llama.cpp stores K heads relative to the Hugging Face layout, per architecture.
 # LLaMA GGUFs have q/k rows permuted by the converter (interleaved RoPE); NEOX families are not.
@@ -60,16 +62,16 @@ def check_supported(path: str) -> None:
     refuses at start and `edge check-model` reports. Reads metadata only; no fingerprint of the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such GGUF file")
-    _read_shape(gguf.GGUFReader(path), path)
+    _read_shape(read_header(path), path)
 
 
 @functools.lru_cache(maxsize=16)
 def _read_identity(path: str, size: int, mtime_ns: int) -> GGUFIdentity:
-    shape = _read_shape(gguf.GGUFReader(path), path)
+    shape = _read_shape(read_header(path), path)
     return GGUFIdentity(path=path, fingerprint=file_fingerprint(path), **shape)
 
 
-def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
+def _read_shape(reader: GGUFHeader, path: str) -> dict:
     arch = _field(reader, "general.architecture", path)
     if arch not in ROPE_LAYOUTS:
         raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported; "
@@ -101,7 +103,7 @@ def _read_shape(reader: gguf.GGUFReader, path: str) -> dict:
     )
 
 
-def sliding_layers(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[bool]:
+def sliding_layers(reader: GGUFHeader | gguf.GGUFReader, arch: str, n_layer: int) -> list[bool]:
     """Which layers attend through a sliding window, as llama.cpp decides: an explicit per-layer array, or a
     pattern n where every n-th layer is global (Gemma 2: 2, Gemma 3: 6). All False for a family without SWA."""
     default_pattern = SWA_PATTERNS.get(arch)
@@ -113,7 +115,7 @@ def sliding_layers(reader: gguf.GGUFReader, arch: str, n_layer: int) -> list[boo
     return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
 
 
-def _check_features(reader: gguf.GGUFReader, path: str, arch: str) -> None:
+def _check_features(reader: GGUFHeader, path: str, arch: str) -> None:
     """Refuse, by name, what a supported family may use but the handoff or the decode model cannot follow."""
     scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
@@ -129,7 +131,7 @@ def _check_features(reader: gguf.GGUFReader, path: str, arch: str) -> None:
                                     f"{value_length} is not supported (the KV pool needs them equal)")
 
 
-def _check_attention_shapes(reader: gguf.GGUFReader, path: str, n_layer: int, expected: dict) -> None:
+def _check_attention_shapes(reader: GGUFHeader, path: str, n_layer: int, expected: dict) -> None:
     """The metadata's head counts against the attention tensors themselves: a wrong head count would otherwise
     surface as a shape error deep in llama.cpp or torch, or not at all. GGUF shapes are ggml's: [inputs, outputs].
     A fused qkv tensor (Phi-3) has no attn_q and is not checked here."""
@@ -146,13 +148,13 @@ def _check_attention_shapes(reader: gguf.GGUFReader, path: str, n_layer: int, ex
 _MISSING = object()
 
 
-def metadata(reader: gguf.GGUFReader, key: str, default=None):
+def metadata(reader: GGUFHeader | gguf.GGUFReader, key: str, default=None):
     """A GGUF metadata value, or `default` when the file has no such key."""
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
 
-def _field(reader: gguf.GGUFReader, key: str, path: str, default=_MISSING):
+def _field(reader: GGUFHeader, key: str, path: str, default=_MISSING):
     value = metadata(reader, key, _MISSING)
     if value is _MISSING:
         if default is _MISSING:

@@ -1,4 +1,4 @@
-"""Whether a GGUF is a generator or an embedding model, from its metadata alone (the `gguf` package; no llama.cpp).
+"""Whether a GGUF is a generator or an embedding model, from its metadata alone (contracts.gguf_header; no llama.cpp).
 
 An embedding model (a BERT-family encoder, or any GGUF that declares non-causal attention or a pooling type, as
 llama.cpp's converter writes for sentence-embedding and reranker models) is served on its own: the prefill workers
@@ -12,7 +12,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-import gguf
+from contracts.gguf_header import GGUFHeader, read_header
 
 # llama.cpp's encoder-only architectures (no causal generation): an embedding model whatever else the file says
 ENCODER_ARCHS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert",
@@ -36,7 +36,7 @@ def model_kind(path: str) -> ModelKind:
 
 @functools.lru_cache(maxsize=8)
 def _model_kind(path: str, size: int, mtime_ns: int) -> ModelKind:
-    reader = gguf.GGUFReader(path)
+    reader = read_header(path)
     arch = str(_value(reader, "general.architecture", ""))
     pooling = POOLING_NAMES.get(_int(_value(reader, f"{arch}.pooling_type", 0)), "")
     causal = _value(reader, f"{arch}.attention.causal", True)
@@ -51,7 +51,7 @@ def _model_kind(path: str, size: int, mtime_ns: int) -> ModelKind:
     return ModelKind(arch, bool(reason), pooling or ("mean" if reason else ""), reason)
 
 
-def _value(reader: gguf.GGUFReader, key: str, default):
+def _value(reader: GGUFHeader, key: str, default):
     field = reader.get_field(key)
     return default if field is None else field.contents()
 

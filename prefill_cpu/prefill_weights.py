@@ -31,11 +31,11 @@ import shutil
 import time
 from pathlib import Path
 
-import gguf
 import llama_cpp
 import psutil
 
 from contracts.cache import converted_dir
+from contracts.gguf_header import read_header
 from contracts.identity import GGUFIdentity
 from prefill_cpu.prefill_rate import Recorded
 
@@ -161,7 +161,7 @@ def _chosen(identity: GGUFIdentity, folder: Path, decision: dict) -> str:
 def candidate(path: str, folder: Path) -> str | None:
     """f16 if its copy takes at most MEMORY_SHARE of the memory, else q8_0 if that does, else None (also when the disk
     lacks room for the copy twice over, or the file has 16 or 32 bits a weight already)."""
-    reader = gguf.GGUFReader(path)
+    reader = read_header(path)
     file_type = reader.get_field("general.file_type")
     if file_type is not None and int(file_type.contents()) in UNCONVERTED:
         return None  # already 16 or 32 bits a weight: a copy would prefill no faster
@@ -198,7 +198,7 @@ def auto_outlook(identity: GGUFIdentity) -> str:
                   f"{decision['candidate']} copy" if "converted_tok_s" in decision else "")
         return (f"{chosen}, as measured at an earlier start ({key.get('threads')} threads, n_batch "
                 f"{key.get('n_batch')}{speeds}; {record})")
-    file_type = gguf.GGUFReader(identity.path).get_field("general.file_type")
+    file_type = read_header(identity.path).get_field("general.file_type")
     if file_type is not None and int(file_type.contents()) in UNCONVERTED:
         return "the given file: it has 16 or 32 bits a weight already"
     existing = next(p for p in (folder, *folder.parents) if p.exists())  # candidate() asks its disk for room

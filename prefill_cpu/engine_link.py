@@ -34,11 +34,15 @@ class EngineUnavailableError(ConnectionError):
 
 
 class EngineLink:
-    def __init__(self, address: str, name: str, secret: bytes, retry_s: tuple[float, float] = RETRY_S) -> None:
+    def __init__(self, address: str, name: str, secret: bytes, retry_s: tuple[float, float] = RETRY_S,
+                 startup_wait_s: float = 0.0) -> None:
         self.address = address
         self.name = name
         self.secret = secret
         self.retry_s = retry_s
+        # the first try waits this long for the engine to listen, looking every LISTEN_POLL_S: a worker started with
+        # its engine connects within that of the engine listening, not a backoff of up to RETRY_LONGEST_S later
+        self.startup_wait_s = startup_wait_s
         self.writer: asyncio.StreamWriter | None = None
         # bumped on every lost connection; the prefill thread compares it to abort a prompt (an int read is atomic)
         self.num_losses = 0
@@ -70,8 +74,10 @@ class EngineLink:
             raise EngineUnavailableError(f"the decode engine connection dropped during the handoff: {err}") from None
 
     async def _connect(self) -> Streams:
-        """One try: the engine is expected to listen already (the backoff is stay_connected's)."""
-        return await connect_when_listening(self.address, "prefill", self.name, self.secret, timeout_s=0)
+        """One try: the engine is expected to listen already (the backoff is stay_connected's), except on the first,
+        which waits up to startup_wait_s for it."""
+        wait_s, self.startup_wait_s = self.startup_wait_s, 0.0
+        return await connect_when_listening(self.address, "prefill", self.name, self.secret, timeout_s=wait_s)
 
     def _failed(self, err: Exception) -> None:
         """Logged once per distinct error: an engine down for minutes must not flood the log."""

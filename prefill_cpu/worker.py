@@ -420,7 +420,7 @@ async def _own_engine(config: WorkerProcessConfig, secret: bytes) -> tuple[Engin
     stand-in without one: then each job names its engine)."""
     if not config.engine:
         return None, asyncio.get_running_loop().create_future()
-    engine = EngineLink(config.engine, config.name, secret)
+    engine = EngineLink(config.engine, config.name, secret, startup_wait_s=ENGINE_STARTUP_WAIT_S)
     link = spawn(engine.run(), "the decode engine link", log)
     # listen once the engine is there (it loads its model first), so a new gateway does not see an engine-less
     # worker as ready; a worker whose engine does not come up serves anyway and reports it in its heartbeats

@@ -403,3 +403,22 @@ def test_the_engine_link_refuses_a_send_while_disconnected():
             await EngineLink("unix:/nonexistent/engine.sock", "w0", SECRET).send(Handoff("r", b""))
 
     asyncio.run(scenario())
+
+
+def test_the_worker_s_own_link_connects_as_soon_as_its_engine_listens(sockets):
+    """At start the engine loads its model before it listens: the first try waits for it (looking every
+    LISTEN_POLL_S), so the worker is linked, and listens, within a poll of the engine, not a backoff later."""
+    async def scenario():
+        address = f"unix:{sockets}/engine.sock"
+        link = EngineLink(address, "w0", SECRET, retry_s=(30.0, 30.0), startup_wait_s=30.0)
+        link_task = spawn(link.run(), "the engine link under test", log)
+        await asyncio.sleep(0.5)  # the engine loads its model
+        assert not link.connected and link.last_error is None  # waiting, not failed and backing off
+        engine = await FakeEngine(address).start()
+        listening = time.monotonic()
+        assert await link.wait_connected(5.0)
+        assert time.monotonic() - listening < 2.0
+        link_task.cancel()
+        await engine.stop()
+
+    asyncio.run(scenario())

@@ -1,6 +1,6 @@
 """weight_dtype = auto: which weights the decode model holds, and up to which batch size. On CUDA the GGUF's own
 quantization decides; on a CPU a measurement of the quantized layers against the float ones, batch size by batch
-size, in this process (docs/decode.md, "Weights")."""
+size, in this process, or the plan a quiet start recorded (plan_record.py; docs/decode.md, "Weights")."""
 
 from __future__ import annotations
 
@@ -82,6 +82,12 @@ def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Mod
         return WeightPlan("float", "the GGUF's weights are not quantized")
     if model is None:
         return WeightPlan("float", "no model to measure")
+    return _measured_cpu_plan(model, max_batch, cpu_kinds(types), types.head_int8)
+
+
+def cpu_kinds(types: GGUFWeightTypes) -> tuple[str, ...]:
+    """The quantized kinds auto measures on this CPU against the float weights: int4 where every layer matrix is
+    affine 4-bit in the GGUF, else int8; and ggml's q8_0 where its libraries load."""
     kind = "int4" if types.layers and types.layers <= GGUF_EXACT_INT4 else "int8"
     from decode_gpu.model import ggml_linear
     kinds = (kind, "q8_0") if ggml_linear.available() else (kind,)
@@ -89,7 +95,7 @@ def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Mod
         # torch's packed int4/int8 kernels lose to float without AVX-512 (here: int4 2-13x slower than float32 at
         # batch 1 on an AVX2 CPU); ggml's do not need it. Building and timing them cost seconds of every start
         kinds = ("q8_0",)
-    return _measured_cpu_plan(model, max_batch, kinds, types.head_int8)
+    return kinds
 
 
 def _measured_cpu_plan(model: nn.Module, max_batch: int, kinds: tuple[str, ...] = ("int8",),

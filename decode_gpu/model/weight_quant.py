@@ -6,7 +6,8 @@ against bfloat16, int4 quarters them. The layers are quantized one at a time on 
 model never sits there in bfloat16 (docs/decode.md, "Weights").
 
 The entry points and the `weight_dtype` setting's values live here; the layers in int8_linear.py, int4_linear.py,
-ggml_linear.py (q8_0) and packed_linear.py (prepacked bfloat16 on the CPU); `auto`'s choice in weight_plan.py.
+ggml_linear.py (q8_0) and packed_linear.py (prepacked bfloat16 on the CPU); `auto`'s choice in weight_plan.py, its
+record from a quiet start in plan_record.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from decode_gpu.model.int4_linear import Int4Linear
 from decode_gpu.model.int8_linear import Int8Embedding, Int8Linear, int8_kernel_works, int8_rows
 from decode_gpu.model.packed_linear import PackedLinear, pack_linears, replace_module
+from decode_gpu.model.plan_record import cpu_weight_plan
 from decode_gpu.model.quantized_linear import QuantizedLinear
 from decode_gpu.model.weight_plan import GGUFWeightTypes, WeightPlan, auto_weight_plan, gguf_weight_types, layer_class
 
@@ -158,8 +160,8 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     on_cpu = plan.weight_dtype != "float" or measure
     model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype)
     fuse_projections(model)  # before packing and quantizing, which then see the stacked layers
-    if measure:
-        plan = auto_weight_plan(device, types, model, max_batch)
+    if measure:  # a quiet start's recorded plan, else a measurement (recorded if the machine was quiet)
+        plan = cpu_weight_plan(identity, types, model, dtype, max_batch)
         if fixed_precision and plan.float_above is not None:
             plan = dataclasses.replace(plan, float_above=None, why=plan.why + "; one precision at every batch size "
                                        "(deterministic)")

@@ -24,12 +24,14 @@ from server_process import ServerProcess
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # The mixed-batch test compares greedy texts bit for bit, so nothing but the constraint may change them:
-# float32 (on this CPU bfloat16 matrix products round differently at different batch sizes) and no prompt cache
+# float32 activations and weights (on this CPU bfloat16 matrix products round differently at different batch sizes,
+# and auto's weight plan may hold q8_0 weights up to a batch size and float32 ones above it) and no prompt cache
 # (a prompt whose prefix comes from the cache gets its last position computed in another llama.cpp batch shape)
 COMPILE_LIMIT_S = 1.0  # grammar_compile_timeout_s of this server (the default is 5)
 CONFIG = f"""
 max_num_seqs = 32
 dtype = "float32"
+weight_dtype = "float32"
 prefix_cache_tokens = 0
 grammar_compile_timeout_s = {COMPILE_LIMIT_S}
 [limits]

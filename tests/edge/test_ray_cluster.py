@@ -25,7 +25,10 @@ from server_process import ServerProcess, wait_for  # noqa: E402
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the embedded model's name
 STORE = 256 << 20  # object store per node: the handoff does not go through it
+# one weight precision, pinned: auto's plan is measured by each start (the single box's and the cluster's engines
+# could choose differently on a busy machine) and may switch precision by batch size
 CONFIG = """
+weight_dtype = "float32"
 kv_type = "q8_0"
 kv_cache_tokens = 4096
 max_model_len = 1024

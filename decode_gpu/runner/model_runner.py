@@ -379,10 +379,15 @@ class ModelRunner:
         """forward(), timed for the weight switch when there is one (eager steps on the CPU with two precisions)."""
         if self.weight_switch is None:
             return forward()
-        precision = self.weight_switch.before_step(rows)
+        switch = self.weight_switch
+        precision = switch.before_step(rows)
         started = time.perf_counter()
         logits = forward()
-        self.weight_switch.after_step(rows, precision, (time.perf_counter() - started) * 1e3)
+        switch.after_step(rows, precision, (time.perf_counter() - started) * 1e3)
+        if precision != switch.planned(rows):
+            # an explored step is only timed: its tokens come from the plan's weights (the step runs again and writes
+            # the same KV slots), so a request's answer does not depend on where the explore_every-th step fell
+            logits = forward()
         return logits
 
     def _weight_switch(self, model, capacity: int) -> WeightSwitch | None:

@@ -6,7 +6,9 @@ largest batch that uses the quantized weights. The start-up measurement sets it 
 pass over the layers (weight_plan.py), on a machine that may have been busy just then. Here it moves with the real
 steps: each step's time is kept as a moving estimate by (rows, precision); now and then (every `explore_every` steps
 at a batch size) a step runs on the other precision, so both estimates stay current; when the other one is faster
-by more than `hysteresis` at a batch size, float_above moves past it. Every move is logged.
+by more than `hysteresis` at a batch size, float_above moves past it. Every move is logged. An explored step is only
+timed: the model runner runs it again on the plan's weights for its tokens (one extra forward in explore_every), so
+the exploration never changes an answer; only a move of the plan does.
 """
 
 from __future__ import annotations

@@ -72,3 +72,37 @@ def test_the_start_up_plan_measures_torch_int_kernels_only_where_they_can_win(mo
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
         weight_plan.auto_weight_plan(torch.device("cpu"), types, object(), 8)
     assert measured == [("q8_0",), ("int4", "q8_0")]
+
+
+def _run(switch: WeightSwitch, rows: int, ms: dict[str, float], steps: int) -> tuple[list[str], int]:
+    """Steps through the model runner's _switched: each forward reports the precision its layers held (and the time
+    the switch is to see, through a fake clock); returns (what each step gave, forwards run)."""
+    from decode_gpu.runner import model_runner
+    clock, calls = [0.0], []
+
+    def forward() -> str:
+        held = "float" if rows > switch.layers[0].float_above else "quantized"
+        calls.append(held)
+        clock[0] += ms[held] / 1e3
+        return held
+    runner = SimpleNamespace(weight_switch=switch)
+    real = model_runner.time.perf_counter
+    model_runner.time.perf_counter = lambda: clock[0]
+    try:
+        return [model_runner.ModelRunner._switched(runner, rows, forward) for _ in range(steps)], len(calls)
+    finally:
+        model_runner.time.perf_counter = real
+
+
+def test_an_explored_step_is_only_timed_and_its_tokens_come_from_the_plan():
+    switch = _switch()
+    given, forwards = _run(switch, 4, {"quantized": 10.0, "float": 10.5}, 10)
+    assert given == ["quantized"] * 10 and forwards == 12  # steps 5 and 10 explored float, then ran on the plan
+    assert switch.times.get((4, "float")) == 10.5 and switch.float_above == 8
+
+
+def test_an_explored_precision_that_moves_the_plan_gives_its_tokens_at_once():
+    switch = _switch()
+    given, forwards = _run(switch, 4, {"quantized": 10.0, "float": 5.0}, 6)
+    assert given == ["quantized"] * 4 + ["float"] * 2 and forwards == 6  # the plan moved to float at step 5
+    assert switch.float_above == 3

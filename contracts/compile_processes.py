@@ -133,6 +133,7 @@ class CompileProcesses:
         self._closed = False
         self._stopping = threading.Event()  # set by close(): compiles in progress stop at once
         self.killed = 0  # children killed at their limit or for a caller gone: for tests and logs
+        self.compiles = 0  # constraints sent to a child: a cached outcome sends none (for /health and tests)
 
     def run(self, kind: str, source: str, timeout_s: float, mode: str = "check", owner: str | None = None,
             cancelled: threading.Event | None = None) -> str:
@@ -204,6 +205,8 @@ class CompileProcesses:
     def _compile(self, child: _Child, kind: str, source: str, timeout_s: float, mode: str,
                  cancelled: threading.Event | None) -> str:
         keep, reason = False, "the compiler failed"
+        with self._cond:
+            self.compiles += 1
         try:
             answer = child.ask({"kind": kind, "source": source, "mode": mode}, time.monotonic() + timeout_s,
                                cancelled, self._stopping)
@@ -306,10 +309,12 @@ class CompileProcesses:
 
     def state(self) -> dict:
         """For /health: processes idle, compiles running now, callers waiting for a process, callers waiting their
-        key's turn, processes stopped so far."""
+        key's turn, processes stopped so far, compiles sent to a process so far (every key's; a request's miss
+        counts one whatever other tenants sent: only compiles of its own cache salt answer it)."""
         with self._cond:
             return {"idle": len(self._idle), "compiling": self._children - self._starting - len(self._idle),
-                    "waiting": self._waiting, "queued": self._queued, "stopped": self.killed}
+                    "waiting": self._waiting, "queued": self._queued, "stopped": self.killed,
+                    "compiles": self.compiles}
 
     def warm(self) -> None:
         """Start the children now rather than on the first compile (their imports take a second)."""

@@ -7,6 +7,11 @@ model's vocabulary, and a prefill worker or the engine gets the checked grammar 
 in a pool thread (a step that llguidance's own work limits bound: contracts.grammar.limits). A pool thread waiting
 past the limit is abandoned, and keeps its slot until the process answers or is killed, so waits cannot pile up;
 with every slot taken a new compile is refused at once (GrammarBusyError, a 503) rather than queued behind them.
+
+Every cache of compiles here (outcomes, grammars, compiles in flight) is kept per cache salt (the request's
+PrefillJob.cache_salt, which the gateway derives from its API key: edge.cache_salt) as well as per constraint: a
+compile answers, or is joined by, only requests of the salt that started it. Shared, a known schema would be
+answered at once for anyone, and the time of an answer would tell a tenant which schemas another one sends.
 """
 
 from __future__ import annotations
@@ -42,9 +47,13 @@ def downstream_timeout_s(timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> float:
     return timeout_s * DOWNSTREAM_MARGIN
 
 
-def constraint_key(kind: str, source: str) -> tuple[str, bytes]:
-    """What caches keep a constraint by: its digest, not its text (up to 256 KiB each)."""
-    return kind, hashlib.sha256(source.encode("utf-8", "surrogatepass")).digest()
+ConstraintKey = tuple[str, str, bytes]  # (cache salt, kind, digest of the source)
+
+
+def constraint_key(kind: str, source: str, cache_salt: str = "") -> ConstraintKey:
+    """What caches keep a constraint by: the cache salt of the request that asked (only requests of one salt share
+    a compile), and the constraint's digest, not its text (up to 256 KiB each). "": unsalted (open access)."""
+    return cache_salt, kind, hashlib.sha256(source.encode("utf-8", "surrogatepass")).digest()
 
 
 def compile_timeout_s(*sources) -> float:
@@ -97,10 +106,12 @@ def timed_out(future: Future, started: threading.Event, timeout_s: float, cancel
 
 
 class CompiledGrammars:
-    """The compiled grammars of one vocabulary (a prefill worker's, the engine's), kept by constraint (least
-    recently used dropped) and copied per sequence. `prepare` starts a compile from any thread without waiting;
-    `matcher` waits for it at most timeout_s. The vocabulary (tokenizer(): an llguidance LLTokenizer) is built by
-    the first compile, in the pool. A failed compile stays failed: its constraint is refused again at once."""
+    """The compiled grammars of one vocabulary (a prefill worker's, the engine's), kept by cache salt and constraint
+    (`entries` of them, least recently used dropped) and copied per sequence. `prepare` starts a compile from any
+    thread without waiting; `matcher` waits for it at most timeout_s. The vocabulary (tokenizer(): an llguidance
+    LLTokenizer) is built by the first compile, in the pool. A failed compile stays failed: its constraint is
+    refused again at once (for its salt). cache_salt: the request's (PrefillJob.cache_salt); a compile, running or
+    done, serves that salt only."""
 
     def __init__(self, tokenizer: Callable, stop_token_ids: tuple[int, ...], timeout_s: float,
                  pool: CompilePool, entries: int = 64, processes: CompileProcesses | None = None) -> None:
@@ -109,23 +120,23 @@ class CompiledGrammars:
         self.timeout_s = timeout_s
         self._pool, self._entries = pool, entries
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[tuple[str, bytes], tuple[Future, threading.Event]] = OrderedDict()
+        self._compiled: OrderedDict[ConstraintKey, tuple[Future, threading.Event]] = OrderedDict()
 
-    def prepare(self, kind: str, source: str) -> Future:
+    def prepare(self, kind: str, source: str, cache_salt: str = "") -> Future:
         """The compile's future (its result: a Matcher at the grammar's start); GrammarBusyError if the pool is full."""
-        return self._running(kind, source)[0]
+        return self._running(kind, source, cache_salt)[0]
 
-    def matcher(self, kind: str, source: str) -> Matcher:
+    def matcher(self, kind: str, source: str, cache_salt: str = "") -> Matcher:
         """A fresh matcher of the constraint: GrammarError when it does not compile, GrammarTooComplexError past the
         time limit, GrammarBusyError when no compile slot is free."""
-        future, started = self._running(kind, source)
+        future, started = self._running(kind, source, cache_salt)
         try:  # the compile process stops at the limit itself; a little more lets its answer arrive
             return future.result(self.timeout_s + (PROCESS_MARGIN_S if self._processes else 0)).copy()
         except FutureTimeout:
             raise timed_out(future, started, self.timeout_s, cancel=False) from None
 
-    def _running(self, kind: str, source: str) -> tuple[Future, threading.Event]:
-        key = constraint_key(kind, source)
+    def _running(self, kind: str, source: str, cache_salt: str) -> tuple[Future, threading.Event]:
+        key = constraint_key(kind, source, cache_salt)
         with self._lock:
             running = self._compiled.get(key)
             if running is None or running[0].cancelled() or _busy(running[0]):
@@ -159,21 +170,24 @@ class GatewayCheck:
     most the time limit, and stopped there: the process is killed, and so is the compile of a client that goes
     away. The event loop only awaits; a thread of the compile's own waits on the process.
 
-    The outcome is kept per constraint (clients repeat theirs); requests of one owner with the same constraint
-    still compiling await the same compile. A compile stopped at the limit is remembered as too complex, so that a
-    later request with it is refused at once. owner: whose share of the processes a compile takes (an API key, or
-    the client's address without keys)."""
+    The outcome is kept per cache salt and constraint (clients repeat theirs; `entries` outcomes, least recently
+    used dropped); requests of one owner and salt with the same constraint still compiling await the same compile.
+    A compile stopped at the limit is remembered as too complex, so that a later request of its salt with it is
+    refused at once. owner: whose share of the processes a compile takes (an API key, or the client's address
+    without keys). cache_salt: the request's (edge.cache_salt): another salt's outcome is never its answer, nor is
+    another salt's compile in flight, so a tenant cannot time whether another sent a schema."""
 
     def __init__(self, processes: CompileProcesses | None = None, entries: int = 256) -> None:
         self.processes = processes or CompileProcesses()
         self._entries = entries
         self._lock = threading.Lock()  # the outcomes are written by the compiles' threads
-        self._outcomes: OrderedDict[tuple[str, bytes], GrammarError | None] = OrderedDict()
-        self._compiling: dict[tuple, _Shared] = {}  # (owner, constraint) -> its compile; on the event loop only
+        self._outcomes: OrderedDict[ConstraintKey, GrammarError | None] = OrderedDict()
+        self._compiling: dict[tuple, _Shared] = {}  # (owner, salted constraint) -> its compile; event loop only
 
-    async def check(self, kind: str, source: str, timeout_s: float, owner: str | None = None) -> None:
+    async def check(self, kind: str, source: str, timeout_s: float, owner: str | None = None,
+                    cache_salt: str = "") -> None:
         """Return if the constraint compiles; raise GrammarError (or its subclasses) saying why not."""
-        key = constraint_key(kind, source)
+        key = constraint_key(kind, source, cache_salt)
         if self._known(key):
             return
         shared = self._compiling.get((owner, key))
@@ -197,7 +211,7 @@ class GatewayCheck:
         """Stop every compile (at shutdown): their requests end at once."""
         self.processes.close()
 
-    def _known(self, key: tuple[str, bytes]) -> bool:
+    def _known(self, key: ConstraintKey) -> bool:
         """True if the constraint was checked before and compiles; raises its error if it did not."""
         with self._lock:
             if key not in self._outcomes:
@@ -208,10 +222,11 @@ class GatewayCheck:
             raise outcome
         return True
 
-    def _compile(self, key: tuple[str, bytes], source: str, timeout_s: float, owner: str | None,
+    def _compile(self, key: ConstraintKey, source: str, timeout_s: float, owner: str | None,
                  shared: _Shared) -> None:
+        kind = key[1]
         try:
-            self.processes.run(key[0], source, timeout_s, "check", owner, shared.cancelled)
+            self.processes.run(kind, source, timeout_s, "check", owner, shared.cancelled)
             outcome = None
         except (GrammarBusyError, CompileCancelled) as err:  # about the moment, not the constraint: not kept
             shared.future.set_result(err)
@@ -220,7 +235,7 @@ class GatewayCheck:
             outcome = err
         except Exception as err:  # whatever else fails, the constraint is not enforceable: refused, not passed
             log.exception("structured outputs: the gateway's check failed")
-            outcome = GrammarError(f"the {key[0]} constraint could not be checked: {err}")
+            outcome = GrammarError(f"the {kind} constraint could not be checked: {err}")
         with self._lock:
             self._outcomes[key] = outcome
             if len(self._outcomes) > self._entries:

@@ -98,7 +98,7 @@ class Gateway:
         if self.shutting_down:
             raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down",
                            headers={"Connection": "close", "Retry-After": "5"})
-        tenant = http.headers.get(self.enforcer.policy.tenant_header) if self.enforcer.policy.tenant_header else None
+        tenant = _tenant(http, self.enforcer.policy)
         facts = RequestFacts(_bearer(http), tenant, request.model, request.user_text,
                              request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"],
                              slo_ttft_ms=http.headers.get(SLO_HEADER))
@@ -106,17 +106,21 @@ class Gateway:
             decision = self.enforcer.decide(facts, {self.model_name})
         except PolicyRejection as err:
             raise policy_error(err) from None
-        policy = self.enforcer.policy
-        salt = self.salter.salt(policy.prefix_cache_scope, key_id(_bearer(http)), tenant, request.cache_salt,
-                                policy.prefix_cache_groups.get(_bearer(http) or ""))
         try:
-            run = self._queue(request, decision, salt)
+            run = self._queue(request, decision, self.cache_salt(http, request))
         except ApiError:
             self.enforcer.release(decision)
             raise
         run.key_id, run.tenant, run.client = key_id(_bearer(http)), tenant, http.remote or ""
         run.route = route_of(http)
         return run
+
+    def cache_salt(self, http: web.Request, request: GenerateRequest) -> str:
+        """Whose cached work the request may reuse (edge.cache_salt): its prompts' KV, and the structured-output
+        compiles the route checks its constraint against before admit."""
+        policy = self.enforcer.policy
+        return self.salter.salt(policy.prefix_cache_scope, key_id(_bearer(http)), _tenant(http, policy),
+                                request.cache_salt, policy.prefix_cache_groups.get(_bearer(http) or ""))
 
     def _queue(self, request: GenerateRequest, decision: Decision, salt: str) -> Run:
         pooled = request.kind in POOLED_KINDS  # computed by a worker alone: no engine takes part
@@ -376,6 +380,11 @@ def _bearer(request: web.Request) -> str | None:
     if header.lower().startswith("bearer "):
         return header[7:].strip()
     return request.headers.get("x-api-key", "").strip() or None
+
+
+def _tenant(request: web.Request, policy) -> str | None:
+    """The policy's tenant header's value, when it names one."""
+    return request.headers.get(policy.tenant_header) if policy.tenant_header else None
 
 
 def route_of(request: web.Request) -> str:

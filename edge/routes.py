@@ -85,7 +85,7 @@ async def _generate(request: web.Request, kind: str, api: ClientApi | None = Non
             parse_request(body, kind, vocab_size=gateway.pool.vocab_size, chat=await _chat_format(gateway, kind))
         await check_structured(parsed, compile_timeout_s(gateway.config), _model_path(gateway),
                                compile_owner(key_id(_bearer(request)), request.remote),
-                               gateway.config.grammar_compile_queue_per_key)
+                               gateway.config.grammar_compile_queue_per_key, _cache_salt(gateway, request, parsed))
         run = gateway.admit(request, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
@@ -118,6 +118,11 @@ async def _chat_format(gateway: Gateway, kind: str) -> ChatFormat | None:
     config = gateway.config
     return await chat_format_of(_model_path(gateway), getattr(config, "tool_call_parser", "auto"),
                                 getattr(config, "reasoning_parser", "auto"))
+
+
+def _cache_salt(gateway: Gateway, request: web.Request, parsed) -> str:
+    """The salt whose compiles may answer the request's constraint (none without one: nothing to compile)."""
+    return "" if parsed.sampling.get("structured") is None else gateway.cache_salt(request, parsed)
 
 
 def _model_path(gateway: Gateway) -> str | None:

@@ -19,7 +19,7 @@ COMPILES_PER_OWNER = 1  # of them, at most this many for one API key (or one cli
 
 async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
                            model_path: str | None = None, owner: str | None = None,
-                           queue_per_key: int | None = None) -> None:
+                           queue_per_key: int | None = None, cache_salt: str = "") -> None:
     """A constraint the engine cannot enforce is the client's 400 naming the problem (code
     invalid_structured_output), one too large or too slow to compile a 400 too (code structured_output_too_complex),
     a client whose compiles already fill its queue, or whose turn does not come within the limit, a 429
@@ -28,14 +28,16 @@ async def check_structured(request: GenerateRequest, timeout_s: float | None = N
     model_path, its tokenizer only), in a child process that is killed at timeout_s (grammar_compile_timeout_s) or
     when the client goes away (this task cancelled, which also takes a waiting compile out of its key's queue).
     owner: whose share the compile takes (compile_owner). queue_per_key: grammar_compile_queue_per_key (None: the
-    knob's default)."""
+    knob's default). cache_salt: the request's (Gateway.cache_salt): the outcome is kept for that salt alone, so
+    a schema another tenant sent before is compiled again, not answered at once."""
     constraint = request.sampling.get("structured")
     if constraint is None:
         return
     from contracts.grammar import GrammarBusyError, GrammarError, GrammarOwnerBusyError
     from contracts.grammar_compile import compile_timeout_s
     try:
-        await _check(model_path, queue_per_key).check(*constraint, timeout_s or compile_timeout_s(), owner)
+        await _check(model_path, queue_per_key).check(*constraint, timeout_s or compile_timeout_s(), owner,
+                                                      cache_salt)
     except GrammarOwnerBusyError as err:
         raise ApiError(429, str(err), request.structured_param, err.code, "rate_limit_error",
                        {"Retry-After": "1"}) from None
@@ -72,10 +74,10 @@ def warm_structured_checks(model_path: str | None) -> None:
 
 def structured_state() -> dict:
     """For /health: the gateway's compile processes (running, waiting for a process, waiting their key's turn,
-    stopped so far), over all models."""
+    stopped so far, compiles sent to them so far), over all models."""
     states = [check.processes.state() for check in _GRAMMAR_CHECKS.values()]
     return {name: sum(state[name] for state in states)
-            for name in ("idle", "compiling", "waiting", "queued", "stopped")}
+            for name in ("idle", "compiling", "waiting", "queued", "stopped", "compiles")}
 
 
 def close_structured_checks() -> None:

@@ -23,7 +23,8 @@ from contracts.grammar import Matcher
 from contracts.grammar_compile import CompiledGrammars, CompilePool, downstream_timeout_s
 
 log = logging.getLogger(__name__)
-COMPILED_GRAMMARS = 64  # compiled grammars kept per worker context, least recently used dropped
+COMPILED_GRAMMARS = 64  # compiled grammars kept per worker context (by cache salt and constraint), least recently
+# used dropped
 
 
 def vocabulary_tokenizer(vocab, stop_token_ids: tuple[int, ...]):
@@ -75,15 +76,16 @@ class FirstTokenGrammars:
                 self._tokenizer = vocabulary_tokenizer(self._vocab, self._stops)
             return self._tokenizer
 
-    def prepare(self, structured: tuple[str, str] | None) -> None:
-        """Start compiling a request's constraint (any thread, no waiting); a failure shows in matcher()."""
+    def prepare(self, structured: tuple[str, str] | None, cache_salt: str = "") -> None:
+        """Start compiling a request's constraint (any thread, no waiting); a failure shows in matcher().
+        cache_salt: the request's (PrefillJob.cache_salt): only its salt's compiles are reused."""
         if structured is not None:
             try:
-                self.compiled.prepare(*structured)
+                self.compiled.prepare(*structured, cache_salt)
             except Exception:  # busy: matcher() will say so
                 pass
 
-    def matcher(self, structured: tuple[str, str] | None) -> Matcher | None:
-        """A fresh matcher of a request's constraint (None without one); GrammarError when it does not compile,
-        GrammarTooComplexError past the time limit."""
-        return None if structured is None else self.compiled.matcher(*structured)
+    def matcher(self, structured: tuple[str, str] | None, cache_salt: str = "") -> Matcher | None:
+        """A fresh matcher of a request's constraint (None without one), from a compile of its cache salt only;
+        GrammarError when it does not compile, GrammarTooComplexError past the time limit."""
+        return None if structured is None else self.compiled.matcher(*structured, cache_salt)

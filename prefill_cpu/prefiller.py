@@ -198,7 +198,8 @@ class Prefiller:
             raise PromptTooLongError(f"prompt has {len(tokens)} tokens, this worker's context holds "
                                      f"{self.config.n_ctx - 1}")
         self._check_logit_bias(request.sampling)  # before the prompt is computed, not after
-        grammar = self.grammars.matcher(request.sampling.structured)  # likewise: a bad constraint fails first
+        # likewise: a bad constraint fails first; a grammar compiled for another salt (tenant) is never reused
+        grammar = self.grammars.matcher(request.sampling.structured, request.cache_salt)
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
         scored = PromptLogprobCollector(tokens, request.prompt_logprobs) if request.prompt_logprobs >= 0 else None

@@ -129,7 +129,7 @@ class Admission:
                        prompt_len=handoff.n_tokens, tokens=[*handoff.prompt_tokens, first_token],
                        sampling=handoff.sampling, seed=self.model.seed_for(handoff.sampling, index),
                        request_id=handoff.request_id, index=index, deadline=handoff.deadline,
-                       tpot_slo_ms=handoff.tpot_slo_ms)
+                       tpot_slo_ms=handoff.tpot_slo_ms, cache_salt=handoff.cache_salt)
         seq.meta["text"] = IncrementalText(self.tokenizer, handoff.sampling.stop)
         return seq
 

@@ -41,6 +41,7 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)  # choices that share this one's prompt KV once imported
     deadline: float = 0.0  # its request's TTFT deadline (KVHandoff.deadline): earlier first within a priority
     tpot_slo_ms: int = 0  # its class's time-per-output-token objective; 0: none (the scheduler's batch limit)
+    cache_salt: str = ""  # its handoff's (KVHandoff.cache_salt): whose compiled grammars its matcher may reuse
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or self.seq_id

@@ -36,9 +36,10 @@ class GrammarMatchers:
             pass
 
     def matcher(self, seq: Sequence):
-        """The sequence's grammar matcher, having taken the first token (which the prefill worker masked); a
-        GrammarError or ValueError when the constraint does not compile or the first token does not fit."""
-        matcher = self._built().matcher(*seq.sampling.structured)
+        """The sequence's grammar matcher, having taken the first token (which the prefill worker masked), from a
+        compile of its cache salt only; a GrammarError or ValueError when the constraint does not compile or the
+        first token does not fit."""
+        matcher = self._built().matcher(*seq.sampling.structured, seq.cache_salt)
         if not matcher.accept_token(seq.tokens[-1]):
             raise ValueError(f"the first token {seq.tokens[-1]} does not fit the constraint")
         return matcher

@@ -10,7 +10,8 @@ logits are not touched, and their tokens are what they would be alone. A matcher
 Compiles run in a bounded pool under a time limit (contracts.grammar_compile), the grammar made in a compile process
 killed at the limit. `prepare` starts one from any thread;
 `matcher` (on the engine thread) takes a prepared grammar at once, or waits for the compile up to the limit. Each
-compiled grammar is kept (COMPILED_GRAMMARS, least recently used dropped) and copied per sequence.
+compiled grammar is kept (COMPILED_GRAMMARS, least recently used dropped) by the request's cache salt and its
+constraint, so a sequence reuses only its own tenant's compiles, and copied per sequence.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from contracts.grammar import Matcher
 from contracts.grammar_compile import CompiledGrammars, CompilePool, downstream_timeout_s
 
 log = logging.getLogger(__name__)
-COMPILED_GRAMMARS = 64  # compiled grammars kept per engine
+COMPILED_GRAMMARS = 64  # compiled grammars kept per engine (by cache salt and constraint)
 
 
 def llg_tokenizer(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
@@ -51,14 +52,16 @@ class Grammars:
         log.info("structured outputs: llguidance tokenizer for %d tokens in %.2f s", vocab_size,
                  time.perf_counter() - started)
 
-    def prepare(self, kind: str, source: str) -> Future:
+    def prepare(self, kind: str, source: str, cache_salt: str = "") -> Future:
         """Start compiling a constraint (any thread, no waiting); the future's result is a Matcher at the
-        grammar's start. GrammarBusyError when the pool is full."""
-        return self.compiled.prepare(kind, source)
+        grammar's start. GrammarBusyError when the pool is full. cache_salt: the request's (KVHandoff.cache_salt):
+        only compiles of that salt are reused."""
+        return self.compiled.prepare(kind, source, cache_salt)
 
-    def matcher(self, kind: str, source: str) -> Matcher:
-        """A fresh matcher of the constraint; GrammarError if it does not compile within the time limit."""
-        return self.compiled.matcher(kind, source)
+    def matcher(self, kind: str, source: str, cache_salt: str = "") -> Matcher:
+        """A fresh matcher of the constraint, from a compile of its cache salt only; GrammarError if it does not
+        compile within the time limit."""
+        return self.compiled.matcher(kind, source, cache_salt)
 
     def bitmask(self, matchers: list, device: torch.device) -> tuple[list[int], torch.Tensor]:
         """The rows that have a matcher, and the batch's bitmask [len(matchers), ceil(vocab / 32)] int32 on the

@@ -1,6 +1,7 @@
 """Tried as an attacker would, against the real service on the embedded model (one server for the module):
 explosive structured-output schemas whose clients leave do not stall another client's stream or a later
-structured request; another key's cached prompts cannot be timed; a non-admin key reads neither the status page nor its JSON, and no operator surface
+structured request; another key's cached prompts cannot be timed, nor its compiled schemas found;
+a non-admin key reads neither the status page nor its JSON, and no operator surface
 (/metrics, /health, the status page) carries a prompt, a key or a tenant's text; a frozen decode engine shows in
 /health within seconds and its requests end with a 503; SIGTERM still exits within the drain time (the last
 test: it stops the server)."""
@@ -89,8 +90,8 @@ def compiles(server) -> dict:
     return server.health()["structured_outputs"]
 
 
-def structured(base: str, schema: dict) -> httpx.Response:
-    return httpx.post(base + "/v1/chat/completions", headers=auth(VICTIM), timeout=30, json={
+def structured(base: str, schema: dict, key: str = VICTIM) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", headers=auth(key), timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 64,
         "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
 
@@ -201,6 +202,18 @@ def test_another_keys_cached_prompts_cannot_be_timed(server):
     assert sum(cached > 200 for cached in victim_cached) >= 9, victim_cached
     assert median(victim_hits) <= 0.5 * median(misses)
     assert auc <= 0.75
+
+
+def test_another_keys_compiled_schema_is_compiled_again(server):
+    """The victim's schema sent by another key is compiled again (a miss), never answered from the victim's outcome;
+    each key's repeat is a hit. Told by /health's count of the gateway's compiles, not by time."""
+    schema = {"type": "object", "properties": {"payroll_7f3a": {"type": "integer"}}, "required": ["payroll_7f3a"]}
+    counts = [compiles(server)["compiles"]]
+    for key in (VICTIM, OTHER, VICTIM, OTHER):
+        answer = structured(server.base, schema, key)
+        assert answer.status_code == 200, answer.text
+        counts.append(compiles(server)["compiles"])
+    assert [count - counts[0] for count in counts] == [0, 1, 2, 2, 2]
 
 
 def test_a_non_admin_key_reads_no_status_and_no_surface_carries_a_prompt_key_or_tenant(server):

@@ -149,6 +149,24 @@ def test_compiled_grammars_are_reused(prefiller):
     assert prefiller.grammars.matcher(structured) is not prefiller.grammars.matcher(structured)  # a copy each
 
 
+def test_a_grammar_is_reused_by_requests_of_its_own_cache_salt_only(prefiller, monkeypatch):
+    """A constraint one tenant's request compiled (PrefillRequest.cache_salt, the job's) is compiled again for
+    another tenant's: a grammar it found compiled would tell it someone sent that constraint."""
+    compiled, compiles = prefiller.grammars.compiled, []
+    compile_once = compiled._compile
+
+    def counted(kind: str, source: str):
+        compiles.append(source)
+        return compile_once(kind, source)
+    monkeypatch.setattr(compiled, "_compile", counted)
+    structured = ("regex", "[a-z]+ per tenant")
+    tokens = tuple(prefiller.tokenize(PROMPT))
+    for salt in ("tenant-a", "tenant-b", "tenant-a", "tenant-b"):
+        prefiller.prefill(PrefillRequest("r", tokens, SamplingParams(temperature=0.0, structured=structured),
+                                         cache_salt=salt))
+    assert compiles == [structured[1]] * 2
+
+
 def test_an_unsupported_schema_keyword_raises_grammar_error_naming_it(prefiller):
     schema = json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
     with pytest.raises(GrammarError, match="uniqueItems"):

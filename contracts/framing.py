@@ -35,7 +35,11 @@ HANDSHAKE_FRAME_BYTES = 64 << 10  # before authentication a peer may not make us
 CONTROL_FRAME_BYTES = 16 << 20  # jobs (prompts up to the body limit), token events, stats
 HANDSHAKE_TIMEOUT_S = 10.0
 OPEN_TIMEOUT_S = 15.0  # one try to open a connection
-LISTEN_POLL_S = 0.2  # how often connect_when_listening tries while the peer is not listening yet
+LISTEN_POLL_S = 0.2  # how often connect_when_listening tries while a TCP peer is not listening yet
+# ... and a peer on this host's Unix socket (a failed try there costs a system call, nothing on the network): the
+# links `edge serve` waits on at start (worker -> engine, gateway -> worker, gateway -> engine) follow their peer
+# within this, each a step of the start-up's path to ready
+LOCAL_POLL_S = 0.05
 SECRET_ENV = "EDGE_CONTROL_SECRET"  # hex; the launcher passes the per-launch secret to its children this way
 
 _BY_NAME = {cls.__name__: cls for cls in MESSAGES}
@@ -223,7 +227,7 @@ async def connect_when_listening(address: str, role: str, name: str, secret: byt
         except OSError:  # not listening yet (no socket file, refused), unreachable, or no answer (TimeoutError)
             if deadline is not None and time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(LISTEN_POLL_S)
+            await asyncio.sleep(LOCAL_POLL_S if address.startswith("unix:") else LISTEN_POLL_S)
     try:
         await introduce(reader, writer, role, name, secret)
     except BaseException:

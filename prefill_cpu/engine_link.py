@@ -40,8 +40,9 @@ class EngineLink:
         self.name = name
         self.secret = secret
         self.retry_s = retry_s
-        # the first try waits this long for the engine to listen, looking every LISTEN_POLL_S: a worker started with
-        # its engine connects within that of the engine listening, not a backoff of up to RETRY_LONGEST_S later
+        # the first try waits this long for the engine to listen (trying as connect_when_listening does): a worker
+        # started with its engine connects within a poll of the engine listening, not a backoff of up to
+        # RETRY_LONGEST_S later
         self.startup_wait_s = startup_wait_s
         self.writer: asyncio.StreamWriter | None = None
         # bumped on every lost connection; the prefill thread compares it to abort a prompt (an int read is atomic)

@@ -407,7 +407,7 @@ def test_the_engine_link_refuses_a_send_while_disconnected():
 
 def test_the_worker_s_own_link_connects_as_soon_as_its_engine_listens(sockets):
     """At start the engine loads its model before it listens: the first try waits for it (looking every
-    LISTEN_POLL_S), so the worker is linked, and listens, within a poll of the engine, not a backoff later."""
+    LOCAL_POLL_S), so the worker is linked, and listens, within a poll of the engine, not a backoff later."""
     async def scenario():
         address = f"unix:{sockets}/engine.sock"
         link = EngineLink(address, "w0", SECRET, retry_s=(30.0, 30.0), startup_wait_s=30.0)

@@ -19,6 +19,7 @@ from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret, refuse_plaintext_links
 from contracts.model_kind import model_kind
 from contracts.process_config import config_argv
+from contracts.startup_clock import since_start
 from contracts.tasks import spawn
 from edge.audit import AuditLog, quota_state_path
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
@@ -39,6 +40,7 @@ from policies.reloader import PolicyReloader
 from prefill_cpu.embedded_model import embedded_model_path
 
 log = logging.getLogger("edge.app")
+READY_POLL_S = 0.1  # how often the start-up looks whether /health answers 200 yet, to log when it does
 
 
 def resolve_addresses(config: ServeConfig, run_dir: str) -> tuple[str, dict[str, str]]:
@@ -244,10 +246,20 @@ async def _connections(app: web.Application):
     tasks = [spawn(gateway.pool.run(), "the prefill worker connections", log)]
     if not gateway.embedding_only:  # an embedding model has no engine to connect to
         tasks.append(spawn(gateway.engine.run(), "the decode engine connection", log))
+    tasks.append(spawn(_announce_ready(gateway), "the readiness announcement", log))
     yield
     gateway.engine.closing = gateway.pool.closing = True
     for task in tasks:
         task.cancel()
+
+
+async def _announce_ready(gateway: Gateway, poll_s: float = READY_POLL_S) -> None:
+    """Log once when /health first answers 200: the one line that says how long `edge serve` took to start."""
+    while not gateway.ready:
+        await asyncio.sleep(poll_s)
+    engine = "" if gateway.embedding_only else "the decode engine and "
+    log.info("ready: %s%d of %d prefill workers connected, %.1f s after the gateway process started", engine,
+             gateway.pool.num_ready, len(gateway.pool.workers), since_start())
 
 
 async def _policy_loop(app: web.Application):

@@ -12,6 +12,7 @@ from aiohttp import web
 from contracts.identity import UnsupportedModelError, check_supported
 from contracts.model_kind import model_kind
 from contracts.options import KNOBS
+from contracts.startup_clock import since_start
 from edge.config import ConfigError, load_config, policy_path
 from edge.tls import TLSError, server_context
 from policies.loader import PolicyError, load_policy
@@ -42,6 +43,8 @@ def main(argv=None) -> None:
     except (ConfigError, PolicyError, TLSError, UnsupportedModelError, FileNotFoundError) as err:
         sys.exit(f"edge: {err}")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
+    logging.getLogger("edge").info("gateway: config, policy and model checked %.1f s after the process started",
+                                   since_start())
     if config.ssl_ca_certs:
         logging.getLogger("edge").info("mutual TLS: clients need a certificate signed by %s", config.ssl_ca_certs)
     from edge.app import make_app  # after logging is set up: loading the app logs

@@ -55,6 +55,7 @@ from contracts.messages import (
 )
 from contracts.model_kind import model_kind
 from contracts.process_config import WorkerProcessConfig, parse_config
+from contracts.startup_clock import since_start
 from contracts.tasks import spawn
 from prefill_cpu.embedder import Embedder
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
@@ -388,7 +389,8 @@ async def serve(config: WorkerProcessConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    log.info("prefill worker %s ready on %s", config.name, config.listen)
+    log.info("prefill worker %s ready on %s, %.1f s after the process started", config.name, config.listen,
+             since_start())
     stopping = spawn(stop.wait(), "waiting for a stop signal", log)
     await asyncio.wait([stopping, link], return_when=asyncio.FIRST_COMPLETED)
     server.close()
@@ -424,9 +426,13 @@ async def _own_engine(config: WorkerProcessConfig, secret: bytes) -> tuple[Engin
     link = spawn(engine.run(), "the decode engine link", log)
     # listen once the engine is there (it loads its model first), so a new gateway does not see an engine-less
     # worker as ready; a worker whose engine does not come up serves anyway and reports it in its heartbeats
+    started = time.monotonic()
     if not await engine.wait_connected(ENGINE_STARTUP_WAIT_S):
         log.error("the decode engine at %s is not up after %.0f s; serving without it", config.engine,
                   ENGINE_STARTUP_WAIT_S)
+    else:
+        log.info("prefill worker %s: its model loaded, it waited %.1f s for the decode engine to listen", config.name,
+                 time.monotonic() - started)
     return engine, link
 
 
@@ -445,6 +451,8 @@ def main(argv=None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level,
                         format=f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s")
+    log.info("prefill worker %s process: Python, llama.cpp, torch and the worker's code loaded %.1f s after the "
+             "process started", config.name, since_start())
     asyncio.run(serve(config))
 
 

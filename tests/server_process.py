@@ -52,7 +52,7 @@ class ServerProcess:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # the ready time is measured by this poll (tests/e2e/test_live_decisions.py)
         raise RuntimeError(f"server not healthy in {timeout_s} s:\n{self.log_path.read_text()[-3000:]}")
 
     def health(self) -> dict:

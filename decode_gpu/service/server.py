@@ -28,6 +28,7 @@ from contracts.handoff import max_handoff_bytes
 from contracts.identity import read_gguf_identity
 from contracts.options import FLOAT_WEIGHT_DTYPES
 from contracts.process_config import EngineProcessConfig, parse_config
+from contracts.startup_clock import since_start
 from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.core.speculative import SpecConfig
@@ -55,6 +56,7 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
                                   fixed_precision=config.deterministic)
     trimmed = trim_heap()  # loading and quantizing freed more than the model holds: give it back
     rss_model = _rss_mib()
+    weights_at = since_start()
     tokenizer = load_tokenizer(identity)
     # decode and llama.cpp prefill share the cores only when decode runs on the CPU
     yields = config.decode_yields_to_prefill == "on" or (config.decode_yields_to_prefill == "auto"
@@ -70,6 +72,8 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
     built = DecodeEngine(runner, engine, tokenizer, eos_token_ids(tokenizer, model))
     built.sampler.matchers.warm()  # the structured-output tables, off the engine thread
     trimmed += trim_heap()
+    log.info("decode engine built: the weights ready %.1f s after the process started, the tokenizer, KV pool, step "
+             "buffers and sampler %.1f s after them", weights_at, since_start() - weights_at)
     pool_mib = runner.pool.shape.bytes_per_block() * runner.pool.shape.num_blocks / 2**20
     log.info("engine memory (RSS, MiB): %.0f before the model; %.0f after it (weights held: %.0f, on %s); %.0f "
              "after the KV pool (%.0f, on %s; on the CPU resident as its blocks are used), the step buffers, the "
@@ -167,7 +171,7 @@ async def serve(config: EngineProcessConfig, stop: asyncio.Event | None = None) 
     stepping.add_done_callback(lambda _: stop.set())  # an engine thread that died must not leave a deaf process
     server = await start_server(service.handle_connection, config.listen)
     stats_task = asyncio.create_task(service.publish_stats())
-    log.info("decode engine ready on %s", config.listen)
+    log.info("decode engine ready on %s, %.1f s after the process started", config.listen, since_start())
     await stop.wait()
     ended = stepping.done() and not service.stopping.is_set()
     log.info("decode engine stopping: aborting %d in-flight requests", len(engine.requests))
@@ -190,6 +194,8 @@ def parse_args(argv=None) -> EngineProcessConfig:
 def main(argv=None) -> None:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    log.info("decode engine process: Python, torch, transformers and the engine's code loaded %.1f s after the "
+             "process started", since_start())
     asyncio.run(serve(config))
 
 

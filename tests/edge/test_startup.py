@@ -1,4 +1,4 @@
-"""The start-up's log lines that say where the time went: the gateway's ready line, once, when /health turns 200."""
+"""The gateway's start-up: its ready line, once, when /health turns 200."""
 
 import asyncio
 import logging
@@ -7,9 +7,14 @@ import types
 from edge.app import _announce_ready
 
 
-def test_the_gateway_logs_once_when_it_becomes_ready(caplog):
+def stub_gateway():
     pool = types.SimpleNamespace(num_ready=0, workers={"prefill-0": None, "prefill-1": None})
-    gateway = types.SimpleNamespace(ready=False, embedding_only=False, pool=pool)
+    return types.SimpleNamespace(ready=False, embedding_only=False, pool=pool)
+
+
+def test_the_gateway_logs_once_when_it_becomes_ready(caplog):
+    gateway = stub_gateway()
+    pool = gateway.pool
 
     async def scenario():
         announced = asyncio.create_task(_announce_ready(gateway, poll_s=0.01))
@@ -24,3 +29,4 @@ def test_the_gateway_logs_once_when_it_becomes_ready(caplog):
     assert len(lines) == 1
     assert lines[0].startswith("ready: the decode engine and 1 of 2 prefill workers connected, ")
     assert lines[0].endswith(" s after the gateway process started")
+

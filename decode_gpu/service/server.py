@@ -70,14 +70,13 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
                           max_backlog_bytes=config.max_backlog_bytes,
                           swap_space_bytes=int(config.swap_space_gib * 2**30), speculative=spec)
     built = DecodeEngine(runner, engine, tokenizer, eos_token_ids(tokenizer, model))
-    built.sampler.matchers.warm()  # the structured-output tables, off the engine thread
     trimmed += trim_heap()
     log.info("decode engine built: the weights ready %.1f s after the process started, the tokenizer, KV pool, step "
              "buffers and sampler %.1f s after them", weights_at, since_start() - weights_at)
     pool_mib = runner.pool.shape.bytes_per_block() * runner.pool.shape.num_blocks / 2**20
     log.info("engine memory (RSS, MiB): %.0f before the model; %.0f after it (weights held: %.0f, on %s); %.0f "
-             "after the KV pool (%.0f, on %s; on the CPU resident as its blocks are used), the step buffers, the "
-             "tokenizer and the grammar tables; %.0f of freed loading buffers given back", rss_start, rss_model,
+             "after the KV pool (%.0f, on %s; on the CPU resident as its blocks are used), the step buffers and the "
+             "tokenizer; %.0f of freed loading buffers given back", rss_start, rss_model,
              weights.total_bytes / 2**20, device, _rss_mib(), pool_mib, device, trimmed / 2**20)
     return built
 
@@ -172,6 +171,9 @@ async def serve(config: EngineProcessConfig, stop: asyncio.Event | None = None) 
     server = await start_server(service.handle_connection, config.listen)
     stats_task = asyncio.create_task(service.publish_stats())
     log.info("decode engine ready on %s, %.1f s after the process started", config.listen, since_start())
+    # the structured-output tables, in a thread of their own, once listening: their build holds the GIL for about
+    # half a second (llguidance reads the vocabulary in Python), which before the listen delayed it as long
+    engine.sampler.matchers.warm()
     await stop.wait()
     ended = stepping.done() and not service.stopping.is_set()
     log.info("decode engine stopping: aborting %d in-flight requests", len(engine.requests))

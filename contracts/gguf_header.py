@@ -85,15 +85,23 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
         if version not in SUPPORTED_VERSIONS:
             raise ValueError(f"{path}: GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
         num_tensors, num_fields = cursor.scalar(10), cursor.scalar(10)
-        fields: dict[str, HeaderField] = {}
-        for _ in range(num_fields):
-            name = cursor.string()
-            if name in fields:
-                raise ValueError(f"{path}: duplicate GGUF metadata key {name!r}")
-            fields[name] = HeaderField(name, cursor.value(cursor.scalar(4), path))
-        tensors = tuple(cursor.tensor() for _ in range(num_tensors))
+        try:
+            fields = _fields(cursor, num_fields, path)
+            tensors = tuple(cursor.tensor() for _ in range(num_tensors))
+        except (struct.error, UnicodeDecodeError) as err:  # a read past the end, or garbage where a name should be
+            raise ValueError(f"{path}: truncated or corrupt GGUF header ({err})") from None
         _check_size(path, fields, tensors, cursor.offset, size)
     return GGUFHeader(path, fields, tensors)
+
+
+def _fields(cursor: _Cursor, count: int, path: str) -> dict[str, HeaderField]:
+    fields: dict[str, HeaderField] = {}
+    for _ in range(count):
+        name = cursor.string()
+        if name in fields:
+            raise ValueError(f"{path}: duplicate GGUF metadata key {name!r}")
+        fields[name] = HeaderField(name, cursor.value(cursor.scalar(4), path))
+    return fields
 
 
 def _check_size(path: str, fields: dict[str, HeaderField], tensors: tuple[HeaderTensor, ...], end: int,

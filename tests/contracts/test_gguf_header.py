@@ -53,6 +53,13 @@ def test_a_truncated_file_is_refused(tmp_path, tiny_gguf):
         gguf.GGUFReader(path)  # as gguf-py refuses it
 
 
+def test_a_file_cut_inside_its_metadata_is_refused(tmp_path, tiny_gguf):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(tiny_gguf("llama").read_bytes()[:200])
+    with pytest.raises(ValueError, match="truncated or corrupt GGUF header"):
+        read_header(str(path))
+
+
 def test_a_rewritten_file_is_read_again(tmp_path, tiny_gguf):
     """Kept per (path, size, mtime): the same path with other contents is not answered from the first read."""
     path = tmp_path / "model.gguf"

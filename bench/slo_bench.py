@@ -15,7 +15,7 @@ one phase per load:
   its extras are installed; else that column is skipped with a note.
 Per system and load: goodput (requests a second that met their class's objectives; batch: that completed),
 attainment per class (of what was offered; interactive also of what was served, and of that the TTFT objective alone),
-refusals and how fast they came, and our predictor's error (from /metrics).
+p50/p99 TTFT of what was served, refusals and how fast they came, and our predictor's error (from /metrics).
 """
 
 from __future__ import annotations

@@ -130,10 +130,6 @@ class TTFTPredictor:
         # predicted, so each level learns its own), while the same offset for all would carry the lowest level's
         # waits into the best one's predictions
         self.offsets: dict[int, Offset] = {}
-        # per priority: how far its predictions (offset included) fell from the TTFT measured, either way; a refusal
-        # needs the prediction past the objective by more than this, so the noise of a prediction near the
-        # objective (one prompt ahead, below capacity) refuses nothing
-        self.spreads: dict[int, Ewma] = {}
         self.tokens_per_byte = Ewma(value=1 / BYTES_PER_TOKEN)
 
     def estimate_tokens(self, request: GenerateRequest) -> tuple[float, int]:
@@ -169,10 +165,6 @@ class TTFTPredictor:
     def _seconds(self, tokens: float) -> float:
         return self.prefill.seconds(max(1.0, tokens - (self.cached_tokens.value or 0.0)))
 
-    def spread(self, priority: int) -> float:
-        known = self.spreads.get(priority)
-        return (known.value or 0.0) if known is not None else 0.0
-
     def offset(self, priority: int) -> float:
         known = self.offsets.get(priority)
         return known.now(self.clock()) if known is not None else 0.0
@@ -195,8 +187,6 @@ class TTFTPredictor:
             self.tokens_per_byte.add(done.num_prompt_tokens / known.text_bytes)
 
     def first_token(self, known: Pending, ttft_s: float) -> None:
-        if known.predicted_s is not None:
-            self.spreads.setdefault(known.priority, Ewma()).add(abs(ttft_s - known.predicted_s))
         if known.raw_s is not None:
             now = self.clock()
             self.offsets.setdefault(known.priority, Offset(now)).learn(ttft_s - known.raw_s, now)
@@ -243,10 +233,9 @@ class SloControl:
         known = Pending(decision.client_class, decision.ttft_slo_ms, decision.tpot_slo_ms, tokens, text_bytes,
                         *(predicted[:2] if predicted else (None, None)), due, priority)
         # nothing ahead at its rank: the request would start at once, and a refusal could not make it any faster
-        # (what is left is its own prompt and the noise of the offset); a prediction past the objective by less than
-        # the predictor's own spread at this priority is noise too: served (it may miss narrowly), not refused
-        if predicted is None or not decision.ttft_slo_ms or predicted[2] <= 0 \
-                or (predicted[0] - self.predictor.spread(priority)) * 1e3 <= decision.ttft_slo_ms:
+        # (what is left is its own prompt and the noise of the offset)
+        if predicted is None or not decision.ttft_slo_ms or predicted[0] * 1e3 <= decision.ttft_slo_ms \
+                or predicted[2] <= 0:
             return decision, known
         if decision.on_slo_miss == "reject":
             self._refused(decision)

@@ -6,8 +6,10 @@
 Two classes share the box: interactive (short prompts, a TTFT and a TPOT objective) and batch (longer prompts, no
 objective, priority 10), picked by the X-Tenant header. First the capacity of the mix is measured on ours with
 priorities only (requests a second when everything arrives at once), and, unless given, the objectives are set to
---margin times the p90 TTFT and TPOT of interactive requests in a phase at the lowest load on it (attainable below
-capacity on this box); then each system gets the same seeded Poisson arrivals at 0.5x, 1.5x and 3x of the capacity,
+--ttft-margin times the p90 TTFT and --margin times the p90 TPOT of interactive requests in a phase at the lowest
+load on it (attainable below capacity on this box: the TTFT margin of 2 lets a prompt queued behind one other
+interactive prompt still meet it, as two arrivals close together do now and then at any load); then each system
+gets the same seeded Poisson arrivals at 0.5x, 1.5x and 3x of the capacity,
 one phase per load:
 - ours, objectives: the policy gives interactive ttft_slo_ms, tpot_slo_ms and on_slo_miss = "reject";
 - ours, priorities only: the same classes and priorities, no objectives;
@@ -227,11 +229,15 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=0.0, help="the mix's capacity, req/s, instead of measuring "
                         "it (a capacity measured while the box is busier than during the phases makes 3x no overload)")
     parser.add_argument("--share", type=float, default=0.5, help="interactive share of the requests")
-    parser.add_argument("--ttft-slo-ms", type=int, default=0, help="interactive TTFT objective; 0: --margin times "
+    parser.add_argument("--ttft-slo-ms", type=int, default=0, help="interactive TTFT objective; 0: --ttft-margin times "
                         "the p90 TTFT measured here at the lowest load (a busy or slow box keeps objectives it can "
                         "meet below capacity)")
     parser.add_argument("--tpot-slo-ms", type=int, default=0, help="interactive TPOT objective; 0: likewise")
-    parser.add_argument("--margin", type=float, default=1.25, help="objectives over the p90 measured below capacity")
+    parser.add_argument("--margin", type=float, default=1.25, help="TPOT objective over the p90 measured below "
+                        "capacity")
+    parser.add_argument("--ttft-margin", type=float, default=2.0, help="TTFT objective over the p90 measured below "
+                        "capacity (2: one interactive prompt ahead still meets it)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip llama-server (ours in both modes only)")
     parser.add_argument("--calibrate-s", type=float, default=30.0, help="seconds of arrivals at the lowest load on "
                         "ours with priorities only, to measure what interactive requests get below capacity")
     parser.add_argument("--max-tokens", default="32,64", help="interactive,batch answer lengths")
@@ -243,7 +249,7 @@ def main() -> None:
     gguf = args.model or str(embedded_model_path())
     loads = [float(x) for x in args.loads.split(",")]
     priority_only = ours("ours, priorities only", gguf, args.threads, policy(None, None), args.log_level)
-    other, note = baseline(gguf, args.threads)
+    other, note = (None, "llama-server skipped (--no-baseline)") if args.no_baseline else baseline(gguf, args.threads)
 
     logs: list[System] = []
 
@@ -255,7 +261,7 @@ def main() -> None:
             below = await calibrate(priority_only, min(loads) * cap, args)
         finally:
             priority_only.stop()
-        args.ttft_slo_ms = args.ttft_slo_ms or max(100, round(args.margin * below[0] * 1e3, -1))
+        args.ttft_slo_ms = args.ttft_slo_ms or max(100, round(args.ttft_margin * below[0] * 1e3, -1))
         args.tpot_slo_ms = args.tpot_slo_ms or max(20, round(args.margin * below[1] * 1e3, -1))
         print(f"measured capacity of the mix: {cap:.2f} req/s; at {min(loads):g}x of it interactive p90 TTFT "
               f"{below[0] * 1e3:.0f} ms, TPOT {below[1] * 1e3:.0f} ms; objectives {args.ttft_slo_ms:.0f} / "

@@ -50,10 +50,10 @@ class GGUFWeightTypes:
 
 def gguf_weight_types(path: str) -> GGUFWeightTypes:
     """The storage types of a GGUF's 2-D tensors (its weight matrices), e.g. layers {"Q4_K", "Q6_K"}, head "Q6_K"."""
-    import gguf
+    from contracts.gguf_header import read_header  # the tensor list in milliseconds (gguf's reader: ~2 s)
     if not os.path.isfile(path):
         return GGUFWeightTypes()
-    matrices = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    matrices = {t.name: t.tensor_type.name for t in read_header(path).tensors if len(t.shape) == 2}
     head = matrices.pop("output.weight", None) or matrices.get("token_embd.weight", "")
     matrices.pop("token_embd.weight", None)
     return GGUFWeightTypes(frozenset(matrices.values()), head)

@@ -163,8 +163,11 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from server_process import ServerProcess
-    # seeded texts compared across runs and batches: float32 and no prompt cache, as in test_structured_outputs
-    config = 'max_num_seqs = 8\ndtype = "float32"\nprefix_cache_tokens = 0\n[limits]\nshutdown_grace_s = 1.0\n'
+    # seeded texts compared across runs and batches (two identical requests decoding side by side): deterministic
+    # (one weight precision, batch-invariant matmuls and attention: auto's plan may hold q8_0 weights up to a batch
+    # size and float32 above it, and float32 sgemm rounds by the row count) and no prompt cache
+    config = ('max_num_seqs = 8\ndtype = "float32"\ndeterministic = true\nprefix_cache_tokens = 0\n'
+              '[limits]\nshutdown_grace_s = 1.0\n')
     server = ServerProcess(config,
                            tmp_path_factory.mktemp("n_choices")).start()
     yield server

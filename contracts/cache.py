@@ -17,3 +17,12 @@ def cache_root() -> Path:
 def converted_dir(identity: GGUFIdentity, cache_dir: Path | None = None) -> Path:
     """A GGUF's own folder of converted files, by its fingerprint; cache_dir: instead of cache_root()/converted."""
     return (cache_dir or cache_root() / "converted") / identity.fingerprint.replace(":", "-")
+
+
+def write_record(path: Path, text: str) -> None:
+    """Write a small record whole: to a partial file of this process, then moved to `path`, so a process reading it
+    meanwhile finds the old record or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + f".partial-{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)

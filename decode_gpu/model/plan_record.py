@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from contracts.cache import write_record
 from decode_gpu.model.weight_plan import GGUFWeightTypes, WeightPlan, auto_weight_plan, cpu_kinds
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,9 @@ def cpu_weight_plan(identity, types: GGUFWeightTypes, model: nn.Module, dtype: t
     recorded = read_plan(path, settings) if path is not None else None
     if recorded is not None:
         return recorded
-    quiet = _quiet()
+    quiet = machine_quiet()
     plan = auto_weight_plan(torch.device("cpu"), types, model, max_batch)
-    if path is not None and quiet and _quiet():
+    if path is not None and quiet and machine_quiet():
         write_plan(path, plan, settings)
     elif path is not None:
         log.info("weight plan measured on a busy machine (load average %s, %d cores): used, not recorded; a quiet "
@@ -104,10 +105,7 @@ def write_plan(path: Path, plan: WeightPlan, settings: dict) -> None:
     record = {"settings": settings, "weight_dtype": plan.weight_dtype, "float_above": plan.float_above,
               "head_int8": plan.head_int8, "why": plan.why, "load_average": _load(), "cores": os.cpu_count(),
               "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + f".partial-{os.getpid()}")
-    partial.write_text(json.dumps(record, indent=1))
-    os.replace(partial, path)
+    write_record(path, json.dumps(record, indent=1))
     log.info("recorded the weight plan in %s (a quiet start): later starts reuse it: %s", path, _describe(plan))
 
 
@@ -116,9 +114,9 @@ def _describe(plan: WeightPlan) -> str:
     return f"{plan.weight_dtype}{above}"
 
 
-def _quiet() -> bool:
-    """Whether the machine is quiet now: its 1-minute load average under half its cores (as speculation's probe
-    judges it, runner/model_runner.py)."""
+def machine_quiet() -> bool:
+    """Whether the machine is quiet now: its 1-minute load average under half its cores (also what speculation's
+    probe asks before it records its cost model, runner/model_runner.py)."""
     load = _load()
     return load is not None and load < 0.5 * (os.cpu_count() or 1)
 

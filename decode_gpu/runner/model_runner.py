@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from contracts.cache import write_record
 from contracts.handoff import SamplingParams
 from contracts.identity import GGUFIdentity
 from decode_gpu.attention.backend import resolve_backend
@@ -37,6 +37,7 @@ from decode_gpu.core.step_times import ALONE, EVERY, HALVED, ThreadShare
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.kv.pool import KVPool, PoolShape, device_index
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
+from decode_gpu.model.plan_record import machine_quiet as _quiet  # a module name of its own: tests replace it
 from decode_gpu.model.quantized_linear import QuantizedLinear
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
@@ -243,10 +244,7 @@ class ModelRunner:
         quiet = _quiet()
         costs = self.measure_step_costs(max_num_seqs, num_draft, reps, budget_s)
         if record is not None and quiet and _quiet():
-            record.parent.mkdir(parents=True, exist_ok=True)
-            partial = record.with_name(record.name + f".partial-{os.getpid()}")
-            partial.write_text(costs.to_json())
-            os.replace(partial, record)
+            write_record(record, costs.to_json())
             log.info("recorded the cost model in %s (a quiet start): later starts reuse it", record)
         return costs
 
@@ -464,13 +462,6 @@ def _shared_threads(device: torch.device, gate: PriorityGate | None) -> tuple[in
     log.info("decode on the CPU: %d threads, %d while a prompt is queued for or in prefill", alone, shared)
     return alone, shared
 
-
-def _quiet() -> bool:
-    """Whether the machine is quiet now: its 1-minute load average under half its cores."""
-    try:
-        return os.getloadavg()[0] < 0.5 * (os.cpu_count() or 1)
-    except OSError:
-        return False
 
 
 def _attempt(failed: list[tuple[str, str]], seq_id: str, what: str, action, *args) -> None:

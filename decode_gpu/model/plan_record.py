@@ -4,9 +4,9 @@ measured while serving").
 
 A start on a busy machine measures the quantized kernels slower than they are (ggml's threads spin against the other
 work) and would hold float weights for the day; two starts would choose two plans, and greedy answers would differ
-between them. So a start measures only when no record fits, records only when the machine was quiet before and
-after the measurement (1-minute load average under half the cores), and a start that reuses a record builds the
-chosen layers without timing anything. The record holds the decision, not weights.
+between them. So a start measures only when no record fits, records only when nothing else used the CPU through
+the measurement (contracts/cpu_window.py), and a start that reuses a record builds the chosen layers without timing
+anything. The record holds the decision, not weights.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from contracts.cache import write_record
+from contracts.cpu_window import CpuWindow, load_average
 from decode_gpu.model.weight_plan import GGUFWeightTypes, WeightPlan, auto_weight_plan, cpu_kinds
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,13 @@ def cpu_weight_plan(identity, types: GGUFWeightTypes, model: nn.Module, dtype: t
     recorded = read_plan(path, settings) if path is not None else None
     if recorded is not None:
         return recorded
-    quiet = machine_quiet()
+    window = measurement_window()
     plan = auto_weight_plan(torch.device("cpu"), types, model, max_batch)
-    if path is not None and quiet and machine_quiet():
-        write_plan(path, plan, settings)
+    if path is not None and window.quiet():
+        write_plan(path, plan, settings, window)
     elif path is not None:
-        log.info("weight plan measured on a busy machine (load average %s, %d cores): used, not recorded; a quiet "
-                 "start records one", _load(), os.cpu_count() or 1)
+        log.info("weight plan measured on a busy machine (%s): used, not recorded; a quiet start records one",
+                 window.describe())
     return plan
 
 
@@ -99,11 +100,12 @@ def _plan(record: dict, settings: dict, path: Path) -> WeightPlan:
     return WeightPlan(kind, why, float_above, head_int8=head_int8)
 
 
-def write_plan(path: Path, plan: WeightPlan, settings: dict) -> None:
+def write_plan(path: Path, plan: WeightPlan, settings: dict, window: CpuWindow | None = None) -> None:
     """Record the plan's decision (not its layers) in `path`: written whole to a partial file, then moved there, so
     a start reading it meanwhile finds the old record or the new one."""
     record = {"settings": settings, "weight_dtype": plan.weight_dtype, "float_above": plan.float_above,
-              "head_int8": plan.head_int8, "why": plan.why, "load_average": _load(), "cores": os.cpu_count(),
+              "head_int8": plan.head_int8, "why": plan.why, "load_average": load_average(), "cores": os.cpu_count(),
+              "others_cores": None if window is None else window.others_cores(),
               "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_record(path, json.dumps(record, indent=1))
     log.info("recorded the weight plan in %s (a quiet start): later starts reuse it: %s", path, _describe(plan))
@@ -114,16 +116,7 @@ def _describe(plan: WeightPlan) -> str:
     return f"{plan.weight_dtype}{above}"
 
 
-def machine_quiet() -> bool:
-    """Whether the machine is quiet now: its 1-minute load average under half its cores (also what speculation's
-    probe asks before it records its cost model, runner/model_runner.py)."""
-    load = _load()
-    return load is not None and load < 0.5 * (os.cpu_count() or 1)
-
-
-def _load() -> float | None:
-    """The 1-minute load average; None where the system has none."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
+def measurement_window() -> CpuWindow:
+    """Opened before a measurement whose result may be recorded; its quiet() says whether to record it (also what
+    speculation's probe asks before it records its cost model, runner/model_runner.py). Tests replace it."""
+    return CpuWindow()

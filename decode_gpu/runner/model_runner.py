@@ -37,7 +37,7 @@ from decode_gpu.core.step_times import ALONE, EVERY, HALVED, ThreadShare
 from decode_gpu.kv.importer import import_handoff
 from decode_gpu.kv.pool import KVPool, PoolShape, device_index
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
-from decode_gpu.model.plan_record import machine_quiet as _quiet  # a module name of its own: tests replace it
+from decode_gpu.model.plan_record import measurement_window as _window  # a module name of its own: tests replace it
 from decode_gpu.model.quantized_linear import QuantizedLinear
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
@@ -231,7 +231,7 @@ class ModelRunner:
                    record: Path | None = None) -> StepCosts:
         """Speculation's start-up cost model: the one recorded in `record` by an earlier quiet start of the same
         model, weights, device, threads and batch limits if there is one, else a probe (measure_step_costs) within
-        about budget_s, recorded there when the machine was quiet through it (load average under half the cores).
+        about budget_s, recorded there when nothing else used the CPU through it (contracts/cpu_window.py).
         The engine corrects it by its real steps from then on (core.speculative.LiveCosts)."""
         if record is not None and record.is_file():
             try:
@@ -241,11 +241,14 @@ class ModelRunner:
                 return costs
             except (ValueError, KeyError, TypeError) as err:
                 log.warning("ignoring the recorded cost model %s: %s", record, err)
-        quiet = _quiet()
+        window = _window()
         costs = self.measure_step_costs(max_num_seqs, num_draft, reps, budget_s)
-        if record is not None and quiet and _quiet():
+        if record is not None and window.quiet():
             write_record(record, costs.to_json())
             log.info("recorded the cost model in %s (a quiet start): later starts reuse it", record)
+        elif record is not None:
+            log.info("speculation's cost model measured on a busy machine (%s): used, not recorded; a quiet start "
+                     "records one", window.describe())
         return costs
 
     def cost_record_key(self, max_num_seqs: int, num_draft: int) -> str:

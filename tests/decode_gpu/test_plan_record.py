@@ -1,13 +1,15 @@
 """weight_dtype = auto on a CPU: a quiet start records its measured weight plan beside the converted weights, later
 starts with the same settings build it without timing anything, a busy start measures but records nothing, and a
-record that is broken or made for other settings is measured again. The machine's load and the kernels' timings are
-set by the tests (os.getloadavg, weight_plan._turns), so they do not depend on the machine running them."""
+record that is broken or made for other settings is measured again. What other work used of the CPU through the
+measurement and the kernels' timings are set by the tests (plan_record.measurement_window, weight_plan._turns), so
+they do not depend on the machine running them."""
 
 import json
 
 import pytest
 import torch
 
+from contracts.cpu_window import CpuWindow
 from contracts.identity import read_gguf_identity
 from decode_gpu.model import ggml_linear, plan_record, weight_plan
 from decode_gpu.model.quantized_linear import QuantizedLinear
@@ -15,7 +17,19 @@ from decode_gpu.model.weight_quant import held_weight_dtype, load_weights
 from decode_gpu.runner.weight_switch import WeightSwitch
 
 CPU = torch.device("cpu")
-QUIET, BUSY = 0.0, 1e6  # 1-minute load averages: under half of any core count, and over it
+QUIET, BUSY = 0.0, 1.5  # cores other work used through the measurement: none, and most of a 2-core box
+
+
+def window(others: float) -> CpuWindow:
+    """A measurement window of 1 s in which other work used `others` cores and this process none."""
+    def reading(first: float, then: float):
+        calls = []
+
+        def read() -> float:
+            calls.append(None)
+            return first if len(calls) == 1 else then
+        return read
+    return CpuWindow(busy=reading(0.0, others), own=lambda: 0.0, clock=reading(0.0, 1.0))
 
 
 @pytest.fixture
@@ -42,12 +56,10 @@ def timings(monkeypatch):
 
 @pytest.fixture
 def start(identity, monkeypatch):
-    """start(*loads): load_weights with weight_dtype auto on the CPU, the machine's 1-minute load average reading
-    `loads` in turn (the last one from then on)."""
-    def start(*loads: float, max_batch: int = 8, dtype=torch.float32):
-        readings = list(loads)
-        monkeypatch.setattr(plan_record.os, "getloadavg", lambda: (readings.pop(0) if len(readings) > 1
-                                                                   else readings[0],) * 3)
+    """start(others): load_weights with weight_dtype auto on the CPU, other work using `others` cores through any
+    measurement."""
+    def start(others: float, max_batch: int = 8, dtype=torch.float32):
+        monkeypatch.setattr(plan_record, "measurement_window", lambda: window(others))
         return load_weights(identity, CPU, dtype, "auto", max_batch)
     return start
 
@@ -59,7 +71,7 @@ def records(identity) -> list:
 
 def test_a_quiet_start_records_its_plan_and_the_next_start_builds_it_without_measuring(
         identity, start, timings, monkeypatch, caplog):
-    measured, report = start(QUIET, QUIET)
+    measured, report = start(QUIET)
     assert timings and held_weight_dtype(measured) == "int8 up to batch 2, float32 above"
     [path] = records(identity)
     assert path.name == f"cpu-{torch.backends.cpu.get_cpu_capability()}-t{torch.get_num_threads()}-float32-b8-int8.json"
@@ -78,7 +90,7 @@ def test_a_quiet_start_records_its_plan_and_the_next_start_builds_it_without_mea
 
 def test_the_live_switch_moves_a_reused_plan(identity, start, timings, monkeypatch):
     """The reused model holds the float weights too, so the batch-size switch can move its cut-off."""
-    start(QUIET, QUIET)
+    start(QUIET)
     model, report = start(QUIET)
     floats, _ = load_weights(identity, CPU, torch.float32, "float32", 8)
     floats.set_input_embeddings(model.get_input_embeddings())  # the int8 table the quantized model reads either way
@@ -94,12 +106,12 @@ def test_the_live_switch_moves_a_reused_plan(identity, start, timings, monkeypat
         assert torch.equal(model(ids).logits, floats(ids).logits)
 
 
-@pytest.mark.parametrize("loads", [(BUSY, BUSY), (QUIET, BUSY), (BUSY, QUIET)], ids=["busy", "after", "before"])
-def test_a_start_busy_before_or_after_its_measurement_records_nothing(identity, start, timings, caplog, loads):
+def test_a_start_with_other_work_through_its_measurement_records_nothing(identity, start, timings, caplog):
     caplog.set_level("INFO")
-    model, _ = start(*loads)
+    model, _ = start(BUSY)
     assert timings and held_weight_dtype(model) == "int8 up to batch 2, float32 above"
-    assert records(identity) == [] and "used, not recorded" in caplog.text
+    assert records(identity) == []
+    assert "busy machine (other work used 1.50 of" in caplog.text and "used, not recorded" in caplog.text
 
 
 def _corrupt(record: dict) -> str:
@@ -125,12 +137,12 @@ def _no_cut_off_field(record: dict) -> str:
 @pytest.mark.parametrize("spoil", [_corrupt, _other_torch, _unmeasured_kind, _cut_off_past_the_batch,
                                    _no_cut_off_field])
 def test_a_broken_or_mismatched_record_is_ignored_and_measured_again(identity, start, timings, caplog, spoil):
-    start(QUIET, QUIET)
+    start(QUIET)
     [path] = records(identity)
     good = path.read_text()
     path.write_text(spoil(json.loads(good)))
     timings.clear()
-    model, report = start(QUIET, QUIET)
+    model, report = start(QUIET)
     assert timings and "ignoring the recorded weight plan" in caplog.text
     assert "recorded by a quiet start" not in report.why
     assert held_weight_dtype(model) == "int8 up to batch 2, float32 above"
@@ -139,13 +151,13 @@ def test_a_broken_or_mismatched_record_is_ignored_and_measured_again(identity, s
 
 @pytest.mark.parametrize("change", ["max_batch", "threads", "dtype"])
 def test_a_record_made_for_other_settings_is_not_reused(identity, start, timings, change):
-    start(QUIET, QUIET)
+    start(QUIET)
     timings.clear()
     threads = torch.get_num_threads()
     try:
         if change == "threads":
             torch.set_num_threads(threads + 1)
-        model, report = start(QUIET, QUIET, max_batch=4 if change == "max_batch" else 8,
+        model, report = start(QUIET, max_batch=4 if change == "max_batch" else 8,
                              dtype=torch.bfloat16 if change == "dtype" else torch.float32)
     finally:
         torch.set_num_threads(threads)
@@ -159,7 +171,7 @@ def test_a_model_without_a_gguf_file_records_nothing(tmp_path, timings, monkeypa
     from contracts.identity import GGUFIdentity
     from tiny_llama import TINY_LLAMA
     monkeypatch.setenv("EDGE_LLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(plan_record.os, "getloadavg", lambda: (QUIET,) * 3)
+    monkeypatch.setattr(plan_record, "measurement_window", lambda: window(QUIET))
     monkeypatch.setattr(ggml_linear, "available", lambda: False)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
     identity = GGUFIdentity(path="tiny-llama", fingerprint="sha256:tiny", arch="llama", n_layer=2, n_head=6,

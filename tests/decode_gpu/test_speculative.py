@@ -461,15 +461,27 @@ def test_a_speculator_whose_costs_say_never_still_probes_now_and_then():
     assert speculator.lengths(proposals, acceptance) == [0, 0]  # counting again from the probe
 
 
+class _Window:
+    """A measurement window with its answer set (contracts/cpu_window.py measures the real one)."""
+    def __init__(self, quiet: bool) -> None:
+        self._quiet = quiet
+
+    def quiet(self) -> bool:
+        return self._quiet
+
+    def describe(self) -> str:
+        return "quiet" if self._quiet else "busy"
+
+
 def test_the_start_up_probe_is_short_and_a_quiet_start_is_recorded_and_reused(tiny, tmp_path, monkeypatch):
     from decode_gpu.runner import model_runner
     model, identity = tiny[:2]
     runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=512, kv_storage="float32"), torch.device("cpu"))
     record = tmp_path / "costs.json"
-    monkeypatch.setattr(model_runner, "_quiet", lambda: False)
+    monkeypatch.setattr(model_runner, "_window", lambda: _Window(quiet=False))
     runner.step_costs(4, 2, budget_s=0.0, record=record)  # the budget spent at once: the fewest rows only
-    assert not record.exists()  # not quiet: not recorded
-    monkeypatch.setattr(model_runner, "_quiet", lambda: True)
+    assert not record.exists()  # other work through the probe: not recorded
+    monkeypatch.setattr(model_runner, "_window", lambda: _Window(quiet=True))
     measured = runner.step_costs(4, 2, budget_s=0.0, record=record)
     assert record.exists()
     monkeypatch.setattr(runner, "measure_step_costs", lambda *a, **k: pytest.fail("measured again"))

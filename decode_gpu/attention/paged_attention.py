@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import AttentionInterface
 
 from decode_gpu.attention.paged_batch import NO_EXTRAS, Extras, PagedBatch
 from decode_gpu.attention.torch_attention import torch_attention
@@ -77,8 +76,14 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-# No mask function is registered on purpose: for an attention implementation without one, transformers skips
-# mask creation entirely (masking is done inside paged_attention from the block tables). With one, it would
-# look for packed sequences in position_ids and read the answer back to the host every forward: a host sync
-# in eager steps, found by tests/decode_gpu/test_static_step.py's CPU check of host reads.
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+def use_paged_attention(model: torch.nn.Module) -> None:
+    """transformers' forward of `model` attends through paged_attention. Registered here, not at import: the engine's
+    native forward never imports transformers' modeling code (model/serving_model.py).
+
+    No mask function is registered on purpose: for an attention implementation without one, transformers skips
+    mask creation entirely (masking is done inside paged_attention from the block tables). With one, it would
+    look for packed sequences in position_ids and read the answer back to the host every forward: a host sync
+    in eager steps, found by tests/decode_gpu/test_static_step.py's CPU check of host reads."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -8,10 +8,14 @@ src/models/<family>.cpp `load_arch_hparams` is the reference for each default).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import gguf
 import numpy as np
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+
+if TYPE_CHECKING:  # transformers' modeling code stays out of the engine process (model/serving_model.py)
+    from transformers import PretrainedConfig, PreTrainedModel
 
 from contracts.identity import DEFAULT_WINDOWS, metadata, sliding_layers
 

@@ -1,4 +1,5 @@
-"""Load a GGUF's weights into a transformers model, converting once and caching the result.
+"""Load a GGUF's weights into a model, converting once and caching the result: transformers' model, or the serving
+model the native forward reads (serving_model.py, no transformers modeling code in the engine process).
 
 Dequantizing a GGUF takes tens of seconds to minutes; the converted weights are saved as safetensors
 under a cache folder named by the GGUF's fingerprint and the storage dtype, so later starts take seconds.
@@ -14,12 +15,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from contracts.cache import converted_dir
 from contracts.identity import GGUFIdentity
 from decode_gpu.model.family_config import apply_rope_freqs
-from decode_gpu.model.gguf_convert import convert_gguf
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +29,22 @@ def converted_weights_dir(identity: GGUFIdentity, dtype: torch.dtype, cache_dir:
 
 
 def load_decode_model(identity: GGUFIdentity, device: torch.device, dtype: torch.dtype,
-                      cache_dir: Path | None = None) -> PreTrainedModel:
+                      cache_dir: Path | None = None, serving: bool = False) -> nn.Module:
+    """transformers' causal LM, or with `serving` the serving model (the native forward's; the same module names,
+    built without importing transformers' modeling code, which costs the process about 165 MB and 1.3-2 s)."""
     weights = converted_weights_dir(identity, dtype, cache_dir)
     if not (weights / "config.json").exists():
         _convert(identity, weights, dtype)
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device).eval()
+    if serving:
+        from decode_gpu.model.serving_model import load_serving_model
+        model = load_serving_model(weights, dtype).to(device)
+    else:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).to(device).eval()
     apply_rope_freqs(model)
-    log.info("decode model %s loaded on %s as %s in %.1f s", os.path.basename(identity.path), device,
-             dtype, time.perf_counter() - started)
+    log.info("decode model %s loaded on %s as %s in %.1f s%s", os.path.basename(identity.path), device,
+             dtype, time.perf_counter() - started, " (serving model)" if serving else "")
     return model
 
 
@@ -75,6 +81,7 @@ def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
 
 def load_tokenizer(identity: GGUFIdentity, cache_dir: Path | None = None):
     """The GGUF's tokenizer as a transformers tokenizer (for detokenizing output), converted once and cached."""
+    from transformers import AutoTokenizer
     target = converted_dir(identity, cache_dir) / "tokenizer"
     if not (target / "tokenizer_config.json").exists():
         gguf_path = Path(identity.path)
@@ -86,7 +93,7 @@ def load_tokenizer(identity: GGUFIdentity, cache_dir: Path | None = None):
     return AutoTokenizer.from_pretrained(target)
 
 
-def eos_token_ids(tokenizer, model: PreTrainedModel) -> tuple[int, ...]:
+def eos_token_ids(tokenizer, model: nn.Module) -> tuple[int, ...]:
     """The tokens that end an answer: the tokenizer's end-of-sequence and the model's generation config's (an
     engine built without them decodes past the end of every answer until max_tokens)."""
     config_ids = getattr(model.generation_config, "eos_token_id", None)
@@ -95,6 +102,7 @@ def eos_token_ids(tokenizer, model: PreTrainedModel) -> tuple[int, ...]:
 
 
 def _convert(identity: GGUFIdentity, target: Path, dtype: torch.dtype) -> None:
+    from decode_gpu.model.gguf_convert import convert_gguf  # transformers' GGUF loading: only for a conversion
     log.info("converting %s to %s torch weights once (minutes for a large model); cached in %s",
              identity.path, dtype, target)
     partial = target.with_name(target.name + f".partial-{os.getpid()}")

@@ -13,10 +13,11 @@ interface's reshapes; over 30 layers on 2 CPU cores that was about 20 ms of ever
   projection, and the MLP as one packed gate/up matmul, the activation and the down projection;
 - the final norm, the lm_head and Gemma 2's final soft-capping.
 
-The weights stay the transformers model's own modules (no copy). Transformers stays for the tokenizer, the config,
-the weights' loading and as the oracle in tests (tests/decode_gpu/test_native_forward.py: greedy tokens identical
-to transformers in float32 over 64 tokens for every family fixture). Nothing in a step reads back to the host, so
-a CUDA graph captures the whole step.
+The weights stay the model's own modules (no copy). The engine serves it on the serving model
+(model/serving_model.py: the same module names, built without transformers' modeling code); transformers stays
+for the tokenizer, the config, the transformers forward and as the oracle in tests
+(tests/decode_gpu/test_native_forward.py: greedy tokens identical to transformers in float32 over 64 tokens for
+every family fixture). Nothing in a step reads back to the host, so a CUDA graph captures the whole step.
 
 What is data here, per family: the norm's form (Llama: the weight times the normalized input cast back; Gemma:
 1 + weight, applied in float32), norms after attention and the MLP (Gemma 2/3), q/k norms (Qwen3, Gemma 3), the
@@ -121,7 +122,8 @@ class Layer:
 
 
 class NativeDecoder:
-    """The paged decode forward over a loaded transformers causal LM (after fuse_projections and the weight plan).
+    """The paged decode forward over a loaded causal LM, transformers' or the serving model (model/serving_model.py),
+    after fuse_projections and the weight plan.
     forward(ids [n], positions [n], paged) -> logits [n, vocab] float32. `between_layers`, when set, is called before
     each layer (the priority gate's wait; eager steps only)."""
 
@@ -268,8 +270,9 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 
 def _gemma_norm(module: nn.Module) -> bool:
-    """Gemma's RMSNorm scales by 1 + weight, in float32 (its class is named for the family: Gemma2RMSNorm...)."""
-    return type(module).__name__.startswith("Gemma")
+    """Gemma's RMSNorm scales by 1 + weight, in float32 (transformers' class is named for the family: Gemma2RMSNorm...;
+    the serving model's says so, serving_model.RMSNorm)."""
+    return getattr(module, "one_plus_weight", None) or type(module).__name__.startswith("Gemma")
 
 
 def _projection(module: nn.Module, stacked: tuple[str], native: tuple[str], parts: tuple[str, ...],

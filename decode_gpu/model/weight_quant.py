@@ -139,12 +139,12 @@ def held_weight_dtype(model: nn.Module) -> str:
     return f"{held} up to batch {layers[0].float_above}, {dtype_name(layers[0].weight.dtype)} above"
 
 
-def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtype: str,
-                 max_batch: int, fixed_precision: bool = False) -> tuple[nn.Module, WeightReport]:
+def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtype: str, max_batch: int,
+                 fixed_precision: bool = False, serving: bool = False) -> tuple[nn.Module, WeightReport]:
     """The decode model on `device` with its weights as `weight_dtype` says (WEIGHT_DTYPES). A model to be quantized
     is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there.
     fixed_precision (deterministic decoding): one precision for every batch size (auto's plan without its float
-    weights for larger batches)."""
+    weights for larger batches). serving: the serving model the native forward reads, not transformers' (loader)."""
     from decode_gpu.model.fused_projections import fuse_projections
     from decode_gpu.model.loader import load_decode_model, own_memory
     if weight_dtype not in WEIGHT_DTYPES:
@@ -158,7 +158,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         plan = auto_weight_plan(device, types)
     measure = weight_dtype == "auto" and device.type == "cpu"
     on_cpu = plan.weight_dtype != "float" or measure
-    model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype)
+    model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype, serving=serving)
     fuse_projections(model)  # before packing and quantizing, which then see the stacked layers
     if measure:  # a quiet start's recorded plan, else a measurement (recorded if the machine was quiet)
         plan = cpu_weight_plan(identity, types, model, dtype, max_batch)

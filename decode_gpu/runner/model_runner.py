@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from torch import nn
 
 from contracts.cache import write_record
 from contracts.handoff import SamplingParams
 from contracts.identity import GGUFIdentity
 from decode_gpu.attention.backend import resolve_backend
-from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION
+from decode_gpu.attention.paged_attention import use_paged_attention
 from decode_gpu.attention.paged_batch import build_paged_batch
 from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.core.scheduler import ScheduledStep
@@ -97,7 +97,7 @@ class PagedKVWriter:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, identity: GGUFIdentity, config: RunnerConfig,
+    def __init__(self, model: nn.Module, identity: GGUFIdentity, config: RunnerConfig,
                  device: torch.device, gate: PriorityGate | None = None) -> None:
         self.model = model
         self.identity = identity
@@ -113,7 +113,7 @@ class ModelRunner:
         if config.deterministic and self.native is None:
             raise ValueError("deterministic decoding needs the native forward, not the transformers one")
         if self.native is None:
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            use_paged_attention(model)
         storage = _storage_name(model.dtype) if config.kv_storage == "auto" else config.kv_storage
         self._shape = PoolShape(identity.n_layer, 2, config.block_size, identity.num_kv_heads, identity.head_dim_k,
                                 storage)  # num_blocks replaced below

@@ -34,6 +34,7 @@ from decode_gpu.core.scheduler import SchedulerConfig
 from decode_gpu.core.speculative import SpecConfig
 from decode_gpu.engine import DecodeEngine, EngineConfig
 from decode_gpu.model.loader import eos_token_ids, load_tokenizer
+from decode_gpu.model.native_decoder import resolve_forward
 from decode_gpu.model.weight_quant import load_weights
 from decode_gpu.runner.device import resolve_device, resolve_dtype
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
@@ -52,8 +53,10 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
     dtype = resolve_dtype(config.weight_dtype if float_weights else config.dtype, device)
     spec = spec_config(config)
     rss_start = _rss_mib()
+    runner_settings = runner_config(config, spec)
     model, weights = load_weights(identity, device, dtype, config.weight_dtype, spec.max_rows(config.max_num_seqs),
-                                  fixed_precision=config.deterministic)
+                                  fixed_precision=config.deterministic,
+                                  serving=resolve_forward(runner_settings.forward) == "native")
     trimmed = trim_heap()  # loading and quantizing freed more than the model holds: give it back
     rss_model = _rss_mib()
     weights_at = since_start()
@@ -63,7 +66,7 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
                                                          and device.type == "cpu")
     log.info("decode %s to more important prompts in prefill (decode_yields_to_prefill %s, device %s)",
              "yields" if yields else "does not yield", config.decode_yields_to_prefill, device)
-    runner = ModelRunner(model, identity, runner_config(config, spec), device, PriorityGate(enabled=yields))
+    runner = ModelRunner(model, identity, runner_settings, device, PriorityGate(enabled=yields))
     scheduler = SchedulerConfig(max_num_seqs=config.max_num_seqs, prefix_caching=config.prefix_caching,
                                 preemption_mode=config.preemption_mode)
     engine = EngineConfig(scheduler=scheduler, max_model_len=config.max_model_len,

@@ -8,7 +8,7 @@ high one, one float16 (scale, minimum) pair per 32 elements, value = code * scal
 import pytest
 import torch
 
-from decode_gpu.attention.paged_attention import ATTN_IMPLEMENTATION
+from decode_gpu.attention.paged_attention import use_paged_attention
 from decode_gpu.attention.paged_batch import build_paged_batch
 from decode_gpu.kv.pool import (
     INT4_GROUP,
@@ -152,7 +152,7 @@ def embedded(embedded_float32, embedded_identity, embedded_greedy_runs):
     float32 decodes greedily after it. The model is the session's: its own attention comes back afterwards."""
     model = embedded_float32
     own = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    use_paged_attention(model)
     yield model, embedded_identity, embedded_greedy_runs
     model.set_attn_implementation(own)
 

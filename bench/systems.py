@@ -101,6 +101,9 @@ def make_systems(names: list[str], gguf: str, threads: int, slots: int, ctx_per_
         # ours with the float32 decode weights `auto` kept on an AVX2 CPU before q8_0 (docs/decode.md)
         "ours-float32": lambda: edge_serve("ours (float32 weights)",
                                            f'threads_per_worker = {threads}\nweight_dtype = "float32"\n'),
+        # ours with transformers' decoder forward (kept behind decode_forward for this comparison, docs/decode.md)
+        "ours-transformers": lambda: edge_serve("ours (transformers forward)",
+                                                f'threads_per_worker = {threads}\ndecode_forward = "transformers"\n'),
         "llama-server": lambda: System(f"llama-server (-np {slots})", model_id, lambda p: [
             str(build_llama_server(os.cpu_count() or 2)), "-m", gguf, "--port", str(p), "-t", str(threads),
             "-np", str(slots), "-c", str(slots * ctx_per_slot), "--log-disable"], ready_path="/health"),

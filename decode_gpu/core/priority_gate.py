@@ -34,6 +34,11 @@ class PriorityGate:
                 self._changed.notify_all()
 
     @property
+    def held_for(self) -> int | None:
+        """The best priority among prompts queued for or in prefill (None: none)."""
+        return self._held_for
+
+    @property
     def prefill_active(self) -> bool:
         """Whether any prompt is queued for or in prefill (whatever its priority, however long held)."""
         return self._held_for is not None

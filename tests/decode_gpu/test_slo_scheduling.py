@@ -115,6 +115,7 @@ def test_thread_share_keeps_every_thread_only_where_the_halved_step_breaks_a_tpo
 class Gate:
     enabled = True
     prefill_active = True
+    held_for = 10  # the best priority queued for or in prefill: below the objective's sequences (priority 0)
 
 
 def test_the_runner_keeps_its_threads_for_a_tpot_objective_and_halves_them_for_priorities_only():
@@ -127,7 +128,7 @@ def test_the_runner_keeps_its_threads_for_a_tpot_objective_and_halves_them_for_p
     clock = Clock()
     runner.gate, runner.clock, runner._threads = Gate(), clock, (4, 2)
     runner.thread_share, runner._last_forward = ThreadShare(), None
-    seqs = [types.SimpleNamespace(seq_id=f"s{i}", tpot_slo_ms=100 if i == 0 else 0) for i in range(3)]
+    seqs = [types.SimpleNamespace(seq_id=f"s{i}", priority=0, tpot_slo_ms=100 if i == 0 else 0) for i in range(3)]
     before = torch.get_num_threads()
     try:
         used = []
@@ -136,12 +137,18 @@ def test_the_runner_keeps_its_threads_for_a_tpot_objective_and_halves_them_for_p
             used.append(torch.get_num_threads())
             clock.t += 0.15 if used[-1] == 2 else 0.07
         assert used == [2, 4, 4, 4, 4]
-        plain = [types.SimpleNamespace(seq_id=f"b{i}", tpot_slo_ms=0) for i in range(3)]
+        plain = [types.SimpleNamespace(seq_id=f"b{i}", priority=0, tpot_slo_ms=0) for i in range(3)]
         runner._set_threads(plain)
         assert torch.get_num_threads() == 2
+        Gate.held_for = 0  # a prompt as important as the objective's sequences: its first token shares the cores
+        runner._set_threads(seqs)
+        assert torch.get_num_threads() == 2
+        Gate.held_for = 10
+        runner._set_threads(seqs)
+        assert torch.get_num_threads() == 4
         Gate.prefill_active = False
         runner._set_threads(seqs)
         assert torch.get_num_threads() == 4
     finally:
-        Gate.prefill_active = True
+        Gate.prefill_active, Gate.held_for = True, 10
         torch.set_num_threads(before)

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from contracts.cache import write_record
 
 log = logging.getLogger(__name__)
 MIN_CHUNK = 64  # shorter chunks cost more a token (per-call overhead); the start-up measurement fed 256 at once
@@ -117,9 +118,7 @@ class PrefillRate:
             decision = json.loads(record.read_text())
             decision["stale"] = {"live_tok_s": round(self.tok_s or 0.0, 1), "threads": self.threads,
                                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            partial = record.with_name(record.name + f".partial-{os.getpid()}")
-            partial.write_text(json.dumps(decision, indent=1))
-            os.replace(partial, record)  # a worker starting now reads the old record or the new one, whole
+            write_record(record, json.dumps(decision, indent=1))  # a worker starting now reads old or new, whole
         except (OSError, ValueError) as err:
             log.warning("prefill rate: could not mark %s stale (%s)", record, err)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import llama_cpp
 import psutil
 
-from contracts.cache import converted_dir
+from contracts.cache import converted_dir, write_record
 from contracts.gguf_header import read_header
 from contracts.identity import GGUFIdentity
 from prefill_cpu.prefill_rate import Recorded
@@ -130,7 +130,7 @@ def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> s
                  f"the {kind} copy" if decision["choice"] == kind else "the given file")
         if decision["choice"] == "given":
             copy.unlink(missing_ok=True)
-    decision_file.write_text(json.dumps(decision, indent=1))
+    write_record(decision_file, json.dumps(decision, indent=1))  # whole: a worker starting meanwhile reads old or new
     return _chosen(identity, folder, decision)
 
 

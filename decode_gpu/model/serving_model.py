@@ -153,8 +153,7 @@ def _build(model: ServingModel, config, tensors: dict[str, torch.Tensor]) -> Non
         setattr(parent, leaf, module)
         modules[path] = module
     if "lm_head.weight" not in tensors:  # tied: the head is the embedding's matrix, one Parameter
-        model.lm_head = nn.Linear(1, 1, bias=False)
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head = _linear(model.model.embed_tokens.weight, None)
     model.model.rotary_emb = Rotary(config)
     for index, layer in enumerate(model.model.layers):
         _settings(layer, index, config)
@@ -177,9 +176,11 @@ def _parent(modules: dict[str, nn.Module], parents: list[str], config) -> nn.Mod
     return modules[path]
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _linear(weight: torch.Tensor | nn.Parameter, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding `weight` (a Parameter as it is: a tied head shares the embedding's), in and out features
+    from its shape (the weight plan sizes its inputs by them)."""
     module = nn.Linear(1, 1, bias=bias is not None, device="meta")
-    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
     module.in_features, module.out_features = weight.shape[1], weight.shape[0]
     if bias is not None:
         module.bias = nn.Parameter(bias, requires_grad=False)

@@ -88,6 +88,12 @@ def test_each_layers_settings_are_what_transformers_sets(pair):
     assert all(torch.equal(c, d) for c, d in zip(a.cos + a.sin, b.cos + b.sin, strict=True)), arch
     assert (a.embed_scale is None) == (b.embed_scale is None) or arch.startswith("gemma"), arch
     assert theirs.generation_config.eos_token_id == ours.generation_config.eos_token_id
+    # every linear layer's sizes are its weight's (the weight plan sizes its inputs by in_features), tied head included
+    linears = {name: m for name, m in ours.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert "lm_head" in linears and all((m.out_features, m.in_features) == tuple(m.weight.shape)
+                                        for m in linears.values()), arch
+    tied = theirs.get_output_embeddings().weight is theirs.get_input_embeddings().weight
+    assert (ours.lm_head.weight is ours.get_input_embeddings().weight) == tied, arch
 
 
 def test_quantized_layers_of_the_serving_model_give_transformers_logits(tiny_gguf, conversion_cache):

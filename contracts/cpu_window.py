@@ -49,14 +49,19 @@ class CpuWindow:
         self._busy, self._own, self._clock = busy, own, clock
         self._started = (clock(), busy(), own())
         self._load_before = load_average()
+        self._closed, self._others = False, None  # the reading, taken when first asked (the window closes then)
 
     def others_cores(self) -> float | None:
-        """Other work's average use of the CPU since the window opened, in cores; None where it cannot be told."""
-        began, busy_before, own_before = self._started
-        busy_now, wall = self._busy(), self._clock() - began
-        if busy_before is None or busy_now is None or wall <= 0:
-            return None
-        return max(0.0, (busy_now - busy_before) - (self._own() - own_before)) / wall
+        """Other work's average use of the CPU from the window's opening to the first time it is asked (so quiet(),
+        describe() and a record written after them tell of the same interval), in cores; None where it cannot be
+        told."""
+        if not self._closed:
+            self._closed = True
+            began, busy_before, own_before = self._started
+            busy_now, wall = self._busy(), self._clock() - began
+            if busy_before is not None and busy_now is not None and wall > 0:
+                self._others = max(0.0, (busy_now - busy_before) - (self._own() - own_before)) / wall
+        return self._others
 
     def quiet(self) -> bool:
         """Whether the measurement had the CPU to itself: other work under QUIET_CORES through it; where that cannot

@@ -133,7 +133,7 @@ def load_serving_model(weights: Path, dtype: torch.dtype) -> ServingModel:
 
 def _build(model: ServingModel, config, tensors: dict[str, torch.Tensor]) -> None:
     eps, gemma = config.rms_norm_eps, config.model_type in GEMMA_TYPES
-    modules: dict[str, nn.Module] = {"": model}
+    modules: dict[str, nn.Module] = {"": model, "model": model.model}
     for key in sorted(tensors):
         path, _, kind = key.rpartition(".")
         if kind != "weight":

@@ -365,7 +365,7 @@ class ModelRunner:
         held = getattr(self.gate, "held_for", None)
         if not self.gate.prefill_active:
             mode = ALONE
-        elif held is not None and held <= min((s.priority for s in objectives), default=held - 1):
+        elif objectives and held is not None and held <= min(s.priority for s in objectives):
             # a prompt as important as the objective's sequences is queued or in prefill: its first token has an
             # objective too, so decode takes half the cores, not every one beside it (at 0.5x load, keeping every
             # thread then put interactive TTFT p99 at 0.33 s against 0.22 s for priorities only, bench.slo_bench)
@@ -472,7 +472,6 @@ def _shared_threads(device: torch.device, gate: PriorityGate | None) -> tuple[in
     shared = max(1, alone // 2)
     log.info("decode on the CPU: %d threads, %d while a prompt is queued for or in prefill", alone, shared)
     return alone, shared
-
 
 
 def _attempt(failed: list[tuple[str, str]], seq_id: str, what: str, action, *args) -> None:

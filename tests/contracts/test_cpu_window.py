@@ -54,3 +54,10 @@ def test_the_machines_busy_time_counts_this_process_s_work():
 def _spin(stop: float) -> None:
     while time.monotonic() < stop:
         pass
+
+
+def test_the_window_closes_when_first_asked():
+    """quiet(), describe() and a record written after them tell of one interval: later readings change nothing."""
+    window = CpuWindow(busy=readings(0.0, 0.1, 50.0), own=lambda: 0.0, clock=readings(0.0, 1.0, 100.0))
+    assert window.others_cores() == pytest.approx(0.1) and window.quiet()
+    assert window.others_cores() == pytest.approx(0.1) and "0.10 of" in window.describe()

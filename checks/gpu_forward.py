@@ -1,6 +1,9 @@
 """The GPU check's forward stage: our native decoder forward (decode_gpu.model.native_decoder) with CUDA graphs
 against the same forward eager, and against transformers' forward, on one model shape and context.
 
+The native configurations run on the serving model (decode_gpu.model.serving_model), as `edge serve` does, built
+over the transformers model's own weight storage (no copy); the transformers configurations on that model.
+
 - Graph capture: the native runner captures its graphs (one per batch bucket, the whole step each).
 - Tokens identical: greedy tokens of the captured graphs equal the eager path's, in deterministic mode (both then
   use the same KV splits and matmul row blocks; the default's eager step sizes its splits by the batch's longest
@@ -33,7 +36,9 @@ def forward_stage(gm, report, name: str, model, device: torch.device, context: i
     from the eager path's (deterministic), or when CUDA graphs were not captured on CUDA."""
     from decode_gpu.core.scheduler import SchedulerConfig
     from decode_gpu.engine import DecodeEngine, EngineConfig
+    from decode_gpu.model.serving_model import serving_model_from
     from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
+    serving = serving_model_from(model.config, model.generation_config, dict(model.state_dict()))
     shape = gm.SHAPES[name]
     identity = gm.identity_for(shape)
     new_tokens = steps + 2
@@ -45,7 +50,8 @@ def forward_stage(gm, report, name: str, model, device: torch.device, context: i
             continue
         config = RunnerConfig(kv_cache_tokens=batch * (context + new_tokens + 32), max_num_seqs=batch,
                               max_model_len=context + new_tokens + 16, **options)
-        runner = ModelRunner(model, identity, config, device)
+        on = model if options.get("forward") == "transformers" else serving
+        runner = ModelRunner(on, identity, config, device)
         captured[config_name] = runner.graphs is not None
         engine = DecodeEngine(runner, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=batch),
                                                    max_model_len=config.max_model_len,
@@ -70,8 +76,10 @@ def forward_stage(gm, report, name: str, model, device: torch.device, context: i
         ms[config_name] = 1e3 * statistics.median(times) if times else float("nan")
         del engine, runner
         gm._free(device)
+    del serving
     timing = ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-    report.notes.append(f"native forward {name} context {context} batch {batch}: step {timing}; graphs captured: "
+    report.notes.append(f"native forward {name} (serving model) context {context} batch {batch}: step {timing}; "
+                        "graphs captured: "
                         + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in captured.items()))
     problems = []
     if device.type == "cuda" and not all(v for k, v in captured.items() if "graphs" in k):

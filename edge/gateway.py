@@ -37,6 +37,8 @@ from policies.signals import TTFTWindow, box_signals
 from policies.slo import HEADER as SLO_HEADER
 
 log = logging.getLogger("edge.gateway")
+# how long a request that ended before its worker's PrefillDone arrived waits for it (milliseconds, normally)
+PREFILL_REPORT_WAIT_S = 1.0
 POOLED_KINDS = {"embedding": "embed", "rerank": "rank"}  # request kinds a worker answers alone -> PrefillJob.task
 
 
@@ -53,6 +55,7 @@ class Run:
     route: str = ""  # the HTTP route it came in by (/v1/chat/completions, /v1/responses, ...)
     prompt_logprobs: PromptLogprobs | None = None  # the worker's scores of the prompt, when the request asked
     cached_tokens: int = 0  # prompt tokens its worker took from the prompt cache (PrefillDone), for usage
+    prefill_reported: bool = False  # its worker's PrefillDone was taken in (usage and metrics come from it)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -251,7 +254,29 @@ class Gateway:
             elif isinstance(message, PrefillFailed):
                 raise prefill_error(message, self._context_tokens(), "messages" if run.request.messages else "prompt")
             else:
+                if message.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not run.prefill_reported:
+                    await self._await_prefill_report(run)
                 return self._token(run, message)
+
+    async def _await_prefill_report(self, run: Run) -> None:
+        """The engine sends the first token as the handoff lands, before the worker has reported the prefill, so
+        a short answer (max_tokens 1) can end before its PrefillDone arrives. Its usage (cached tokens) and the
+        prefill metrics come from that report: wait for it a moment rather than end the request without it."""
+        deadline = time.monotonic() + PREFILL_REPORT_WAIT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                message = await asyncio.wait_for(run.inflight.events.get(), timeout=remaining)
+            except TimeoutError:
+                break
+            if isinstance(message, PrefillDone):
+                self._prefilled(run, message)
+                return
+            if isinstance(message, PromptLogprobs):
+                run.prompt_logprobs = message
+            elif isinstance(message, PrefillFailed):  # it handed off, then lost the engine: no report comes
+                return
+        log.warning("%s ended before its prefill worker reported the prefill (waited %.1f s); its usage and the "
+                    "prefill metrics lack that prefill", run.inflight.request_id, PREFILL_REPORT_WAIT_S)
 
     async def embeddings(self, run: Run, param: str = "input") -> EmbedDone:
         """The worker's answer to an embeddings (or rerank) request; failures raise ApiError, a too-long input
@@ -273,6 +298,7 @@ class Gateway:
                 self._token(run, message)  # raises for an abort or a failure
 
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
+        run.prefill_reported = True
         self.slo.prefilled(run.inflight, done)  # the measured prefill rate the TTFT prediction uses
         if done.resumed:  # a recompute of a preempted choice: the request's own prefill is counted already
             return

@@ -112,13 +112,9 @@ def load_serving_model(weights: Path, dtype: torch.dtype) -> ServingModel:
     from safetensors import safe_open
     from transformers import AutoConfig, GenerationConfig
     config = AutoConfig.from_pretrained(weights)
-    if config.model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"the native forward does not know model type {config.model_type!r}: set forward = "
-                         f"\"transformers\"")
     config.dtype = dtype
     generation = (GenerationConfig.from_pretrained(weights) if (weights / "generation_config.json").exists()
                   else GenerationConfig.from_model_config(config))
-    model = ServingModel(config, generation)
     index = weights / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
         else ["model.safetensors"]
@@ -127,8 +123,22 @@ def load_serving_model(weights: Path, dtype: torch.dtype) -> ServingModel:
         with safe_open(weights / name, framework="pt", device="cpu") as shard:
             for key in shard.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 tensors[key] = shard.get_tensor(key).to(dtype)
+    return serving_model_from(config, generation, tensors)
+
+
+def serving_model_from(config, generation_config, tensors: dict[str, torch.Tensor]) -> ServingModel:
+    """A ServingModel holding `tensors` as they are (named as in transformers' state dict; their device and dtype
+    kept): the converted files' tensors, or a transformers model's own (the GPU check builds random models with
+    transformers, then serves the native forward on this model over the same storage)."""
+    if config.model_type not in SUPPORTED_TYPES:
+        raise ValueError(f"the native forward does not know model type {config.model_type!r}: set forward = "
+                         f"\"transformers\"")
+    if getattr(config, "tie_word_embeddings", False):  # one matrix, whether or not the state dict names it twice
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    model = ServingModel(config, generation_config)
     _build(model, config, tensors)
-    return model.eval()
+    device = next(iter(tensors.values())).device
+    return model.to(device).eval()  # the rotary's inverse frequencies, made on the CPU
 
 
 def _build(model: ServingModel, config, tensors: dict[str, torch.Tensor]) -> None:

@@ -60,8 +60,9 @@ def test_tiny_cpu_run_fills_the_table_and_reports_a_failing_stage(tmp_path, monk
     for held in ("float32", "int8", "int4"):  # the weight_dtype stage (checks/gpu_weights.py)
         assert re.search(rf"weights tiny context 32 {held}: [0-9.]+ GiB; batch 1: \d+ tok/s", text), held
     assert re.search(r"int4 / float32 at batch 1 = [0-9.]+x", text)
-    # the native forward stage (checks/gpu_forward.py): every configuration ran, graphs and eager agree
-    assert re.search(r"native forward tiny context 32 batch 2: step native graphs [0-9.]+ ms", text)
+    # the native forward stage (checks/gpu_forward.py): every configuration ran on the model edge serve serves,
+    # graphs and eager agree
+    assert re.search(r"native forward tiny \(serving model\) context 32 batch 2: step native graphs [0-9.]+ ms", text)
     assert "native forward tiny: deterministic tokens, graphs against eager: identical" in text
     assert re.search(r"native forward tiny: tokens equal to transformers' forward \(eager\): \d+/\d+", text)
 

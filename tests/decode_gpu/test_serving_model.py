@@ -14,10 +14,11 @@ import torch
 from contracts.handoff import KVHandoff, KVLayout, SamplingParams
 from contracts.identity import read_gguf_identity
 from decode_gpu.kv.importer import import_handoff
+from decode_gpu.model.family_config import apply_rope_freqs
 from decode_gpu.model.fused_projections import fuse_projections
 from decode_gpu.model.loader import load_decode_model
 from decode_gpu.model.native_decoder import NativeDecoder
-from decode_gpu.model.serving_model import ServingModel
+from decode_gpu.model.serving_model import ServingModel, serving_model_from
 from decode_gpu.model.weight_quant import quantize_model
 from decode_gpu.reference.dense_decoder import prompt_cache
 from decode_gpu.runner.model_runner import ModelRunner, PagedKVWriter, RunnerConfig, _Probe
@@ -70,6 +71,29 @@ def test_the_native_forward_on_the_serving_model_is_bit_for_bit_transformers_mod
     want = _verify_logits(theirs, identity, handoff, fed)
     got = _verify_logits(ours, identity, handoff, fed)
     assert torch.equal(got, want), (arch, (got - want).abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_serving_model_over_a_transformers_models_tensors_shares_them_and_gives_its_logits(arch, tiny_gguf,
+                                                                                            conversion_cache):
+    """What the GPU check serves (checks/gpu_forward.py): random transformers models, the native forward on a serving
+    model over their storage."""
+    identity = dataclasses.replace(read_gguf_identity(str(tiny_gguf(arch))), rope_layout="neox")
+    theirs = load_decode_model(identity, CPU, torch.float32, conversion_cache)
+    ours = serving_model_from(theirs.config, theirs.generation_config, dict(theirs.state_dict()))
+    apply_rope_freqs(ours)  # as the loader does (Llama 3's GGUF RoPE divisors)
+    assert isinstance(ours, ServingModel)
+    mine, their = ours.model.layers[0].self_attn.o_proj.weight, theirs.model.layers[0].self_attn.o_proj.weight
+    assert mine.data_ptr() == their.data_ptr()  # no copy
+    if theirs.config.tie_word_embeddings:
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    for model in (theirs, ours):
+        fuse_projections(model)
+    prompt = list(prompts(1)[0])
+    handoff = _handoff(theirs, identity, prompt)
+    fed = [handoff.first_token, *[(5 * i) % 300 + 3 for i in range(7)]]
+    got, want = _verify_logits(ours, identity, handoff, fed), _verify_logits(theirs, identity, handoff, fed)
+    assert torch.equal(got, want), (got - want).abs().max(-1).values
 
 
 def test_each_layers_settings_are_what_transformers_sets(pair):

@@ -1,0 +1,97 @@
+"""The engine sends a request's first token as its handoff lands, before the prefill worker reports the prefill,
+so a one-token answer can end before its PrefillDone arrives. The request waits a moment for that report: its usage
+(cached tokens) and the worker's prefix-cache metrics come from it (the flaky CI test of the per-key prompt cache
+lost exactly these hits)."""
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+import edge.gateway
+from contracts.events import FinishReason, TokenEvent
+from contracts.messages import PrefillDone
+from edge.config import ServeConfig
+from edge.gateway import Gateway
+from edge.lifecycle import InFlightRegistry
+from edge.metrics import Metrics
+from edge.openai_api import ApiError, parse_request
+from edge.prefill_pool import PrefillPool
+from policies.enforcer import PolicyEnforcer
+from policies.loader import parse_policy
+
+POLICY = """version = 1
+default_class = "standard"
+[classes.standard]
+priority = 0
+"""
+
+
+class Engine:
+    state, stats, speculation, last_error = "ready", None, True, None
+
+    async def abort(self, request_id):
+        pass
+
+
+def admitted():
+    pool = PrefillPool({"w0": "unix:/nonexistent"}, InFlightRegistry(), queue_limit=4)
+    pool.workers["w0"].state = "ready"  # no connection: the job is never sent
+    gateway = Gateway(ServeConfig(), "m", pool, Engine(), pool.registry, Metrics("m"),
+                      PolicyEnforcer(parse_policy(POLICY, "p.toml")))
+    http = make_mocked_request("POST", "/v1/completions")
+    run = gateway.admit(http, parse_request({"model": "m", "prompt": [7] * 400, "max_tokens": 1}, "completion"))
+    return gateway, run
+
+
+def worker_hits(gateway):
+    return gateway.metrics.registry.get_sample_value("vllm:prefix_cache_hits_total",
+                                                     {"model_name": "m", "where": "worker"})
+
+
+def test_a_report_arriving_after_the_last_token_still_counts():
+    async def scenario():
+        gateway, run = admitted()
+        rid = run.inflight.request_id
+        gateway.registry.deliver(rid, TokenEvent(rid, (5,), "x", FinishReason.LENGTH, num_prompt_tokens=400,
+                                                 num_output_tokens=1))
+        asyncio.get_running_loop().call_later(0.05, gateway.registry.deliver, rid,
+                                              PrefillDone(rid, 400, 20.0, 1000, 1.0, cached_tokens=360))
+        event = await gateway.next_event(run)
+        return gateway, run, event
+
+    gateway, run, event = asyncio.run(scenario())
+    assert event.finish_reason == FinishReason.LENGTH and event.token_ids == (5,)
+    assert run.cached_tokens == 360 and worker_hits(gateway) == 360
+
+
+def test_a_report_that_never_comes_delays_the_end_only_briefly(monkeypatch):
+    monkeypatch.setattr(edge.gateway, "PREFILL_REPORT_WAIT_S", 0.2)
+
+    async def scenario():
+        gateway, run = admitted()
+        rid = run.inflight.request_id
+        gateway.registry.deliver(rid, TokenEvent(rid, (5,), "x", FinishReason.STOP, num_prompt_tokens=400,
+                                                 num_output_tokens=1))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        event = await gateway.next_event(run)
+        return run, event, loop.time() - started
+
+    run, event, waited = asyncio.run(scenario())
+    assert event.finish_reason == FinishReason.STOP and run.cached_tokens == 0 and 0.15 <= waited < 1.0
+
+
+def test_a_failed_request_does_not_wait_for_a_report():
+    async def scenario():
+        gateway, run = admitted()
+        rid = run.inflight.request_id
+        gateway.registry.deliver_ending(rid, FinishReason.ABORT, "shutting down")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(ApiError) as failed:
+            await gateway.next_event(run)
+        return failed.value, loop.time() - started
+
+    failed, waited = asyncio.run(scenario())
+    assert (failed.status, failed.code) == (503, "aborted") and waited < 0.1

@@ -48,6 +48,11 @@ class PagedBatch:
     # longest context: (the group's new tokens [g] long, in batch order, and its own PagedBatch, which holds the
     # dense view; this batch's is then left out); empty: all together
     groups: tuple[tuple[torch.Tensor, PagedBatch], ...] = ()
+    # deterministic on the CPU: the decode attention of the whole batch runs on one thread under decode_mask. torch's
+    # CPU SDPA (and the soft-capped matmuls) then give a row the same bits whatever the other rows and however far
+    # its keys are padded with masked ones; on two threads float32 SDPA splits the work by the batch's shape and
+    # does not (tests/decode_gpu/test_deterministic.py holds both)
+    one_thread: bool = False
     # the torch path's masks cut to a sliding window, by window: built by the first sliding layer of the forward
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, compare=False, repr=False)
     # the same as additive float masks for torch_attention._attend_grouped, by (window, group, dtype): built by

@@ -20,7 +20,7 @@ def torch_attention(paged: PagedBatch, layer: int, q: torch.Tensor, new_k: torch
                     scale: float, extras: Extras = NO_EXTRAS) -> torch.Tensor:
     """Gather every context into dense tensors, then one masked SDPA. # [n_new, n_heads, head_dim]"""
     threads = torch.get_num_threads() if q.device.type == "cpu" else 1
-    if threads > 1 and _attended_tokens(paged) <= ONE_THREAD_TOKENS:
+    if threads > 1 and (paged.one_thread or _attended_tokens(paged) <= ONE_THREAD_TOKENS):
         torch.set_num_threads(1)
         try:
             paged.pool.write(layer, paged.slot_mapping, new_k, new_v)

@@ -22,6 +22,7 @@ from torch import nn
 
 from decode_gpu.model.int4_linear import Int4Linear
 from decode_gpu.model.int8_linear import Int8Embedding, Int8Linear, int8_kernel_works, int8_rows
+from decode_gpu.model.native_decoder import DETERMINISTIC_ROWS
 from decode_gpu.model.packed_linear import PackedLinear, pack_linears, replace_module
 from decode_gpu.model.plan_record import cpu_weight_plan
 from decode_gpu.model.quantized_linear import QuantizedLinear
@@ -143,8 +144,8 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
                  fixed_precision: bool = False, serving: bool = False) -> tuple[nn.Module, WeightReport]:
     """The decode model on `device` with its weights as `weight_dtype` says (WEIGHT_DTYPES). A model to be quantized
     is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there.
-    fixed_precision (deterministic decoding): one precision for every batch size (auto's plan without its float
-    weights for larger batches). serving: the serving model the native forward reads, not transformers' (loader)."""
+    fixed_precision (deterministic decoding): one precision for every batch size (_one_precision). serving: the
+    serving model the native forward reads, not transformers' (loader)."""
     from decode_gpu.model.fused_projections import fuse_projections
     from decode_gpu.model.loader import load_decode_model, own_memory
     if weight_dtype not in WEIGHT_DTYPES:
@@ -163,8 +164,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     if measure:  # a quiet start's recorded plan, else a measurement (recorded if the machine was quiet)
         plan = cpu_weight_plan(identity, types, model, dtype, max_batch)
         if fixed_precision and plan.float_above is not None:
-            plan = dataclasses.replace(plan, float_above=None, why=plan.why + "; one precision at every batch size "
-                                       "(deterministic)")
+            plan = _one_precision(plan)
     if plan.weight_dtype == "float":
         model.to(device)
         pack_linears(model, plan.packed)
@@ -175,6 +175,18 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
     log.info("decode %s", report.describe())
     return model, report
+
+
+def _one_precision(plan: WeightPlan) -> WeightPlan:
+    """Deterministic decoding's plan: one precision at every batch size, the one `plan` uses for products of
+    DETERMINISTIC_ROWS rows, the only size deterministic products have (native_decoder.fixed_rows). Here (AVX-512,
+    bfloat16) a plan of int4 up to batch 4 measured 8 rows at 15.8 ms bfloat16 against 17.4 int4: its float weights."""
+    if plan.float_above < DETERMINISTIC_ROWS:
+        return WeightPlan("float", f"{plan.why}; float weights at every batch size (deterministic: every product is "
+                          f"of {DETERMINISTIC_ROWS} rows, above the plan's {plan.weight_dtype} batches)",
+                          packed=plan.packed)
+    return dataclasses.replace(plan, float_above=None, why=f"{plan.why}; {plan.weight_dtype} at every batch size "
+                               f"(deterministic: every product is of {DETERMINISTIC_ROWS} rows, within its batches)")
 
 
 def _int8_head_fits(device: torch.device, dtype: torch.dtype) -> bool:

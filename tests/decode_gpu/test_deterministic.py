@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from contracts.handoff import SamplingParams
-from decode_gpu.attention.paged_batch import build_paged_batch
+from contracts.identity import GGUFIdentity
+from decode_gpu.core.sequence import Sequence
 from decode_gpu.engine import DecodeEngine
 from decode_gpu.model.fused_projections import fuse_projections
-from decode_gpu.model.native_decoder import fixed_rows
-from decode_gpu.model.weight_quant import quantize_model
+from decode_gpu.model.native_decoder import DETERMINISTIC_ROWS, fixed_rows
+from decode_gpu.model.weight_plan import WeightPlan
+from decode_gpu.model.weight_quant import _one_precision, quantize_model
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from tiny_llama import handoff, tiny_engine_setup
 
@@ -71,37 +73,58 @@ def test_concurrent_sequences_under_preemption_give_their_solo_answers(tiny_floa
 
 
 def _row_logits(model, identity, dtype: torch.dtype, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of one decode step of 8 sequences of PROMPT_LENS contexts (random KV), together and each alone.
-    # both [8, vocab]"""
+    """The logits of one decode step (ModelRunner.forward, the engine's own path) of 8 sequences of PROMPT_LENS
+    contexts (random KV), together and each alone. # both [8, vocab]"""
     runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=512, kv_storage="auto",
                                                        deterministic=deterministic), CPU)
     bs = runner.pool.shape.block_size
-    tables, start = [], 0
-    for n in PROMPT_LENS:
-        tables.append(list(range(start, start + -(-(n + 1) // bs))))
-        start += len(tables[-1])
+    tables, start = {}, 0
+    for i, n in enumerate(PROMPT_LENS):
+        tables[f"s{i}"] = list(range(start, start + -(-(n + 1) // bs)))
+        start += len(tables[f"s{i}"])
     generator = torch.Generator().manual_seed(0)
-    for table in tables:  # random KV in every block a sequence reads
+    for table in tables.values():  # random KV in every block a sequence reads
         slots = torch.tensor([b * bs + o for b in table for o in range(bs)])
         keys, values = (torch.randn(len(slots), identity.num_kv_heads, identity.head_dim_k,
                                     generator=generator).to(dtype) for _ in range(2))
         for layer in range(identity.n_layer):
             runner.pool.write(layer, slots, keys, values)
-    ids, positions = torch.arange(7, 7 + len(tables)), torch.tensor(PROMPT_LENS)
+    seqs = [Sequence(f"s{i}", 0, i, n, [3] * n + [7 + i], SamplingParams(), num_cached=n)
+            for i, n in enumerate(PROMPT_LENS)]
 
-    def logits(rows: list[int]) -> torch.Tensor:
-        paged = build_paged_batch(runner.pool, [tables[i] for i in rows], [PROMPT_LENS[i] + 1 for i in rows],
-                                  [1] * len(rows), CPU, "torch", deterministic=deterministic)
-        return runner.native(ids[rows], positions[rows], paged)
+    def logits(rows: list[Sequence]) -> torch.Tensor:
+        out = runner.forward(rows, tables).clone()
+        for seq in rows:  # the step wrote each row's new K/V at its position: the next call writes the same again
+            seq.num_cached = seq.prompt_len
+        return out
 
-    return logits(list(range(len(tables)))), torch.cat([logits([i]) for i in range(len(tables))])
+    return logits(seqs), torch.cat([logits([seq]) for seq in seqs])
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int4"])
+def _tiny_gemma2():
+    """A random-weight Gemma 2: soft-capped attention scores and a sliding window (8) shorter than most contexts."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=320, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                          num_attention_heads=6, num_key_value_heads=2, head_dim=64, sliding_window=8,
+                          attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=256)
+    model = Gemma2ForCausalLM(config).eval()
+    fuse_projections(model)
+    identity = GGUFIdentity(path="tiny-gemma2", fingerprint="sha256:tiny-gemma2", arch="gemma2", n_layer=2, n_head=6,
+                            num_kv_heads=2, head_dim_k=64, head_dim_v=64, rope_layout="neox", sliding_window=8,
+                            swa_layers=(0,))
+    return model, identity
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int4", "gemma2 float32", "gemma2 bfloat16"])
 def test_a_rows_logits_do_not_depend_on_the_batch(tiny_float, weights):
     """Each row's logits alone and beside seven others of other lengths, with and without deterministic: equal with
-    it; in float32 without it (length groups, row counts) some row differs (the negative control)."""
+    it; in float32 without it (length groups, row counts) some row differs (the negative control). Gemma 2's rows
+    take the soft-capped path, under a sliding window."""
     model, identity, _ = tiny_float
+    if weights.startswith("gemma2"):
+        model, identity = _tiny_gemma2()
+        weights = weights.split()[1]
     model = _weights(model, weights)
     dtype = torch.float32 if weights == "float32" else torch.bfloat16
     differs = {}
@@ -109,7 +132,7 @@ def test_a_rows_logits_do_not_depend_on_the_batch(tiny_float, weights):
         together, alone = _row_logits(model, identity, dtype, deterministic)
         differs[deterministic] = int((together != alone).any(-1).sum())
     assert differs[True] == 0
-    if weights == "float32":
+    if weights == "float32" and identity.arch == "llama":
         assert differs[False] > 0, "float32 happens to be batch-invariant here: the control shows nothing"
 
 
@@ -138,3 +161,13 @@ def test_deterministic_implies_the_native_forward_swap_and_no_speculation():
     assert deterministic_config(plain) is plain
     with pytest.raises(ValueError, match="deterministic decoding needs the native forward"):
         ModelRunner(torch.nn.Module(), None, RunnerConfig(deterministic=True, forward="transformers"), CPU)
+
+
+def test_deterministic_holds_the_precision_its_plan_uses_for_eight_rows():
+    """Every deterministic product is of DETERMINISTIC_ROWS rows: the plan's precision at that size, at every size."""
+    assert DETERMINISTIC_ROWS == 8
+    floats = _one_precision(WeightPlan("int4", "measured", float_above=4, packed={"x": 1}, head_int8=True))
+    assert (floats.weight_dtype, floats.float_above, floats.packed) == ("float", None, {"x": 1})
+    assert "float weights at every batch size" in floats.why
+    quantized = _one_precision(WeightPlan("int4", "measured", float_above=8, head_int8=True))
+    assert (quantized.weight_dtype, quantized.float_above, quantized.head_int8) == ("int4", None, True)

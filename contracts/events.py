@@ -106,5 +106,9 @@ class EngineStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     prefix_cache_queries: int = 0  # prompt tokens of imports looked up in the pool's prefix cache (full blocks)
     prefix_cache_hits: int = 0  # ... and found there, so not imported again
+    # decode step ms by batch size, as measured while serving (decode_gpu/core/step_times.py; sizes run in the
+    # last 30 s), and the sequences running or waiting with a TPOT objective of their own: the gateway's TPOT check
+    step_ms: dict[int, float] = field(default_factory=dict)
+    tpot_sequences: int = 0
     memory: EngineMemory | None = None  # by component, refreshed with the stats (engine process only)
     decisions: EngineDecisions | None = None  # the weight plan and speculation as they stand (engine process only)

@@ -208,4 +208,6 @@ class DecodeEngine:
             num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
             num_spec_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=tuple(spec.accepted_per_pos),
             prefix_cache_queries=self.blocks.num_cache_queries * self.blocks.block_size,
-            prefix_cache_hits=self.blocks.num_cache_hits * self.blocks.block_size)
+            prefix_cache_hits=self.blocks.num_cache_hits * self.blocks.block_size,
+            step_ms=self.scheduler.step_times.recent_ms(self.scheduler.clock()),
+            tpot_sequences=self.scheduler.num_tpot_sequences)

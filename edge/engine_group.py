@@ -101,7 +101,11 @@ class EngineGroup:
                   if f.type in (int, float, "int", "float")}
         summed["kv_capacity_tokens"] = min(s.kv_capacity_tokens for s in reports)
         summed["last_step_ms"] = max(s.last_step_ms for s in reports)
-        return dataclasses.replace(reports[0], **summed)
+        # the TPOT check (edge/slo.py predict_tpot): a request joins one engine's batch, so that of the engine with
+        # the fewest sequences with objectives, and its step times
+        quietest = min(reports, key=lambda s: s.tpot_sequences)
+        summed["tpot_sequences"] = quietest.tpot_sequences
+        return dataclasses.replace(reports[0], **summed, step_ms=quietest.step_ms)
 
     @property
     def closing(self) -> bool:

@@ -138,7 +138,8 @@ class Gateway:
             raise ApiError(400, f"n = {request.sampling['n']} choices, this server decodes at most "
                                 f"{self.config.max_num_seqs} sequences together (max_num_seqs)", "n", "invalid_value")
         priority = request.priority if request.priority is not None else decision.priority
-        decision, slo = self.slo.judge(decision, request, priority, self.enforcer)  # may refuse: 429 slo_unattainable
+        # may refuse: 429 slo_unattainable
+        decision, slo = self.slo.judge(decision, request, priority, self.enforcer, self.engine.stats)
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)
         prefix = {"chat": "chatcmpl-", "embedding": "embd-", "rerank": "rerank-"}.get(request.kind, "cmpl-")

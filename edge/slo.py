@@ -9,18 +9,23 @@ per token (`PrefillTime`): a short prompt costs far more than its tokens at the 
 moving average of real prefills while serving (PrefillDone), none a start-up benchmark; until one prefill was
 measured nothing is predicted, so nothing is refused. The error of each prediction is measured at the first token
 and exported per class (`edge:slo_ttft_prediction_error_seconds`).
+
+A request with a TPOT objective is also judged on the decode batch it would join (`predict_tpot`): the engine's step
+times as measured while serving, at the number of sequences with objectives it would make.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import time
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from contracts.events import EngineStats
 from contracts.messages import PrefillDone
 from edge.api_errors import policy_error
 from edge.lifecycle import InFlight
@@ -30,6 +35,7 @@ from edge.prefill_pool import PrefillPool
 from edge.request_record import RequestRecord
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection
 
+log = logging.getLogger(__name__)
 WINDOW_S = 60.0  # attainment and goodput are over this window
 MIN_JUDGED = 5  # requests of a class judged in the window before its attainment is a tier signal
 ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, -0.05, 0, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -64,6 +70,7 @@ class Pending:
     raw_s: float | None  # the prediction without the learned offset
     deadline: float  # epoch seconds (PrefillJob.deadline); 0.0: no TTFT objective
     priority: int = 0
+    decoding: bool = False  # its first token came: the engine's stats count it
 
 
 class PrefillTime:
@@ -220,11 +227,12 @@ class SloControl:
         # per class: (time, met every objective, judged against one) of each request that ended or was refused
         self.window: dict[str, collections.deque[tuple[float, bool, bool]]] = {}
 
-    def judge(self, decision: Decision, request: GenerateRequest, priority: int, enforcer: PolicyEnforcer
-              ) -> tuple[Decision, Pending]:
-        """Predict this request's TTFT; a class that says so refuses it (ApiError 429 slo_unattainable) or degrades
-        it when the prediction exceeds its objective. Returns the decision to queue it with, and what `queued`
-        remembers of it (its deadline for the frame)."""
+    def judge(self, decision: Decision, request: GenerateRequest, priority: int, enforcer: PolicyEnforcer,
+              engine: EngineStats | None = None) -> tuple[Decision, Pending]:
+        """Predict this request's TTFT, and with a TPOT objective its time per output token from the engine's
+        measured step times (`engine`, its last stats); a class that says so refuses it (ApiError 429
+        slo_unattainable) or degrades it when a prediction exceeds its objective. Returns the decision to queue it
+        with, and what `queued` remembers of it (its deadline for the frame)."""
         if request.kind == "embedding":  # no first token to promise: no objective
             decision = dataclasses.replace(decision, ttft_slo_ms=0, tpot_slo_ms=0, on_slo_miss="serve")
         tokens, text_bytes = self.predictor.estimate_tokens(request)
@@ -234,19 +242,23 @@ class SloControl:
                         *(predicted[:2] if predicted else (None, None)), due, priority)
         # nothing ahead at its rank: the request would start at once, and a refusal could not make it any faster
         # (what is left is its own prompt and the noise of the offset)
-        if predicted is None or not decision.ttft_slo_ms or predicted[0] * 1e3 <= decision.ttft_slo_ms \
-                or predicted[2] <= 0:
+        ttft_late = predicted is not None and decision.ttft_slo_ms and predicted[0] * 1e3 > decision.ttft_slo_ms \
+            and predicted[2] > 0
+        tpot = predict_tpot(engine, self.pending) if decision.tpot_slo_ms else None
+        tpot_late = tpot is not None and tpot[0] > decision.tpot_slo_ms
+        if not (ttft_late or tpot_late) or decision.on_slo_miss == "serve":
             return decision, known
         if decision.on_slo_miss == "reject":
-            self._refused(decision)
-            raise unattainable(decision, predicted[0], predicted[2])
-        if decision.on_slo_miss == "degrade":
-            try:
-                return enforcer.degrade_for_slo(decision, request.sampling.get("n", 1)), known
-            except PolicyRejection as err:  # the heavier tier sheds its class
-                self._refused(decision)
-                raise policy_error(err) from None
-        return decision, known
+            self._refused(decision, "ttft" if ttft_late else "tpot")
+            refusal = unattainable(decision, predicted[0], predicted[2]) if ttft_late else \
+                tpot_unattainable(decision, *tpot)
+            log.info("refused a request of class %r: %s", decision.client_class, refusal.message)
+            raise refusal
+        try:  # degrade
+            return enforcer.degrade_for_slo(decision, request.sampling.get("n", 1)), known
+        except PolicyRejection as err:  # the heavier tier sheds its class
+            self._refused(decision, "ttft" if ttft_late else "tpot")
+            raise policy_error(err) from None
 
     def queued(self, inflight: InFlight, known: Pending) -> None:
         self.pending[inflight.request_id] = known
@@ -263,6 +275,7 @@ class SloControl:
         known = self.pending.get(inflight.request_id)
         if known is None:
             return
+        known.decoding = True
         if known.predicted_s is not None:
             self.metrics.label(self.metrics.error, **{"class": known.client_class}).observe(ttft_s - known.predicted_s)
         self.predictor.first_token(known, ttft_s)
@@ -288,8 +301,8 @@ class SloControl:
         good = record.status == "finished" and all(outcomes.values())
         self._remember(known.client_class, good, bool(known.ttft_slo_ms or known.tpot_slo_ms))
 
-    def _refused(self, decision: Decision) -> None:
-        self.metrics.label(self.metrics.requests, **{"class": decision.client_class}, kind="ttft",
+    def _refused(self, decision: Decision, kind: str = "ttft") -> None:
+        self.metrics.label(self.metrics.requests, **{"class": decision.client_class}, kind=kind,
                            outcome="refused").inc()
         self._remember(decision.client_class, False, True)
 
@@ -318,6 +331,30 @@ class SloControl:
         shares = [c["attainment"] for c in self.attainment().values()
                   if c["attainment"] is not None and c["judged"] >= MIN_JUDGED]
         return {"slo_attainment_below": min(shares)} if shares else {}
+
+
+def predict_tpot(engine: EngineStats | None, pending: dict[str, Pending]) -> tuple[float, int] | None:
+    """(step ms, sequences with a TPOT objective) of the decode batch a request with a TPOT objective would join:
+    the engine's sequences with one, those accepted that have not reached it, and itself; their step time is the
+    slowest measured at that many sequences or fewer (the batch also holds sequences without an objective, as many as
+    the engine's cap lets in, so this is a floor). None when it would be the only one (a refusal makes nothing faster)
+    or no such size was measured in the last 30 s."""
+    if engine is None or not engine.step_ms:
+        return None
+    others = engine.tpot_sequences + sum(1 for p in pending.values() if p.tpot_slo_ms and not p.decoding)
+    rows = others + 1
+    known = [ms for size, ms in engine.step_ms.items() if size <= rows]
+    if not others or not known:
+        return None
+    return max(known), rows
+
+
+def tpot_unattainable(decision: Decision, step_ms: float, rows: int) -> ApiError:
+    """429 slo_unattainable for the time per output token: the batch changes within seconds, so Retry-After is 1."""
+    return ApiError(429, f"the time per output token predicted now is {step_ms:.0f} ms (a decode step of {rows} "
+                         f"sequences with objectives, as measured), more than the {decision.tpot_slo_ms} ms promised "
+                         f"to class {decision.client_class!r}; retry after 1 s", code="slo_unattainable",
+                    error_type="rate_limit_error", headers={"Retry-After": "1"})
 
 
 def unattainable(decision: Decision, predicted_s: float, ahead: float) -> ApiError:

@@ -116,6 +116,12 @@ class Scheduler:
             return self.config.max_num_seqs
         return max(1, min(self.config.max_num_seqs, self.step_times.batch_limit(min(objectives) / 1e3, self.clock())))
 
+    @property
+    def num_tpot_sequences(self) -> int:
+        """Sequences running or waiting with a TPOT objective of their own (they always join the batch)."""
+        return sum(1 for s in self.running.values() if s.tpot_slo_ms) + \
+            sum(1 for _, s in self.waiting if s.tpot_slo_ms)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         # an error may be a failed import: the blocks it named may hold garbage, so no later prompt may take them
         self._remove(seq, keep_names=reason != "error")

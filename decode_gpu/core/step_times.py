@@ -6,20 +6,28 @@ model runner, decoding on the CPU beside llama.cpp prefill, reads the times of i
 
 from __future__ import annotations
 
+import collections
 import math
 
 MAX_INTERVAL_S = 60.0  # longer than any step: the engine was idle in between, not stepping
 MAX_AGE_S = 30.0  # a size not run for this long is measured again (the load beside decode may have changed)
+MIN_RECENT_STEPS = 8  # steps of a batch size in the last MAX_AGE_S before recent_ms reports its mean
 
 
 class StepTimes:
     def __init__(self, smoothing: float = 0.2, max_age_s: float = MAX_AGE_S) -> None:
         self.smoothing, self.max_age_s = smoothing, max_age_s
         self.seconds: dict[int, tuple[float, float]] = {}  # batch size -> (smoothed step time, when last measured)
+        # batch size -> (when, seconds) of its steps in the last max_age_s: recent_ms's means
+        self.steps: dict[int, collections.deque[tuple[float, float]]] = {}
 
     def record(self, batch: int, seconds: float, now: float) -> None:
         if batch <= 0 or not 0 < seconds < MAX_INTERVAL_S:
             return
+        steps = self.steps.setdefault(batch, collections.deque())
+        steps.append((now, seconds))
+        while steps[0][0] < now - self.max_age_s:
+            steps.popleft()
         before = self.seconds.get(batch)
         if before is not None and now - before[1] > self.max_age_s:
             before = None  # measured again: an old time is of another load, not a sample to smooth with
@@ -43,6 +51,19 @@ class StepTimes:
                 return max(1, within + math.floor(fraction * (batch - within)))
             within, worst = batch, slower
         return within + 1
+
+    def recent_ms(self, now: float) -> dict[int, float]:
+        """The mean milliseconds of each batch size's steps in the last max_age_s, for sizes stepped at least
+        MIN_RECENT_STEPS times there: what a sequence decoding at that size gets a token over that time, its steps
+        beside a prefill (on halved threads) and between prefills alike. The smoothed times above follow the last
+        few steps, which beside one long prompt's prefill are slower than any answer's mean (the gateway's TPOT check
+        read them at first and refused at half the box's capacity)."""
+        out = {}
+        for batch, steps in sorted(self.steps.items()):
+            recent = [seconds for when, seconds in steps if when >= now - self.max_age_s]
+            if len(recent) >= MIN_RECENT_STEPS:
+                out[batch] = round(sum(recent) / len(recent) * 1e3, 2)
+        return out
 
     def estimate(self, batch: int, now: float) -> float | None:
         """The step time of this batch size: measured, else no less than the slowest smaller size measured (the

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from decode_gpu.core.step_times import EVERY, HALVED, StepTimes, ThreadShare
+from decode_gpu.core.step_times import EVERY, HALVED, MIN_RECENT_STEPS, StepTimes, ThreadShare
 from fake_runner import fake_handoff, make_engine
 
 
@@ -91,6 +91,21 @@ def test_step_times_interpolate_and_forget():
     times.record(1, 61.0, now=1)  # longer than any step: the engine idled in between
     assert times.seconds[1][0] == 0.02
     assert times.batch_limit(0.1, now=40) == 1  # everything older than 30 s is forgotten, and measured again
+
+
+def test_recent_step_times_are_the_means_of_the_last_30_s_of_steps_of_a_size():
+    """What the engine reports to the gateway's TPOT check: a size's mean over its steps in the window (a burst of
+    slow steps beside one long prefill moves it less than the smoothed time), once it stepped MIN_RECENT_STEPS times."""
+    times = StepTimes(max_age_s=30)
+    for i in range(MIN_RECENT_STEPS - 1):
+        times.record(2, 0.04, now=i)
+    assert times.recent_ms(now=10) == {}  # too few steps of that size yet
+    times.record(2, 0.04, now=10)
+    times.record(2, 0.10, now=11)
+    times.record(2, 0.10, now=12)  # two slow steps beside a prefill
+    assert times.recent_ms(now=12) == {2: 52.0}  # 8 x 40 ms and 2 x 100: the mean over the window
+    assert times.seconds[2][0] > 0.06  # while the smoothed time, which follows the last steps, is past it
+    assert times.recent_ms(now=45) == {}  # 30 s later every step is older than the window
 
 
 def test_thread_share_keeps_every_thread_only_where_the_halved_step_breaks_a_tpot_objective():

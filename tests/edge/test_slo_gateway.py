@@ -1,6 +1,7 @@
 """Objectives in the gateway: earliest deadline first within a priority in the prefill queue, the TTFT prediction
 from the queue ahead and the measured prefill rate, the early refusal (429 slo_unattainable with Retry-After),
-the x-slo-ttft-ms header (tighten, never loosen), and the SLO metrics."""
+the x-slo-ttft-ms header (tighten, never loosen), the TPOT check from the engine's measured step times, and the SLO
+metrics."""
 
 import asyncio
 import heapq
@@ -10,8 +11,10 @@ import time
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from contracts.events import EngineStats
+from contracts.framing import pack, unpack
 from contracts.handoff import SamplingParams
-from contracts.messages import PrefillDone, PrefillJob, Recompute
+from contracts.messages import PrefillDone, PrefillJob, Recompute, Stats
 from edge.config import ServeConfig
 from edge.gateway import Gateway
 from edge.lifecycle import InFlight, InFlightRegistry
@@ -308,3 +311,55 @@ def test_the_prefix_fresh_prompts_find_cached_is_not_predicted_as_work():
     predictor.prefilled(PrefillDone("b", 300, 50.0, 0, 5.0, cached_tokens=250), None)  # a preempted one, resumed
     assert predictor.cached_tokens.value == 30  # the resumed one's cached chunks are not a shared prefix
     assert predictor._seconds(130) == pytest.approx(0.1, rel=0.05)  # a fresh 130-token prompt computes 100
+
+
+def engine_stats(tpot_sequences: int, step_ms: dict[int, float]) -> EngineStats:
+    return EngineStats(0, 100, 1600, 0, tpot_sequences, 0, 0, 0.0, 0.0, 0, step_ms=step_ms,
+                       tpot_sequences=tpot_sequences)
+
+
+def test_a_request_that_would_slow_the_batch_past_its_tpot_objective_is_refused():
+    """interactive promises 150 ms a token: measured steps of 30 ms at 1 sequence, 120 at 4 and 200 at 8. The batch
+    it would join counts the engine's sequences with objectives, the accepted ones not there yet, and itself."""
+    async def scenario():
+        gateway = make_gateway()
+        gateway.engine = Engine()
+        gateway.engine.stats = engine_stats(3, {1: 30.0, 4: 120.0, 8: 200.0})
+        accepted = [admit(gateway, "k-int", tokens=10) for _ in range(4)]  # batches of 4 to 7: within 120 ms
+        started = time.perf_counter()
+        with pytest.raises(ApiError) as refused:  # the eighth: 200 ms
+            admit(gateway, "k-int", tokens=10)
+        elapsed = time.perf_counter() - started
+        chat = admit(gateway, "k-chat", tokens=10)  # no TPOT objective: not judged on it
+        gateway.slo.first_token(accepted[0].inflight, 0.1)  # it reached the engine: its stats count it now
+        gateway.engine.stats = engine_stats(4, {1: 30.0, 4: 120.0, 8: 200.0})
+        with pytest.raises(ApiError):
+            admit(gateway, "k-int", tokens=10)
+        return gateway, refused.value, elapsed, chat
+
+    gateway, err, elapsed, chat = asyncio.run(scenario())
+    assert (err.status, err.code, err.headers["Retry-After"]) == (429, "slo_unattainable", "1") and elapsed < 0.05
+    assert "time per output token predicted now is 200 ms (a decode step of 8 sequences" in err.message
+    assert "150 ms promised to class 'interactive'" in err.message
+    assert chat.decision.client_class == "chat"
+    assert metric(gateway, "edge:slo_requests_total", **{"class": "interactive"}, kind="tpot", outcome="refused") == 2
+
+
+def test_the_tpot_check_refuses_nothing_it_cannot_help_or_has_not_measured():
+    async def scenario():
+        gateway = make_gateway()
+        gateway.engine = Engine()
+        gateway.engine.stats = engine_stats(0, {1: 500.0})  # alone: a refusal would make nothing faster
+        alone = admit(gateway, "k-int", tokens=10)
+        gateway.slo.first_token(alone.inflight, 0.1)
+        gateway.engine.stats = engine_stats(1, {4: 500.0})  # 2 sequences: no size at or below it measured
+        unmeasured = admit(gateway, "k-int", tokens=10)
+        gateway.engine.stats = None  # no stats yet
+        return [alone, unmeasured, admit(gateway, "k-int", tokens=10)]
+
+    assert len(asyncio.run(scenario())) == 3
+
+
+def test_engine_stats_carry_step_times_over_the_wire():
+    stats = engine_stats(3, {1: 30.5, 8: 200.25})
+    assert unpack(pack(Stats(stats))[4:]).stats == stats  # after the length prefix

@@ -55,7 +55,6 @@ class Run:
     route: str = ""  # the HTTP route it came in by (/v1/chat/completions, /v1/responses, ...)
     prompt_logprobs: PromptLogprobs | None = None  # the worker's scores of the prompt, when the request asked
     cached_tokens: int = 0  # prompt tokens its worker took from the prompt cache (PrefillDone), for usage
-    prefill_reported: bool = False  # its worker's PrefillDone was taken in (usage and metrics come from it)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -255,7 +254,9 @@ class Gateway:
             elif isinstance(message, PrefillFailed):
                 raise prefill_error(message, self._context_tokens(), "messages" if run.request.messages else "prompt")
             else:
-                if message.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not run.prefill_reported:
+                # handed_off_at is set when the worker's PrefillDone is taken in (_prefilled)
+                if message.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
+                        and run.inflight.handed_off_at is None:
                     await self._await_prefill_report(run)
                 return self._token(run, message)
 
@@ -299,7 +300,6 @@ class Gateway:
                 self._token(run, message)  # raises for an abort or a failure
 
     def _prefilled(self, run: Run, done: PrefillDone) -> None:
-        run.prefill_reported = True
         self.slo.prefilled(run.inflight, done)  # the measured prefill rate the TTFT prediction uses
         if done.resumed:  # a recompute of a preempted choice: the request's own prefill is counted already
             return

@@ -18,16 +18,17 @@ class StepTimes:
     def __init__(self, smoothing: float = 0.2, max_age_s: float = MAX_AGE_S) -> None:
         self.smoothing, self.max_age_s = smoothing, max_age_s
         self.seconds: dict[int, tuple[float, float]] = {}  # batch size -> (smoothed step time, when last measured)
-        # batch size -> (when, seconds) of its steps in the last max_age_s: recent_ms's means
+        # batch size -> (when, seconds) of its steps in the last max_age_s, and their sum: recent_ms's means, read
+        # with the engine's stats after every step, so kept as running sums rather than summed again each time
         self.steps: dict[int, collections.deque[tuple[float, float]]] = {}
+        self._sums: dict[int, float] = {}
 
     def record(self, batch: int, seconds: float, now: float) -> None:
         if batch <= 0 or not 0 < seconds < MAX_INTERVAL_S:
             return
-        steps = self.steps.setdefault(batch, collections.deque())
-        steps.append((now, seconds))
-        while steps[0][0] < now - self.max_age_s:
-            steps.popleft()
+        self.steps.setdefault(batch, collections.deque()).append((now, seconds))
+        self._sums[batch] = self._sums.get(batch, 0.0) + seconds
+        self._forget_steps(batch, now)
         before = self.seconds.get(batch)
         if before is not None and now - before[1] > self.max_age_s:
             before = None  # measured again: an old time is of another load, not a sample to smooth with
@@ -59,11 +60,20 @@ class StepTimes:
         few steps, which beside one long prompt's prefill are slower than any answer's mean (the gateway's TPOT check
         read them at first and refused at half the box's capacity)."""
         out = {}
-        for batch, steps in sorted(self.steps.items()):
-            recent = [seconds for when, seconds in steps if when >= now - self.max_age_s]
-            if len(recent) >= MIN_RECENT_STEPS:
-                out[batch] = round(sum(recent) / len(recent) * 1e3, 2)
+        for batch in sorted(self.steps):
+            steps = self._forget_steps(batch, now)
+            if len(steps) >= MIN_RECENT_STEPS:
+                out[batch] = round(self._sums[batch] / len(steps) * 1e3, 2)
         return out
+
+    def _forget_steps(self, batch: int, now: float) -> collections.deque[tuple[float, float]]:
+        """Drop this size's steps older than max_age_s (the oldest first) from its window and sum."""
+        steps = self.steps[batch]
+        while steps and steps[0][0] < now - self.max_age_s:
+            self._sums[batch] -= steps.popleft()[1]
+        if not steps:
+            self._sums[batch] = 0.0  # no rounding left over from the steps subtracted
+        return steps
 
     def estimate(self, batch: int, now: float) -> float | None:
         """The step time of this batch size: measured, else no less than the slowest smaller size measured (the

@@ -389,7 +389,9 @@ class ModelRunner:
         if self.weight_switch is None:
             return forward()
         switch = self.weight_switch
-        precision = switch.before_step(rows)
+        # the thread mode _before_forward set for this step (its own estimates and cut-off); "" when not sharing
+        mode = self._last_forward[2] if getattr(self, "_threads", None) and self._last_forward else ""
+        precision = switch.before_step(rows, mode)
         started = time.perf_counter()
         logits = forward()
         switch.after_step(rows, precision, (time.perf_counter() - started) * 1e3)

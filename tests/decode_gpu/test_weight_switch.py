@@ -8,15 +8,15 @@ from decode_gpu.core.throughput import StepTimes
 from decode_gpu.runner.weight_switch import WeightSwitch
 
 
-def _switch(float_above: int = 8, explore_every: int = 5) -> WeightSwitch:
+def _switch(float_above: int = 8, explore_every: int = 5, min_samples: int = 1) -> WeightSwitch:
     layers = [SimpleNamespace(float_above=float_above) for _ in range(3)]  # what the switch sets on QuantizedLinear
-    return WeightSwitch(layers, float_above, 32, explore_every=explore_every)
+    return WeightSwitch(layers, float_above, 32, explore_every=explore_every, min_samples=min_samples)
 
 
-def _serve(switch: WeightSwitch, rows: int, ms: dict[str, float], steps: int) -> list[str]:
+def _serve(switch: WeightSwitch, rows: int, ms: dict[str, float], steps: int, mode: str = "") -> list[str]:
     used = []
     for _ in range(steps):
-        precision = switch.before_step(rows)
+        precision = switch.before_step(rows, mode)
         # the layers hold what this step uses: float for more rows than their float_above
         assert ("float" if rows > switch.layers[0].float_above else "quantized") == precision
         switch.after_step(rows, precision, ms[precision])
@@ -49,13 +49,38 @@ def test_a_faster_float_step_moves_the_plan_past_that_batch_size_and_back():
     assert _serve(switch, 4, {"quantized": 10.0, "float": 8.5}, 4) == ["float"] * 4
     # the machine changes: the quantized step (explored) is now faster by far, and the plan moves back
     _serve(switch, 4, {"quantized": 5.0, "float": 8.5}, 40)
-    assert switch.float_above == 4 and "(4, 'quantized')" in switch.describe()
+    assert switch.float_above == 4 and "(4, 'quantized', '')" in switch.describe()
 
 
 def test_within_the_hysteresis_the_plan_stays():
     switch = _switch()
     _serve(switch, 12, {"quantized": 9.5, "float": 10.0}, 30)  # quantized 5% faster above the plan: not enough
     assert switch.float_above == 8
+
+
+def test_a_move_waits_for_min_samples_steps_of_each_precision():
+    """One explored step, however fast, does not move the plan: a noisy second must not decide."""
+    switch = _switch(min_samples=3)
+    _serve(switch, 4, {"quantized": 10.0, "float": 5.0}, 14)  # steps 5 and 10 explored float: two samples
+    assert switch.float_above == 8
+    _serve(switch, 4, {"quantized": 10.0, "float": 5.0}, 1)  # the third
+    assert switch.float_above == 3
+
+
+def test_each_thread_mode_has_its_own_estimates_and_cut_off():
+    """Steps beside a prefill (halved threads) and steps alone disagree on which precision wins at 2 rows: each
+    mode's plan follows its own steps, and serving them in turn does not move either back and forth."""
+    switch = _switch(float_above=4, min_samples=2)
+    alone, halved = {"quantized": 10.0, "float": 7.0}, {"quantized": 10.0, "float": 14.0}
+    for _ in range(40):
+        _serve(switch, 2, alone, 3, "alone")
+        _serve(switch, 2, halved, 2, "halved")
+    assert switch.plan("alone") == 1 and switch.plan("halved") == 4  # float at 2 rows alone, quantized beside prefill
+    assert _serve(switch, 2, alone, 4, "alone") == ["float"] * 4
+    assert switch.layers[0].float_above == 1
+    assert _serve(switch, 2, halved, 4, "halved") == ["quantized"] * 4
+    assert switch.layers[0].float_above == 4 and switch.float_above == 4
+    assert "by mode: alone: 1" in switch.describe()
 
 
 def test_the_start_up_plan_measures_torch_int_kernels_only_where_they_can_win(monkeypatch):
@@ -98,7 +123,7 @@ def test_an_explored_step_is_only_timed_and_its_tokens_come_from_the_plan():
     switch = _switch()
     given, forwards = _run(switch, 4, {"quantized": 10.0, "float": 10.5}, 10)
     assert given == ["quantized"] * 10 and forwards == 12  # steps 5 and 10 explored float, then ran on the plan
-    assert switch.times.get((4, "float")) == 10.5 and switch.float_above == 8
+    assert switch.times.get((4, "float", "")) == 10.5 and switch.float_above == 8
 
 
 def test_an_explored_precision_that_moves_the_plan_gives_its_tokens_at_once():

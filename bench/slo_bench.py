@@ -228,7 +228,8 @@ def main() -> None:
     parser.add_argument("--capacity-requests", type=int, default=24)
     parser.add_argument("--capacity", type=float, default=0.0, help="the mix's capacity, req/s, instead of measuring "
                         "it (a capacity measured while the box is busier than during the phases makes 3x no overload)")
-    parser.add_argument("--share", type=float, default=0.5, help="interactive share of the requests")
+    parser.add_argument("--share", type=float, default=0.8, help="interactive share of the requests (at 0.5 the "
+                        "interactive requests alone stay below capacity at 3x, and priorities only serve most in time)")
     parser.add_argument("--ttft-slo-ms", type=int, default=0, help="interactive TTFT objective; 0: --ttft-margin times "
                         "the p90 TTFT measured here at the lowest load (a busy or slow box keeps objectives it can "
                         "meet below capacity)")

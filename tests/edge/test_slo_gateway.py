@@ -140,6 +140,40 @@ def test_a_request_that_cannot_meet_its_objective_is_refused_at_once_with_retry_
     assert len(gateway.pool.queue) == 2
 
 
+def test_the_predictors_recent_shortfall_is_allowed_for_and_fades():
+    from edge.slo import ERROR_WINDOW_S, MIN_ERRORS, Pending, TTFTPredictor
+    now = [0.0]
+    predictor = TTFTPredictor(None, clock=lambda: now[0])
+    known = Pending("interactive", 1000, 0, 100.0, 0, predicted_s=0.2, raw_s=0.2, deadline=0.0)
+    for i in range(MIN_ERRORS - 1):  # one in four first tokens 300 ms late
+        predictor.first_token(known, 0.5 if i % 4 == 0 else 0.2)
+    assert predictor.margin(0) == 0.0  # too few measured
+    predictor.first_token(known, 0.2)
+    assert predictor.margin(0) == pytest.approx(0.3) and predictor.margin(10) == 0.0
+    now[0] = ERROR_WINDOW_S + 1  # a spike leaves the window
+    assert predictor.margin(0) == 0.0
+
+
+def test_a_request_predicted_inside_its_objective_by_less_than_the_shortfall_is_refused():
+    import collections
+
+    async def scenario():
+        gateway = make_gateway()
+        measured(gateway)  # 1000 tokens a second, 50 ms handoff
+        for _ in range(2):  # predicted 350, 650 ms
+            admit(gateway, "k-int", tokens=300)
+        late = collections.deque([(time.monotonic(), 0.2)] * 20)  # predictions 200 ms short
+        gateway.slo.predictor.errors[0] = late
+        with pytest.raises(ApiError) as info:  # predicted 950 ms, within 1000 but not by 200
+            admit(gateway, "k-int", tokens=300)
+        gateway.slo.predictor.errors[0] = collections.deque()
+        admit(gateway, "k-int", tokens=300)  # the same request without the shortfall
+        return info.value
+    err = asyncio.run(scenario())
+    assert (err.status, err.code) == (429, "slo_unattainable")
+    assert "predictions fell short by 200 ms or more" in err.message and err.headers["Retry-After"] == "1"
+
+
 def test_a_request_with_nothing_ahead_is_never_refused():
     async def scenario():
         gateway = make_gateway()

@@ -73,8 +73,10 @@ class EngineDecisions:
     """The decisions the engine takes while serving, as they stand (docs/decode.md, "Decisions measured while
     serving")."""
     weights: str  # what the linear layers hold, e.g. "q8_0" or "int4 (lm_head int8) up to batch 4, bfloat16 above"
-    float_above: int = -1  # the weight switch's live cut-off: quantized weights up to this batch; -1: no switch
-    weight_step_ms: dict[str, float] = field(default_factory=dict)  # its moving estimates, "rows/precision" -> ms
+    float_above: int = -1  # the start-up plan's cut-off: quantized weights up to this batch; -1: no weight switch
+    # batch sizes the switch moved off that cut-off while serving, "rows/mode" -> precision ("quantized" | "float")
+    weight_moved: dict[str, str] = field(default_factory=dict)
+    weight_step_ms: dict[str, float] = field(default_factory=dict)  # its estimates, "rows/precision/mode" -> ms
     speculation: str = "off"  # off (not configured) | paused (turned off under load) | drafting | not drafting
     spec_plain_level: float = 0.0  # live cost model: observed / start-up modelled ms of plain steps (0: none)
     spec_verify_level: float = 0.0  # ... of verify steps (0: none seen yet; they follow the plain level)

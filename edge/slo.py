@@ -13,7 +13,8 @@ most requests, and one predicted just inside it misses about half the time. The 
 measured at the first token and exported per class (`edge:slo_ttft_prediction_error_seconds`).
 
 A request with a TPOT objective is also judged on the decode batch it would join (`predict_tpot`): the engine's step
-times as measured while serving, at the number of sequences with objectives it would make.
+times as measured while serving, at the number of sequences with objectives it would make, plus the median by which
+the class's recent answers' TPOT ran from their predictions (`SloControl.tpot_error`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ OFFSET_HALF_LIFE_S = 30.0  # the learned offset fades without new first tokens (
 ERROR_QUANTILE = 0.9
 ERROR_WINDOW_S = 60.0
 MIN_ERRORS = 20
+# the TPOT check judges the predicted step time plus the median of (TPOT served - TPOT predicted) of the class's
+# requests that ended in the last ERROR_WINDOW_S (once MIN_ERRORS did): the step of the batch a request joins is not
+# its mean over its answer, as sequences end and the steps beside a prefill pass
 
 
 class Ewma:
@@ -79,6 +83,7 @@ class Pending:
     deadline: float  # epoch seconds (PrefillJob.deadline); 0.0: no TTFT objective
     priority: int = 0
     decoding: bool = False  # its first token came: the engine's stats count it
+    tpot_predicted_ms: float | None = None  # the step ms predicted at admission (predict_tpot), if any
 
 
 class PrefillTime:
@@ -252,6 +257,8 @@ class SloControl:
         self.pending: dict[str, Pending] = {}  # request id -> what is known of it, from queued to its end
         # per class: (time, met every objective, judged against one) of each request that ended or was refused
         self.window: dict[str, collections.deque[tuple[float, bool, bool]]] = {}
+        # per class: (time, TPOT served - TPOT predicted, ms) of requests that ended in the last ERROR_WINDOW_S
+        self.tpot_errors: dict[str, collections.deque[tuple[float, float]]] = {}
 
     def judge(self, decision: Decision, request: GenerateRequest, priority: int, enforcer: PolicyEnforcer,
               engine: EngineStats | None = None) -> tuple[Decision, Pending]:
@@ -272,13 +279,16 @@ class SloControl:
         ttft_late = predicted is not None and decision.ttft_slo_ms and \
             (predicted[0] + margin) * 1e3 > decision.ttft_slo_ms and predicted[2] > 0
         tpot = predict_tpot(engine, self.pending) if decision.tpot_slo_ms else None
-        tpot_late = tpot is not None and tpot[0] > decision.tpot_slo_ms
+        tpot_error = self.tpot_error(decision.client_class) if tpot is not None else 0.0
+        tpot_late = tpot is not None and tpot[0] + tpot_error > decision.tpot_slo_ms
+        if tpot is not None:
+            known.tpot_predicted_ms = tpot[0]
         if not (ttft_late or tpot_late) or decision.on_slo_miss == "serve":
             return decision, known
         if decision.on_slo_miss == "reject":
             self._refused(decision, "ttft" if ttft_late else "tpot")
             refusal = unattainable(decision, predicted[0], predicted[2], margin) if ttft_late else \
-                tpot_unattainable(decision, *tpot)
+                tpot_unattainable(decision, *tpot, tpot_error)
             log.info("refused a request of class %r: %s", decision.client_class, refusal.message)
             raise refusal
         try:  # degrade
@@ -322,11 +332,28 @@ class SloControl:
         if known.tpot_slo_ms and (record.tpot_s is not None or record.status == "failed"):
             outcomes["tpot"] = record.tpot_s is not None and record.status != "failed" \
                 and record.tpot_s * 1e3 <= known.tpot_slo_ms
+        if known.tpot_predicted_ms is not None and record.tpot_s is not None and record.status == "finished":
+            self.tpot_errors.setdefault(known.client_class, collections.deque()).append(
+                (self.clock(), record.tpot_s * 1e3 - known.tpot_predicted_ms))
         for kind, met in outcomes.items():
             self.metrics.label(self.metrics.requests, **{"class": known.client_class}, kind=kind,
                                outcome="met" if met else "missed").inc()
         good = record.status == "finished" and all(outcomes.values())
         self._remember(known.client_class, good, bool(known.ttft_slo_ms or known.tpot_slo_ms))
+
+    def tpot_error(self, client_class: str) -> float:
+        """The median ms by which the class's served TPOT differed from its prediction, over the last ERROR_WINDOW_S
+        (negative: served faster than predicted); 0.0 until MIN_ERRORS requests with a prediction ended there."""
+        errors = self.tpot_errors.get(client_class)
+        if not errors:
+            return 0.0
+        now = self.clock()
+        while errors and errors[0][0] < now - ERROR_WINDOW_S:
+            errors.popleft()
+        if len(errors) < MIN_ERRORS:
+            return 0.0
+        ranked = sorted(error for _, error in errors)
+        return ranked[len(ranked) // 2]
 
     def _refused(self, decision: Decision, kind: str = "ttft") -> None:
         self.metrics.label(self.metrics.requests, **{"class": decision.client_class}, kind=kind,
@@ -376,11 +403,12 @@ def predict_tpot(engine: EngineStats | None, pending: dict[str, Pending]) -> tup
     return max(known), rows
 
 
-def tpot_unattainable(decision: Decision, step_ms: float, rows: int) -> ApiError:
+def tpot_unattainable(decision: Decision, step_ms: float, rows: int, error_ms: float = 0.0) -> ApiError:
     """429 slo_unattainable for the time per output token: the batch changes within seconds, so Retry-After is 1."""
+    served = f"; served answers' TPOT ran {error_ms:+.0f} ms from their predictions (median)" if error_ms else ""
     return ApiError(429, f"the time per output token predicted now is {step_ms:.0f} ms (a decode step of {rows} "
-                         f"sequences with objectives, as measured), more than the {decision.tpot_slo_ms} ms promised "
-                         f"to class {decision.client_class!r}; retry after 1 s", code="slo_unattainable",
+                         f"sequences with objectives, as measured{served}), more than the {decision.tpot_slo_ms} ms "
+                         f"promised to class {decision.client_class!r}; retry after 1 s", code="slo_unattainable",
                     error_type="rate_limit_error", headers={"Retry-After": "1"})
 
 

@@ -105,6 +105,7 @@ def decisions(engine) -> EngineDecisions:
     return EngineDecisions(
         weights=held_weight_dtype(model) if model is not None else "",
         float_above=switch.float_above if switch is not None else -1,
+        weight_moved=switch.moved() if switch is not None else {},
         weight_step_ms={"/".join(map(str, filter(None, key))): round(ms, 2) for key, ms in _estimates(switch)},
         speculation=speculation,
         spec_plain_level=round(costs.plain_level, 3) if costs is not None else 0.0,

@@ -39,48 +39,53 @@ def test_it_explores_the_other_precision_every_few_steps_and_goes_back_to_the_pl
     switch = _switch()
     used = _serve(switch, 4, {"quantized": 10.0, "float": 10.5}, 10)
     assert used == ["quantized"] * 4 + ["float"] + ["quantized"] * 4 + ["float"]
-    assert switch.float_above == 8 and switch.layers[0].float_above == 8  # within the hysteresis: no move
+    assert switch.planned(4) == "quantized" and switch.layers[0].float_above == 4  # within the hysteresis: no move
 
 
 def test_a_faster_float_step_moves_the_plan_past_that_batch_size_and_back():
     switch = _switch()
     _serve(switch, 4, {"quantized": 10.0, "float": 8.5}, 5)  # float 15% faster at 4 rows
-    assert switch.float_above == 3 and switch.layers[0].float_above == 3
+    assert switch.planned(4) == "float" and switch.layers[0].float_above == 3
+    assert switch.moved() == {"4": "float"} and switch.planned(3) == "quantized"  # other sizes keep the cut-off
     assert _serve(switch, 4, {"quantized": 10.0, "float": 8.5}, 4) == ["float"] * 4
     # the machine changes: the quantized step (explored) is now faster by far, and the plan moves back
     _serve(switch, 4, {"quantized": 5.0, "float": 8.5}, 40)
-    assert switch.float_above == 4 and "(4, 'quantized', '')" in switch.describe()
+    assert switch.planned(4) == "quantized" and switch.moved() == {}
+    assert "(4, 'quantized', '')" in switch.describe()
 
 
 def test_within_the_hysteresis_the_plan_stays():
     switch = _switch()
     _serve(switch, 12, {"quantized": 9.5, "float": 10.0}, 30)  # quantized 5% faster above the plan: not enough
-    assert switch.float_above == 8
+    assert switch.planned(12) == "float" and switch.moved() == {}
 
 
 def test_a_move_waits_for_min_samples_steps_of_each_precision():
     """One explored step, however fast, does not move the plan: a noisy second must not decide."""
     switch = _switch(min_samples=3)
     _serve(switch, 4, {"quantized": 10.0, "float": 5.0}, 14)  # steps 5 and 10 explored float: two samples
-    assert switch.float_above == 8
+    assert switch.planned(4) == "quantized"
     _serve(switch, 4, {"quantized": 10.0, "float": 5.0}, 1)  # the third
-    assert switch.float_above == 3
+    assert switch.planned(4) == "float"
 
 
-def test_each_thread_mode_has_its_own_estimates_and_cut_off():
-    """Steps beside a prefill (halved threads) and steps alone disagree on which precision wins at 2 rows: each
-    mode's plan follows its own steps, and serving them in turn does not move either back and forth."""
+def test_each_size_and_thread_mode_follows_its_own_steps_without_flapping(caplog):
+    """Steps beside a prefill (halved threads) and steps alone disagree on which precision wins at 2 rows, and the
+    sizes do not order as a cut-off can (float wins at 1 row alone, quantized at 2): each (size, mode) follows its
+    own steps, and serving them in turn moves each once."""
+    caplog.set_level("INFO", logger="decode_gpu.runner.weight_switch")
     switch = _switch(float_above=4, min_samples=2)
-    alone, halved = {"quantized": 10.0, "float": 7.0}, {"quantized": 10.0, "float": 14.0}
+    one, alone, halved = {"quantized": 12.0, "float": 7.0}, {"quantized": 10.0, "float": 7.0}, \
+        {"quantized": 10.0, "float": 14.0}
     for _ in range(40):
+        _serve(switch, 1, one, 2, "alone")
         _serve(switch, 2, alone, 3, "alone")
         _serve(switch, 2, halved, 2, "halved")
-    assert switch.plan("alone") == 1 and switch.plan("halved") == 4  # float at 2 rows alone, quantized beside prefill
-    assert _serve(switch, 2, alone, 4, "alone") == ["float"] * 4
-    assert switch.layers[0].float_above == 1
-    assert _serve(switch, 2, halved, 4, "halved") == ["quantized"] * 4
-    assert switch.layers[0].float_above == 4 and switch.float_above == 4
-    assert "by mode: alone: 1" in switch.describe()
+    assert switch.moved() == {"1/alone": "float", "2/alone": "float"} and switch.planned(2, "halved") == "quantized"
+    assert len([r for r in caplog.records if "weight plan" in r.message]) == 2
+    assert _serve(switch, 2, alone, 4, "alone") == ["float"] * 4 and switch.layers[0].float_above == 1
+    assert _serve(switch, 2, halved, 4, "halved") == ["quantized"] * 4 and switch.layers[0].float_above == 2
+    assert "moved: 1/alone: float, 2/alone: float" in switch.describe()
 
 
 def test_the_start_up_plan_measures_torch_int_kernels_only_where_they_can_win(monkeypatch):
@@ -123,11 +128,11 @@ def test_an_explored_step_is_only_timed_and_its_tokens_come_from_the_plan():
     switch = _switch()
     given, forwards = _run(switch, 4, {"quantized": 10.0, "float": 10.5}, 10)
     assert given == ["quantized"] * 10 and forwards == 12  # steps 5 and 10 explored float, then ran on the plan
-    assert switch.times.get((4, "float", "")) == 10.5 and switch.float_above == 8
+    assert switch.times.get((4, "float", "")) == 10.5 and switch.planned(4) == "quantized"
 
 
 def test_an_explored_precision_that_moves_the_plan_gives_its_tokens_at_once():
     switch = _switch()
     given, forwards = _run(switch, 4, {"quantized": 10.0, "float": 5.0}, 6)
     assert given == ["quantized"] * 4 + ["float"] * 2 and forwards == 6  # the plan moved to float at step 5
-    assert switch.float_above == 3
+    assert switch.planned(4) == "float"

@@ -379,6 +379,39 @@ def test_a_request_that_would_slow_the_batch_past_its_tpot_objective_is_refused(
     assert metric(gateway, "edge:slo_requests_total", **{"class": "interactive"}, kind="tpot", outcome="refused") == 2
 
 
+def test_the_tpot_check_allows_for_how_served_answers_ran_against_their_predictions():
+    """A request's TPOT is its mean step over the answer, not the step of the batch it joins: the check adds the
+    median of (served - predicted) over the class's recent answers, once 20 of them ended."""
+    import collections
+
+    from edge.slo import MIN_ERRORS
+
+    async def scenario():
+        gateway = make_gateway()
+        gateway.engine = Engine()
+        gateway.engine.stats = engine_stats(3, {1: 30.0, 4: 120.0})
+        served = admit(gateway, "k-int", tokens=10)  # predicted 120 ms, served 100 ms a token
+        gateway.slo.observe(record(served, tpot_s=0.1))
+        recorded = gateway.slo.tpot_errors["interactive"][-1][1]
+        gateway.engine.stats = engine_stats(3, {1: 30.0, 4: 170.0})  # 170 ms: over the 150 promised
+        with pytest.raises(ApiError) as first:
+            admit(gateway, "k-int", tokens=10)
+        gateway.slo.tpot_errors["interactive"] = collections.deque([(time.monotonic(), -30.0)] * (MIN_ERRORS - 1))
+        with pytest.raises(ApiError):  # too few measured: the prediction alone
+            admit(gateway, "k-int", tokens=10)
+        gateway.slo.tpot_errors["interactive"].append((time.monotonic(), -30.0))
+        accepted = admit(gateway, "k-int", tokens=10)  # 170 - 30 = 140 ms: within 150
+        gateway.slo.tpot_errors["interactive"] = collections.deque([(time.monotonic(), -10.0)] * MIN_ERRORS)
+        with pytest.raises(ApiError) as last:  # 160 ms
+            admit(gateway, "k-int", tokens=10)
+        return recorded, first.value, accepted, last.value
+
+    recorded, first, accepted, last = asyncio.run(scenario())
+    assert recorded == pytest.approx(-20.0) and "as measured)" in first.message
+    assert accepted.decision.client_class == "interactive"
+    assert "served answers' TPOT ran -10 ms from their predictions (median)" in last.message
+
+
 def test_the_tpot_check_refuses_nothing_it_cannot_help_or_has_not_measured():
     async def scenario():
         gateway = make_gateway()

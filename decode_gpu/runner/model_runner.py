@@ -394,11 +394,17 @@ class ModelRunner:
         precision = switch.before_step(rows, mode)
         started = time.perf_counter()
         logits = forward()
-        switch.after_step(rows, precision, (time.perf_counter() - started) * 1e3)
-        if precision != switch.planned(rows):
-            # an explored step is only timed: its tokens come from the plan's weights (the step runs again and writes
-            # the same KV slots), so a request's answer does not depend on where the explore_every-th step fell
-            logits = forward()
+        ms = (time.perf_counter() - started) * 1e3
+        if precision == switch.planned(rows):
+            switch.after_step(rows, precision, ms)
+            return logits
+        # an explored step is only timed: its tokens come from the plan's weights (the step runs again and writes the
+        # same KV slots), so a request's answer does not depend on where the explore_every-th step fell; the run
+        # again on the plan, on the same batch just after, is what the explored time is compared with
+        switch.back_to_plan(rows)
+        started = time.perf_counter()
+        logits = forward()
+        switch.compared(rows, precision, ms, (time.perf_counter() - started) * 1e3)
         return logits
 
     def _weight_switch(self, model, capacity: int) -> WeightSwitch | None:

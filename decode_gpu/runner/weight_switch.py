@@ -5,19 +5,20 @@ and float ones (bfloat16, oneDNN's layout), which win at larger ones; QuantizedL
 largest batch that uses the quantized weights, which the switch sets before every step to give that step the
 precision it chose. The start-up measurement gives a cut-off from a few milliseconds of one pass over the layers
 (weight_plan.py), on a machine that may have been busy just then; every batch size starts from it. Here each size
-moves on its own with the real steps: each step's time is kept as a moving estimate by (rows, precision, mode); now
-and then (every `explore_every` steps at a size and mode) a step runs on the other precision, so both estimates stay
-current; when the other one is faster by more than `hysteresis`, over at least `min_samples` steps of each, that
-size in that mode moves to it. Every move is logged. An explored step is only timed: the model runner runs it again
-on the plan's weights for its tokens (one extra forward in explore_every), so the exploration never changes an
-answer; only a move of the plan does.
+moves on its own with the real steps, in pairs: every `explore_every`-th step at a size and mode runs on the other
+precision, and then again on the plan's (its tokens come from that run, so exploring never changes an answer); the
+ratio of the two times, taken on the same batch a few milliseconds apart, is kept as a moving estimate by (rows,
+mode). When it says the other precision is faster by more than `hysteresis`, over at least `min_samples` pairs, that
+size in that mode moves to it (logged), and its pairs start afresh. Each step's time is also kept by (rows,
+precision, mode) for /health and the logs; those estimates decide nothing.
 
 `mode` is the decode's share of the cores for the step (the model runner's thread mode: alone, every thread beside a
-prefill, or halved beside one; "" where decode does not share the CPU): a step beside a llama.cpp prefill runs on
-fewer threads, or slower, and which precision wins differs. One cut-off over every size and mode flapped: in a
-bench.slo_bench run it moved 53 times in 18 minutes, between 0 and 4 and back within a second, because the steps
-served did not order as a cut-off can (here float won at 1 row, int4 at 2-4 rows, bfloat16 above), and steps beside
-prefills met steps alone in one estimate.
+prefill, or halved beside one; "" where decode does not share the CPU). Until 2026-12-05 one cut-off over every size
+and mode moved when the explored precision's moving estimate beat the plan's: in a bench.slo_bench run it moved 53
+times in 18 minutes, between 0 and 4 and back within a second. The steps served did not order as a cut-off can, and
+each estimate mixed steps beside a long prefill, a short one or none: an explored precision's estimate, one step in
+50, was minutes older than the plan's. With a choice per size and mode but the same estimates it still moved 18
+times in 6 minutes; compared in pairs the conditions are the same for both.
 """
 
 from __future__ import annotations
@@ -32,19 +33,20 @@ log = logging.getLogger(__name__)
 
 class WeightSwitch:
     def __init__(self, layers: Iterable, float_above: int, max_rows: int, explore_every: int = 50,
-                 hysteresis: float = 0.1, min_samples: int = 3) -> None:
+                 hysteresis: float = 0.1, min_samples: int = 3, weight: float = 0.3) -> None:
         """layers: the model's QuantizedLinear layers holding float weights too; float_above: the start-up plan's
-        cut-off, where every (size, mode) starts."""
+        cut-off, where every (size, mode) starts; weight: of a new pair in the moving ratio."""
         self.layers = list(layers)
         self.float_above = float_above
-        self.choices: dict[tuple[int, str], str] = {}  # (rows, mode) -> precision, once its steps moved it
+        self.choices: dict[tuple[int, str], str] = {}  # (rows, mode) -> precision, once its pairs moved it
         self.max_rows = max_rows
         self.explore_every = explore_every
         self.hysteresis = hysteresis
         self.min_samples = min_samples
-        self.times = StepTimes()
+        self.weight = weight
+        self.times = StepTimes()  # step ms by (rows, precision, mode): reported, not decided on
+        self.ratios: dict[tuple[int, str], tuple[float, int]] = {}  # (rows, mode) -> (other / plan ms, pairs)
         self._steps: dict[tuple[int, str], int] = {}  # steps seen by (row count, mode)
-        self._forced: str | None = None  # the precision this step was forced to (exploring), if any
         self._mode = ""  # the mode of the step under way (the last one's after it)
 
     def planned(self, rows: int, mode: str | None = None) -> str:
@@ -58,31 +60,37 @@ class WeightSwitch:
         self._mode = mode
         n = self._steps[rows, mode] = self._steps.get((rows, mode), 0) + 1
         precision = self.planned(rows)
-        self._forced = None
         if n % self.explore_every == 0:
-            precision = self._forced = _other(precision)
+            precision = _other(precision)
         self._hold(rows, precision)
         return precision
 
     def after_step(self, rows: int, precision: str, ms: float) -> None:
-        """Record a step's time, put the layers back on the plan, and move this size in this mode to the other
-        precision if that has been faster by more than the hysteresis."""
+        """Record a step's time on the plan."""
+        self.times.record((rows, precision, self._mode), ms)
+
+    def back_to_plan(self, rows: int) -> None:
+        """After an explored step: set the layers to the plan, for its run again."""
+        self._hold(rows, self.planned(rows))
+
+    def compared(self, rows: int, explored: str, explored_ms: float, plan_ms: float) -> None:
+        """An explored step and its run again on the plan, on the same batch: move this size in this mode to the
+        explored precision when the pairs say it is faster by more than the hysteresis."""
         mode = self._mode
-        self.times.record((rows, precision, mode), ms)
         planned = self.planned(rows)
-        if self._forced is not None:
-            self._forced = None
-            self._hold(rows, planned)
-        quantized, floats = self.times.get((rows, "quantized", mode)), self.times.get((rows, "float", mode))
-        if quantized is None or floats is None or min(self.times.count[rows, "quantized", mode],
-                                                      self.times.count[rows, "float", mode]) < self.min_samples:
-            return
-        mine, other = (quantized, floats) if planned == "quantized" else (floats, quantized)
-        if other < (1 - self.hysteresis) * mine:
-            moved = self.choices[rows, mode] = _other(planned)
-            log.info("weight plan%s: %d rows %s -> %s (quantized %.1f ms, float %.1f ms, moving estimates of the "
-                     "steps served)", f" ({mode})" if mode else "", rows, planned, moved, quantized, floats)
-            self._hold(rows, moved)
+        self.times.record((rows, explored, mode), explored_ms)
+        self.times.record((rows, planned, mode), plan_ms)
+        ratio = explored_ms / max(plan_ms, 1e-6)
+        old, pairs = self.ratios.get((rows, mode), (ratio, 0))
+        ratio = old + self.weight * (min(ratio, 4 * old) - old) if pairs else ratio  # a stall moves it 4x at most
+        self.ratios[rows, mode] = (ratio, pairs + 1)
+        if pairs + 1 >= self.min_samples and ratio < 1 - self.hysteresis:
+            self.choices[rows, mode] = explored
+            self.ratios.pop((rows, mode))  # the plan changed: the pairs start afresh
+            log.info("weight plan%s: %d rows %s -> %s (%s %.2fx the time of %s over %d pairs; last pair %.1f against "
+                     "%.1f ms)", f" ({mode})" if mode else "", rows, planned, explored, explored, ratio, planned,
+                     pairs + 1, explored_ms, plan_ms)
+            self._hold(rows, explored)
 
     def moved(self) -> dict[str, str]:
         """The sizes whose precision differs from the start-up cut-off's, "rows/mode" -> precision."""

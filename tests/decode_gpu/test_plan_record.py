@@ -100,8 +100,7 @@ def test_the_live_switch_moves_a_reused_plan(identity, start, timings, monkeypat
     with torch.inference_mode():
         assert not torch.equal(model(ids).logits, floats(ids).logits)  # int8 up to 2 rows
         switch = WeightSwitch(layers, layers[0].float_above, 8, min_samples=1)
-        switch.after_step(2, "quantized", 10.0)
-        switch.after_step(2, "float", 5.0)  # float faster at 2 rows, past the hysteresis: float from 2 rows on
+        switch.compared(2, "float", 5.0, 10.0)  # float faster at 2 rows, past the hysteresis: float at 2 rows
         assert switch.planned(2) == "float" and all(m.float_above == 1 for m in layers)
         assert torch.equal(model(ids).logits, floats(ids).logits)
 

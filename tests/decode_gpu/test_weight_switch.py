@@ -14,12 +14,19 @@ def _switch(float_above: int = 8, explore_every: int = 5, min_samples: int = 1) 
 
 
 def _serve(switch: WeightSwitch, rows: int, ms: dict[str, float], steps: int, mode: str = "") -> list[str]:
+    """Steps as the model runner takes them: an explored step runs again on the plan, and the pair is compared."""
     used = []
     for _ in range(steps):
         precision = switch.before_step(rows, mode)
         # the layers hold what this step uses: float for more rows than their float_above
         assert ("float" if rows > switch.layers[0].float_above else "quantized") == precision
-        switch.after_step(rows, precision, ms[precision])
+        if precision == switch.planned(rows):
+            switch.after_step(rows, precision, ms[precision])
+        else:
+            switch.back_to_plan(rows)
+            plan = switch.planned(rows)
+            assert ("float" if rows > switch.layers[0].float_above else "quantized") == plan
+            switch.compared(rows, precision, ms[precision], ms[plan])
         used.append(precision)
     return used
 
@@ -131,8 +138,21 @@ def test_an_explored_step_is_only_timed_and_its_tokens_come_from_the_plan():
     assert switch.times.get((4, "float", "")) == 10.5 and switch.planned(4) == "quantized"
 
 
-def test_an_explored_precision_that_moves_the_plan_gives_its_tokens_at_once():
+def test_an_explored_step_that_moves_the_plan_still_gives_the_plans_tokens_and_the_move_comes_next():
     switch = _switch()
     given, forwards = _run(switch, 4, {"quantized": 10.0, "float": 5.0}, 6)
-    assert given == ["quantized"] * 4 + ["float"] * 2 and forwards == 6  # the plan moved to float at step 5
+    assert given == ["quantized"] * 5 + ["float"] and forwards == 7  # step 5 explored float and moved the plan
     assert switch.planned(4) == "float"
+
+
+def test_pairs_compare_like_with_like_when_the_machine_changes_between_them():
+    """The plan's steps run 3x slower (a long prefill beside them) and each explored step falls in a quiet moment:
+    a moving estimate of each precision would put float's quiet 10.5 ms against quantized's busy ones and move; the
+    pairs, each on the same batch moments apart, say float is 1.05x the time and hold the plan."""
+    switch = _switch(min_samples=3)
+    busy, quiet = {"quantized": 30.0, "float": 31.5}, {"quantized": 10.0, "float": 10.5}
+    for _ in range(10):
+        _serve(switch, 4, busy, 4)
+        assert _serve(switch, 4, quiet, 1) == ["float"]  # every 5th step explores
+    assert switch.times.get((4, "quantized", "")) > 15 > switch.times.get((4, "float", ""))
+    assert switch.planned(4) == "quantized" and switch.moved() == {}

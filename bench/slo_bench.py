@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import re
 import sys
 import tempfile
@@ -262,8 +263,10 @@ def main() -> None:
             below = await calibrate(priority_only, min(loads) * cap, args)
         finally:
             priority_only.stop()
-        args.ttft_slo_ms = args.ttft_slo_ms or max(100, round(args.ttft_margin * below[0] * 1e3, -1))
-        args.tpot_slo_ms = args.tpot_slo_ms or max(20, round(args.margin * below[1] * 1e3, -1))
+        # up to whole 10 ms: rounding to the nearest cut the margin (36 ms x 1.25 = 45 rounded to 40, 1.1x), and the
+        # objectives mode then refused requests below capacity that its calibration had served
+        args.ttft_slo_ms = args.ttft_slo_ms or max(100, 10 * math.ceil(args.ttft_margin * below[0] * 100))
+        args.tpot_slo_ms = args.tpot_slo_ms or max(20, 10 * math.ceil(args.margin * below[1] * 100))
         print(f"measured capacity of the mix: {cap:.2f} req/s; at {min(loads):g}x of it interactive p90 TTFT "
               f"{below[0] * 1e3:.0f} ms, TPOT {below[1] * 1e3:.0f} ms; objectives {args.ttft_slo_ms:.0f} / "
               f"{args.tpot_slo_ms:.0f} ms", flush=True)

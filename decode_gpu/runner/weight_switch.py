@@ -14,11 +14,12 @@ precision, mode) for /health and the logs; those estimates decide nothing.
 
 `mode` is the decode's share of the cores for the step (the model runner's thread mode: alone, every thread beside a
 prefill, or halved beside one; "" where decode does not share the CPU). Until 2026-12-05 one cut-off over every size
-and mode moved when the explored precision's moving estimate beat the plan's: in a bench.slo_bench run it moved 53
-times in 18 minutes, between 0 and 4 and back within a second. The steps served did not order as a cut-off can, and
-each estimate mixed steps beside a long prefill, a short one or none: an explored precision's estimate, one step in
-50, was minutes older than the plan's. With a choice per size and mode but the same estimates it still moved 18
-times in 6 minutes; compared in pairs the conditions are the same for both.
+and mode moved when the explored precision's moving estimate beat the plan's: in a bench.slo_bench run it moved 52
+times in one server's 5.5 minutes, between 0 and 4 and back within a second. The steps served did not order as a
+cut-off can, and each estimate mixed steps beside a long prefill, a short one or none: an explored precision's
+estimate, one step in 50, was minutes older than the plan's. With a choice per size and mode but the same estimates
+it still moved 17 times in about 5.5 minutes; from pairs (the conditions the same for both), 0 times in each of two
+such runs.
 """
 
 from __future__ import annotations

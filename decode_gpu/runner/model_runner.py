@@ -389,7 +389,7 @@ class ModelRunner:
         if self.weight_switch is None:
             return forward()
         switch = self.weight_switch
-        # the thread mode _before_forward set for this step (its own estimates and cut-off); "" when not sharing
+        # the thread mode _before_forward set for this step (each size chooses per mode); "" when not sharing
         mode = self._last_forward[2] if getattr(self, "_threads", None) and self._last_forward else ""
         precision = switch.before_step(rows, mode)
         started = time.perf_counter()

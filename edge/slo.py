@@ -55,6 +55,16 @@ MIN_ERRORS = 20
 # its mean over its answer, as sequences end and the steps beside a prefill pass
 
 
+def recent_errors(errors: collections.deque[tuple[float, float]] | None, now: float) -> list[float]:
+    """A window of (when, error) without what is older than ERROR_WINDOW_S (dropped from it), sorted; empty while
+    fewer than MIN_ERRORS remain."""
+    if not errors:
+        return []
+    while errors and errors[0][0] < now - ERROR_WINDOW_S:
+        errors.popleft()
+    return sorted(error for _, error in errors) if len(errors) >= MIN_ERRORS else []
+
+
 class Ewma:
     """A moving average; None until the first sample."""
 
@@ -212,16 +222,8 @@ class TTFTPredictor:
         """Seconds the predictions at this priority fell short by, at ERROR_QUANTILE of the last ERROR_WINDOW_S
         (0.0 when they were mostly early, or fewer than MIN_ERRORS were measured). A spike leaves the window
         within ERROR_WINDOW_S; a request with nothing ahead is never refused, so errors keep coming in meanwhile."""
-        errors = self.errors.get(priority)
-        if not errors:
-            return 0.0
-        now = self.clock()
-        while errors and errors[0][0] < now - ERROR_WINDOW_S:
-            errors.popleft()
-        if len(errors) < MIN_ERRORS:
-            return 0.0
-        ranked = sorted(error for _, error in errors)
-        return max(0.0, ranked[int(ERROR_QUANTILE * (len(ranked) - 1))])
+        ranked = recent_errors(self.errors.get(priority), self.clock())
+        return max(0.0, ranked[int(ERROR_QUANTILE * (len(ranked) - 1))]) if ranked else 0.0
 
     def first_token(self, known: Pending, ttft_s: float) -> None:
         if known.raw_s is not None:
@@ -344,16 +346,8 @@ class SloControl:
     def tpot_error(self, client_class: str) -> float:
         """The median ms by which the class's served TPOT differed from its prediction, over the last ERROR_WINDOW_S
         (negative: served faster than predicted); 0.0 until MIN_ERRORS requests with a prediction ended there."""
-        errors = self.tpot_errors.get(client_class)
-        if not errors:
-            return 0.0
-        now = self.clock()
-        while errors and errors[0][0] < now - ERROR_WINDOW_S:
-            errors.popleft()
-        if len(errors) < MIN_ERRORS:
-            return 0.0
-        ranked = sorted(error for _, error in errors)
-        return ranked[len(ranked) // 2]
+        ranked = recent_errors(self.tpot_errors.get(client_class), self.clock())
+        return ranked[len(ranked) // 2] if ranked else 0.0
 
     def _refused(self, decision: Decision, kind: str = "ttft") -> None:
         self.metrics.label(self.metrics.requests, **{"class": decision.client_class}, kind=kind,

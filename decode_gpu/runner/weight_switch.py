@@ -96,7 +96,7 @@ class WeightSwitch:
     def moved(self) -> dict[str, str]:
         """The sizes whose precision differs from the start-up cut-off's, "rows/mode" -> precision."""
         start = {True: "quantized", False: "float"}
-        return {"/".join(map(str, filter(None, key))): precision for key, precision in sorted(self.choices.items())
+        return {key_name(key): precision for key, precision in sorted(self.choices.items())
                 if precision != start[key[0] <= self.float_above]}
 
     def describe(self) -> str:
@@ -110,6 +110,11 @@ class WeightSwitch:
         if self.layers and self.layers[0].float_above != float_above:
             for layer in self.layers:
                 layer.float_above = float_above
+
+
+def key_name(key: tuple) -> str:
+    """"rows/precision/mode" or "rows/mode" for /health; no mode where decode does not share the CPU."""
+    return "/".join(map(str, filter(None, key)))
 
 
 def _other(precision: str) -> str:

@@ -20,6 +20,7 @@ import torch
 from contracts.events import EngineDecisions, EngineMemory
 from decode_gpu.model.weight_quant import held_weight_dtype, weights_by_precision
 from decode_gpu.runner.device import resident_bytes
+from decode_gpu.runner.weight_switch import key_name
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def decisions(engine) -> EngineDecisions:
         weights=held_weight_dtype(model) if model is not None else "",
         float_above=switch.float_above if switch is not None else -1,
         weight_moved=switch.moved() if switch is not None else {},
-        weight_step_ms={"/".join(map(str, filter(None, key))): round(ms, 2) for key, ms in _estimates(switch)},
+        weight_step_ms={key_name(key): round(ms, 2) for key, ms in _estimates(switch)},
         speculation=speculation,
         spec_plain_level=round(costs.plain_level, 3) if costs is not None else 0.0,
         spec_verify_level=round(costs.verify_level or 0.0, 3) if costs is not None else 0.0,

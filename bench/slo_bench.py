@@ -80,6 +80,13 @@ def baseline(gguf: str, threads: int) -> tuple[System | None, str]:
         str(threads), "--n_ctx", "4096", "--model_alias", model]), ""
 
 
+def objective_ms(margin: float, p90_s: float, floor_ms: int) -> int:
+    """margin x the p90 measured below capacity, rounded up to whole 10 ms (at least floor_ms): rounding to the
+    nearest cut the margin (36 ms x 1.25 = 45 rounded to 40, 1.1x), and the objectives mode then refused requests
+    below capacity that its calibration had served."""
+    return max(floor_ms, 10 * math.ceil(round(margin * p90_s * 100, 6)))
+
+
 def workload(n: int, seed: int, share: float, max_tokens: tuple[int, int]) -> list[RequestSpec]:
     """Interactive (short questions) and batch (longer reports) requests, mixed at random in `share`."""
     rng = np.random.default_rng(seed)
@@ -263,10 +270,8 @@ def main() -> None:
             below = await calibrate(priority_only, min(loads) * cap, args)
         finally:
             priority_only.stop()
-        # up to whole 10 ms: rounding to the nearest cut the margin (36 ms x 1.25 = 45 rounded to 40, 1.1x), and the
-        # objectives mode then refused requests below capacity that its calibration had served
-        args.ttft_slo_ms = args.ttft_slo_ms or max(100, 10 * math.ceil(args.ttft_margin * below[0] * 100))
-        args.tpot_slo_ms = args.tpot_slo_ms or max(20, 10 * math.ceil(args.margin * below[1] * 100))
+        args.ttft_slo_ms = args.ttft_slo_ms or objective_ms(args.ttft_margin, below[0], 100)
+        args.tpot_slo_ms = args.tpot_slo_ms or objective_ms(args.margin, below[1], 20)
         print(f"measured capacity of the mix: {cap:.2f} req/s; at {min(loads):g}x of it interactive p90 TTFT "
               f"{below[0] * 1e3:.0f} ms, TPOT {below[1] * 1e3:.0f} ms; objectives {args.ttft_slo_ms:.0f} / "
               f"{args.tpot_slo_ms:.0f} ms", flush=True)

@@ -220,7 +220,7 @@ def affinity_table(ticks: int = 4000, seed: int = 3) -> str:
     popular ones) or none (a fifth of them), lasting 5-30 ticks. Per margin: of the prompts under a system prompt
     seen before, the share sent to the engine that took the last one ("prefix hits"; load alone: chance), and the
     in-flight imbalance |n0 - n1| at each choice."""
-    from edge import engine_group
+    from edge.core import engine_group
     lines = ["| load (in flight) | margin | prefix hits | imbalance mean | imbalance p99 |", "|---|---|---|---|---|"]
     margins = {"none (load only)": None, "0": (0.0, 0.0), "2 or 25% (chosen)": (2.0, 0.25), "4 or 50%": (4.0, 0.5),
                "unbounded": (1e9, 0.0)}
@@ -241,10 +241,10 @@ def affinity_table(ticks: int = 4000, seed: int = 3) -> str:
 def _simulate(rate: float, ticks: int, seed: int, use_affinity: bool) -> tuple[float, list[int]]:
     import numpy as np
 
-    from edge.affinity import prefix_key
-    from edge.engine_client import EngineClient
-    from edge.engine_group import EngineGroup
-    from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
+    from edge.core.affinity import prefix_key
+    from edge.core.engine_client import EngineClient
+    from edge.core.engine_group import EngineGroup
+    from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
     rng = np.random.default_rng(seed)
     registry = InFlightRegistry()
     clients = {name: EngineClient(name, registry, b"", name) for name in ("decode-0", "decode-1")}

@@ -9,7 +9,7 @@ past the limit is abandoned, and keeps its slot until the process answers or is 
 with every slot taken a new compile is refused at once (GrammarBusyError, a 503) rather than queued behind them.
 
 Every cache of compiles here (outcomes, grammars, compiles in flight) is kept per cache salt (the request's
-PrefillJob.cache_salt, which the gateway derives from its API key: edge.cache_salt) as well as per constraint: a
+PrefillJob.cache_salt, which the gateway derives from its API key: edge.core.cache_salt) as well as per constraint: a
 compile answers, or is joined by, only requests of the salt that started it. Shared, a known schema would be
 answered at once for anyone, and the time of an answer would tell a tenant which schemas another one sends.
 """
@@ -174,7 +174,7 @@ class GatewayCheck:
     used dropped); requests of one owner and salt with the same constraint still compiling await the same compile.
     A compile stopped at the limit is remembered as too complex, so that a later request of its salt with it is
     refused at once. owner: whose share of the processes a compile takes (an API key, or the client's address
-    without keys). cache_salt: the request's (edge.cache_salt): another salt's outcome is never its answer, nor is
+    without keys). cache_salt: the request's (edge.core.cache_salt): another salt's outcome is never its answer, nor is
     another salt's compile in flight, so a tenant cannot time whether another sent a schema."""
 
     def __init__(self, processes: CompileProcesses | None = None, entries: int = 256) -> None:

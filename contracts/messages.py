@@ -66,10 +66,10 @@ class PrefillJob:  # gateway -> prefill worker
     # handoff carries it back (KVHandoff.resume_index), and the gateway's request does not start again
     resume_index: int = -1
     # which cached prompts this one may reuse: the prompt caches (the worker's and the engine's) share KV only
-    # between requests of one salt, which the gateway derives from the API key (edge.cache_salt); "": unsalted
+    # between requests of one salt, which the gateway derives from the API key (edge.core.cache_salt); "": unsalted
     cache_salt: str = ""
     # the request's TTFT deadline (epoch seconds, the gateway's clock; 0: no objective) and its class's TPOT objective
-    # (ms; 0: none): within one priority the queues run the earliest deadline first (edge/slo.py), and the engine's
+    # (ms; 0: none): within one priority the queues run the earliest deadline first (edge/core/slo.py), and the engine's
     # batch does not grow past what the tightest TPOT objective allows; the handoff carries both (KVHandoff)
     deadline: float = 0.0
     tpot_slo_ms: int = 0
@@ -81,7 +81,7 @@ class PrefillJob:  # gateway -> prefill worker
     embed_texts: tuple[str, ...] = ()
     embed_tokens: tuple[tuple[int, ...], ...] = ()
     # the request's tools as JSON text (OpenAI's list), for a chat template that renders them; "": none (the gateway
-    # then wrote them into the messages itself, edge.tools)
+    # then wrote them into the messages itself, edge.chat.tools)
     tools: str = ""
 
 

@@ -1,6 +1,6 @@
 """The one typed config the launcher hands each child process: the decode engine's and a prefill worker's.
 
-`edge serve` (edge.launcher) builds it from the serve config and passes it whole, as JSON in one argument:
+`edge serve` (edge.launch.launcher) builds it from the serve config and passes it whole, as JSON in one argument:
 `python -m decode_gpu.service.server --config-json '{...}'`. The child decodes it (msgspec checks every field's
 type) and checks every setting against its knob (contracts.options), so a child cannot disagree with the gateway
 about what a setting allows. Started by hand for debugging, a child takes the same fields as flags instead

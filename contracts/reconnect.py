@@ -1,5 +1,5 @@
-"""The one reconnect loop of the three control links: gateway -> decode engine (edge.engine_client), gateway ->
-prefill workers (edge.prefill_pool), prefill worker -> decode engine (prefill_cpu.engine_link).
+"""The one reconnect loop of the three control links: gateway -> decode engine (edge.core.engine_client), gateway ->
+prefill workers (edge.core.prefill_pool), prefill worker -> decode engine (prefill_cpu.engine_link).
 
 Each link keeps its connection up forever: connect (and pass the handshake), hold the connection until it drops,
 wait a little, again. A failed try waits twice as long as the one before, up to RETRY_LONGEST_S, so a peer that is

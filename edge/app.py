@@ -21,18 +21,18 @@ from contracts.model_kind import model_kind
 from contracts.process_config import config_argv
 from contracts.startup_clock import since_start
 from contracts.tasks import spawn
-from edge.audit import AuditLog, quota_state_path
+from edge.api.structured import close_structured_checks, warm_structured_checks
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
-from edge.engine_client import EngineClient
-from edge.gateway import Gateway
-from edge.launcher import Supervisor, engine_config, start_embedding_workers, worker_config
-from edge.lifecycle import InFlightRegistry
-from edge.metrics import Metrics
-from edge.prefill_pool import PrefillPool
-from edge.routes import add_routes
+from edge.core.engine_client import EngineClient
+from edge.core.gateway import Gateway
+from edge.core.lifecycle import InFlightRegistry
+from edge.core.metrics import Metrics
+from edge.core.prefill_pool import PrefillPool
+from edge.http.routes import add_routes
+from edge.http.tls import warn_if_expiring
+from edge.launch.launcher import Supervisor, engine_config, start_embedding_workers, worker_config
+from edge.observe.audit import AuditLog, quota_state_path
 from edge.state import CONFIG, GATEWAY, RELOADER, SUPERVISOR
-from edge.structured_request import close_structured_checks, warm_structured_checks
-from edge.tls import warn_if_expiring
 from policies.enforcer import PolicyEnforcer
 from policies.loader import load_policy
 from policies.quota import TokenQuotas
@@ -155,7 +155,7 @@ def make_app(config: ServeConfig) -> web.Application:
                       config.audit_log_keep_days) if config.audit_log else None)
     tracer = None
     if config.otlp_traces_endpoint:  # OpenTelemetry is imported only then (an optional dependency)
-        from edge.tracing import RequestTracer
+        from edge.observe.tracing import RequestTracer
         tracer = RequestTracer(config.otlp_traces_endpoint)
     registry = InFlightRegistry()
     _control_tls(config)
@@ -165,7 +165,7 @@ def make_app(config: ServeConfig) -> web.Application:
         raise ValueError(f"ray: {model_name} is an embedding model ({kind.reason}), served by its prefill workers "
                          "alone; serve it without ray")
     if config.ray:  # Ray is imported only here: single-box mode never loads it
-        from edge.cluster.gateway_side import ray_components
+        from edge.launch.ray_gateway_side import ray_components
         pool, engine, cluster_context = ray_components(config, registry, _ray_secret(config))
         run_dir = None
     else:

@@ -1,5 +1,5 @@
 """`edge serve`: start the gateway, the prefill workers and the decode engine from one command.
-`edge check-model PATH.gguf`: say whether a GGUF is supported and fits, before serving it (edge/check_model.py)."""
+`edge check-model PATH.gguf`: say whether a GGUF is supported and fits, before serving it (edge/check_model/)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from contracts.model_kind import model_kind
 from contracts.options import KNOBS
 from contracts.startup_clock import since_start
 from edge.config import ConfigError, load_config, policy_path
-from edge.tls import TLSError, server_context
+from edge.http.tls import TLSError, server_context
 from policies.loader import PolicyError, load_policy
 from prefill_cpu.embedded_model import embedded_model_path
 
@@ -26,11 +26,11 @@ def main(argv=None) -> None:
     serve.add_argument("--config", help="TOML config file (see docs/config.md)")
     add_serve_flags(serve)
     check = commands.add_parser("check-model", help="check a GGUF before serving it: support, sizes, fidelity")
-    from edge.check_model import add_arguments  # the command's own flags live with it
+    from edge.check_model.command import add_arguments  # the command's own flags live with it
     add_arguments(check)
     args = parser.parse_args(argv)
     if args.command == "check-model":
-        from edge.check_model import run
+        from edge.check_model.command import run
         sys.exit(run(args))
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:

@@ -3,8 +3,8 @@
 from aiohttp import web
 
 from edge.config import ServeConfig
-from edge.gateway import Gateway
-from edge.launcher import Supervisor
+from edge.core.gateway import Gateway
+from edge.launch.launcher import Supervisor
 from policies.reloader import PolicyReloader
 
 CONFIG = web.AppKey("config", ServeConfig)

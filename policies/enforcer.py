@@ -176,9 +176,9 @@ class PolicyEnforcer:
                                   f"({when})", over.retry_after_s)
 
     def count_tokens(self, record) -> None:
-        """A request observer (takes edge.request_record.RequestRecord): an ended request's prompt + completion tokens
-        count against its key's quotas. Only the policy's keys are counted, so made-up keys sent to a server
-        without authentication cannot grow the counts."""
+        """A request observer (takes edge.core.request_record.RequestRecord): an ended request's prompt + completion
+        tokens count against its key's quotas. Only the policy's keys are counted, so made-up keys sent to a
+        server without authentication cannot grow the counts."""
         tokens = record.prompt_tokens + record.completion_tokens
         if tokens and record.key_id in self.rules_by_key_id:
             self.quotas.add(record.key_id, tokens)

@@ -103,7 +103,7 @@ class Policy:
     tiers: tuple[Tier, ...] = ()  # in order of severity: later tiers are heavier
     allow_weaker_protection: tuple[str, ...] = ()  # PROTECTIONS this file may remove on reload
     audit: AuditRules = field(default_factory=AuditRules)
-    # who may reuse whose cached prompts (edge.cache_salt): "key", per API key (per tenant header without keys);
+    # who may reuse whose cached prompts (edge.core.cache_salt): "key", per API key (per tenant header without keys);
     # "shared", everyone's, which lets one client time another's prompts: an explicit choice
     prefix_cache_scope: str = "key"
     # API key -> the group of keys that share one prompt cache (prefix_cache.groups): sharing named, not implied

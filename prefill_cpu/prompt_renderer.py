@@ -1,6 +1,6 @@
 """Turn a completion prompt or chat messages into tokens, with the chat template from the GGUF's metadata.
 
-Tools: a job's tools (the gateway sends them only for a template that renders them, edge.tool_formats) go to the
+Tools: a job's tools (the gateway sends them only for a template that renders them, edge.chat.tool_formats) go to the
 template as its `tools` variable, the way transformers' apply_chat_template passes them; Phi-4-mini's template
 reads them from the system message instead (`message.tools`, JSON text), so there they go on the system message.
 Earlier calls travel as JSON text (ChatMessage.tool_calls) and reach the template as each assistant message's

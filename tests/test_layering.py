@@ -126,3 +126,107 @@ def test_the_torch_check_follows_imports_through_our_modules():
     """The engine process reaches torch only through decode_gpu's modules: the walk must get there."""
     seen = loaded_with("decode_gpu.service.server")
     assert "torch" in seen and "decode_gpu" in seen  # a package's __init__ runs before its modules
+
+
+# edge/'s rooms (docs/architecture.md, "edge/"): folder -> the folders of edge it may import (itself always). The root
+# modules (cli, app, config, state) sit on top and may import any room; `config` is also open to every room below.
+EDGE_ROOMS = {
+    "chat": (),
+    "api": ("chat",),
+    "core": ("api", "chat", "config"),
+    "observe": ("core", "api", "chat", "config"),
+    "launch": ("core", "api", "chat", "config"),
+    "check_model": ("config",),
+    "http": ("core", "api", "chat", "observe", "config", "state"),
+}
+ROOT_MODULES = ("edge", "edge.cli", "edge.app", "edge.config", "edge.state")
+
+
+def room(name: str) -> str:
+    """edge.core.gateway -> core; edge.config -> config; edge -> edge."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_edge_has_rooms_and_few_modules_at_its_root():
+    rooms = sorted(p.name for p in (REPO / "edge").iterdir() if (p / "__init__.py").is_file())
+    flat = sorted(p.name for p in (REPO / "edge").glob("*.py") if p.name != "__init__.py")
+    assert len(rooms) >= 6 and set(EDGE_ROOMS) <= set(rooms), rooms
+    assert len(flat) <= 6, flat
+    assert {f"edge.{p[:-3]}" for p in flat} <= set(ROOT_MODULES), flat
+
+
+@pytest.mark.parametrize("folder", sorted(EDGE_ROOMS))
+def test_an_edge_room_imports_only_the_rooms_below_it(folder):
+    allowed = {folder, *EDGE_ROOMS[folder]}
+    wrong = []
+    for name, path in modules_of(f"edge/{folder}").items():
+        for imported in imports_of(path):
+            if top(imported) == "edge" and imported != "edge" and _source(imported) and room(imported) not in allowed:
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, f"edge.{folder} may import only {sorted(allowed)} of edge:\n" + "\n".join(sorted(wrong))
+
+
+def test_only_check_model_imports_the_engine():
+    wrong = sorted(f"{name} imports {imported}" for name, path in modules_of("edge").items()
+                   if not name.startswith("edge.check_model") for imported in imports_of(path)
+                   if top(imported) == "decode_gpu")
+    assert not wrong, "\n".join(wrong)
+
+
+def import_graph(packages) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (lazy imports too; a package's __init__ only where named)."""
+    graph = {}
+    for package in packages:
+        for name, path in modules_of(package).items():
+            graph[name] = {imported for imported in imports_of(path) if _source(imported) and imported != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles_outside_bench():
+    found = circles(import_graph([p for p in OURS if p != "bench"]))
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)

@@ -1,4 +1,4 @@
-"""Structured-output compiles are cached per cache salt (one per API key or group: edge.cache_salt): a schema one
+"""Structured-output compiles are cached per cache salt (one per API key or group: edge.core.cache_salt): a schema one
 tenant compiled is compiled again for another, never answered from the first's outcome or joined to its compile
 in flight, so no tenant can time whether another sent a schema; the same salt hits as before. The gateway's check
 (GatewayCheck), the workers' and the engine's compiled grammars (CompiledGrammars), the engine's matcher of a
@@ -21,8 +21,8 @@ from contracts import grammar_compile
 from contracts.grammar import GrammarTooComplexError
 from contracts.grammar_compile import CompiledGrammars, CompilePool, GatewayCheck
 from contracts.handoff import SamplingParams
-from edge import structured_request
-from edge.openai_api import GenerateRequest
+from edge.api import structured as structured_request
+from edge.api.openai_request import GenerateRequest
 from fake_runner import fake_handoff, make_engine
 
 SCHEMA = '{"type": "object", "properties": {"secret_field": {"type": "string"}}}'
@@ -175,7 +175,7 @@ def test_the_engine_asks_for_each_choices_matcher_with_its_handoffs_salt():
 
 
 def test_check_structured_keeps_outcomes_per_salt_and_health_counts_the_compiles(monkeypatch):
-    """The route's check (edge.structured_request) passes the request's salt on; /health's
+    """The route's check (edge.api.structured) passes the request's salt on; /health's
     structured_outputs.compiles is what an end-to-end test reads to tell a miss from a hit."""
     processes = CountingProcesses()
     monkeypatch.setattr(structured_request, "_GRAMMAR_CHECKS", {None: GatewayCheck(processes)})

@@ -20,9 +20,9 @@ import pytest
 from contracts.compile_processes import CompileCancelled, CompileProcesses
 from contracts.grammar import GrammarBusyError, GrammarOwnerBusyError
 from contracts.grammar_compile import GatewayCheck
-from edge import structured_request
-from edge.openai_api import ApiError, GenerateRequest
-from edge.structured_request import check_structured
+from edge.api import structured as structured_request
+from edge.api.openai_request import ApiError, GenerateRequest
+from edge.api.structured import check_structured
 
 FAKE_CHILD = r"""
 import json, os, sys, time

@@ -23,9 +23,9 @@ from contracts.framing import (
 )
 from contracts.handoff import SamplingParams
 from contracts.messages import Challenge, ChatMessage, Heartbeat, Hello, PrefillFailed, PrefillJob, WorkerStatus
-from edge.engine_client import EngineClient
-from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
-from edge.prefill_pool import PrefillPool, UnsendableJobError
+from edge.core.engine_client import EngineClient
+from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
+from edge.core.prefill_pool import PrefillPool, UnsendableJobError
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -271,7 +271,7 @@ def test_engine_stats_are_read_only_on_the_engine_thread():
                                          ("", 500)])
 def test_a_full_engine_is_a_503_and_a_broken_request_a_500(code, status):
     from contracts.events import TokenEvent
-    from edge.api_errors import decode_error
+    from edge.api.errors import decode_error
     error = decode_error(TokenEvent.ending("r1", FinishReason.ERROR, "why", error_code=code))
     assert error.status == status and ("Retry-After" in error.headers) == (status == 503)
 

@@ -222,8 +222,8 @@ def test_the_gateway_pool_through_a_tampering_relay_gets_no_forged_answer(pki):
     request is in prefill. With TLS the gateway's pool drops the connection (a bad frame) and fails the request as
     a lost worker, never with a frame the relay made, and connects again."""
     from contracts.messages import Heartbeat, WorkerStatus
-    from edge.lifecycle import InFlight, InFlightRegistry
-    from edge.prefill_pool import PrefillPool
+    from edge.core.lifecycle import InFlight, InFlightRegistry
+    from edge.core.prefill_pool import PrefillPool
 
     async def worker(reader, writer):
         if await accept_peer(reader, writer, SECRET) is None:

@@ -19,9 +19,9 @@ from contracts.grammar import (
     grammar_text,
 )
 from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s
-from edge import structured_request
-from edge.openai_api import ApiError, GenerateRequest
-from edge.structured_request import check_structured
+from edge.api import structured as structured_request
+from edge.api.openai_request import ApiError, GenerateRequest
+from edge.api.structured import check_structured
 
 
 def refusal(kind: str, source: str) -> str:

@@ -21,7 +21,7 @@ from contracts.process_config import (
 )
 from edge.cli import add_serve_flags
 from edge.config import ConfigError, Limits, ServeConfig, load_config
-from edge.launcher import engine_config, worker_config
+from edge.launch.launcher import engine_config, worker_config
 
 CHILDREN = (EngineProcessConfig, WorkerProcessConfig)
 WIRING = {"model": "m.gguf", "listen": "unix:/tmp/x.sock"}  # the fields every child needs that are no setting
@@ -155,8 +155,8 @@ def test_float_weights_may_not_contradict_the_dtype_anywhere():
 
 
 def test_check_model_sizes_and_checks_every_choice():
-    from edge.check_model import add_arguments
-    from edge.model_sizes import WEIGHT_DTYPES
+    from edge.check_model.command import add_arguments
+    from edge.check_model.sizes import WEIGHT_DTYPES
     assert WEIGHT_DTYPES == KNOBS["weight_dtype"].allowed(exclude=(AUTO,))
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -156,13 +156,13 @@ def wait_decoding(server) -> bool:
 def test_a_recompute_that_cannot_be_queued_ends_its_request_with_503_saying_why():
     """A full prefill queue: the handler gets a 503 kv_cache_full naming the preemption, not a silent abort."""
     from contracts.messages import PrefillFailed, Recompute
-    from edge.api_errors import prefill_error
+    from edge.api.errors import prefill_error
     from edge.config import ServeConfig
-    from edge.engine_client import EngineClient
-    from edge.gateway import Gateway
-    from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
-    from edge.metrics import Metrics
-    from edge.prefill_pool import QueueFullError
+    from edge.core.engine_client import EngineClient
+    from edge.core.gateway import Gateway
+    from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
+    from edge.core.metrics import Metrics
+    from edge.core.prefill_pool import QueueFullError
     from policies.enforcer import PolicyEnforcer
     from policies.schema import Policy
 

@@ -1,5 +1,5 @@
 """POST /v1/messages as a translation: Anthropic bodies into the chat request, the chat answer and chunks into a
-message and Anthropic's stream events, errors into Anthropic's shape (edge/apis/anthropic_messages.py)."""
+message and Anthropic's stream events, errors into Anthropic's shape (edge/api/messages.py)."""
 
 import asyncio
 import json
@@ -10,11 +10,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from contracts.events import FinishReason, TokenEvent
-from edge.apis.anthropic_messages import MessagesApi, error_response, worker_messages
+from edge.api.messages import MessagesApi, error_response, worker_messages
+from edge.api.openai_bodies import Completion
+from edge.api.openai_request import ApiError
 from edge.config import ServeConfig
-from edge.openai_api import ApiError
-from edge.responses import Completion
-from edge.routes import add_routes
+from edge.http.routes import add_routes
 from edge.state import GATEWAY
 
 API = MessagesApi()

@@ -14,12 +14,12 @@ from aiohttp.test_utils import make_mocked_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edge.api.openai_request import ApiError, parse_request
 from edge.app import _enforcer
-from edge.audit import MAX_TEXT_CHARS, AuditLog, RotatingFile, _capped, quota_state_path
 from edge.config import ServeConfig
-from edge.gateway import Gateway, key_id
-from edge.openai_api import ApiError, parse_request
-from edge.request_record import RequestRecord
+from edge.core.gateway import Gateway, key_id
+from edge.core.request_record import RequestRecord
+from edge.observe.audit import MAX_TEXT_CHARS, AuditLog, RotatingFile, _capped, quota_state_path
 from policies.enforcer import PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.loader import PolicyError, load_policy, parse_policy
 from policies.quota import TokenQuotas

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edge.cache_salt import CacheSalter
+from edge.core.cache_salt import CacheSalter
 from policies.loader import load_policy
 from policies.reloader import removed_protections
 

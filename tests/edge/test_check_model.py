@@ -12,7 +12,7 @@ import gguf
 import pytest
 
 from contracts.identity import UnsupportedModelError, check_supported, read_gguf_identity
-from edge.check_model import parse_size
+from edge.check_model.command import parse_size
 from edge.cli import main
 
 GIB = 2**30

@@ -8,9 +8,9 @@ import pytest
 
 from contracts.handoff import SamplingParams
 from contracts.messages import PrefillFailed, PrefillJob
-from edge.gateway import Gateway
-from edge.lifecycle import InFlight, InFlightRegistry
-from edge.prefill_pool import PrefillPool
+from edge.core.gateway import Gateway
+from edge.core.lifecycle import InFlight, InFlightRegistry
+from edge.core.prefill_pool import PrefillPool
 
 
 def _pool_with_a_worker(engine_connected: bool) -> tuple[PrefillPool, InFlightRegistry, list]:

@@ -7,9 +7,9 @@ import pytest
 
 from contracts.events import Logprob, TopLogprob
 from contracts.messages import EmbedDone, PromptLogprobs
-from edge.embeddings_api import MAX_INPUTS, _body, parse_embeddings
-from edge.openai_api import ApiError
-from edge.prompt_scores import echo_text, vllm_prompt_logprobs, with_prompt
+from edge.api.openai_request import ApiError
+from edge.api.prompt_scores import echo_text, vllm_prompt_logprobs, with_prompt
+from edge.http.embeddings import MAX_INPUTS, _body, parse_embeddings
 
 
 def _parsed(**fields):

@@ -1,4 +1,4 @@
-"""The gateway's engine connection (edge.engine_client): an engine that goes silent (frozen, stopped) past the
+"""The gateway's engine connection (edge.core.engine_client): an engine that goes silent (frozen, stopped) past the
 heartbeat timeout is declared unresponsive, its requests end at once with a 503 code, and the link is made again;
 an engine that keeps sending its stats is left alone however long it runs."""
 
@@ -7,9 +7,9 @@ import asyncio
 from contracts.events import EngineStats, FinishReason
 from contracts.framing import accept_peer, send_message, start_server
 from contracts.messages import Stats
-from edge.api_errors import decode_error
-from edge.engine_client import EngineClient
-from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
+from edge.api.errors import decode_error
+from edge.core.engine_client import EngineClient
+from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 TIMEOUT_S = 0.4  # the engine's heartbeat timeout in these tests (stats come every 0.1 s)

@@ -1,4 +1,4 @@
-"""Several decode engines behind the gateway (edge.engine_group), without Ray: choosing an engine per request by
+"""Several decode engines behind the gateway (edge.core.engine_group), without Ray: choosing an engine per request by
 load and by prefix affinity, a lost engine ending only its own requests, /health listing each engine, and
 single-box mode not importing Ray."""
 
@@ -12,15 +12,15 @@ from aiohttp.test_utils import TestClient, TestServer
 from contracts.events import EngineStats
 from contracts.handoff import SamplingParams
 from contracts.messages import PrefillJob
-from edge.affinity import PrefixAffinity, prefix_key
 from edge.config import ServeConfig
-from edge.engine_client import EngineClient
-from edge.engine_group import AFFINITY_MARGIN, EngineGroup
-from edge.gateway import Gateway
-from edge.lifecycle import InFlight, InFlightRegistry, RequestStatus
-from edge.metrics import Metrics
-from edge.prefill_pool import PrefillPool, WorkerClient
-from edge.routes import add_routes
+from edge.core.affinity import PrefixAffinity, prefix_key
+from edge.core.engine_client import EngineClient
+from edge.core.engine_group import AFFINITY_MARGIN, EngineGroup
+from edge.core.gateway import Gateway
+from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
+from edge.core.metrics import Metrics
+from edge.core.prefill_pool import PrefillPool, WorkerClient
+from edge.http.routes import add_routes
 from edge.state import GATEWAY
 from policies.enforcer import PolicyEnforcer
 from policies.schema import Policy

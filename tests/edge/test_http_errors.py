@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from edge.config import ServeConfig
-from edge.routes import add_routes
+from edge.http.routes import add_routes
 from edge.state import GATEWAY
 
 

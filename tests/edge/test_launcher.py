@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from edge.child_main import PARENT_PID_ENV
-from edge.launcher import Backoff, Supervisor
+from edge.launch.child_main import PARENT_PID_ENV
+from edge.launch.launcher import Backoff, Supervisor
 from server_process import pid_alive, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Run through edge.child_main like the real children. Each start appends "pid monotonic-time" to the log
+# Run through edge.launch.child_main like the real children. Each start appends "pid monotonic-time" to the log
 # (after any signal setup, so a line means the child is ready), then behaves as its mode says.
 CHILD_MODULE = textwrap.dedent("""
     import os, signal, subprocess, sys, time
@@ -181,7 +181,7 @@ def test_shutdown_kills_a_child_that_ignores_sigterm_and_what_it_started(child_l
 
 SUPERVISOR_PROCESS = textwrap.dedent("""
     import asyncio, sys
-    from edge.launcher import Supervisor
+    from edge.launch.launcher import Supervisor
 
     async def main():
         supervisor = Supervisor()
@@ -210,7 +210,7 @@ def test_children_die_when_the_supervisor_process_is_killed(child_log):
 
 def test_the_trampoline_runs_the_module_only_while_its_supervisor_lives(child_log):
     log = child_log("direct")
-    argv = [sys.executable, "-m", "edge.child_main", "launcher_child", "exit", str(log)]
+    argv = [sys.executable, "-m", "edge.launch.child_main", "launcher_child", "exit", str(log)]
     ours = subprocess.run(argv, env={**os.environ, PARENT_PID_ENV: str(os.getpid())}, timeout=30)
     assert ours.returncode == 3 and len(starts(log)) == 1  # ran the module with its arguments
     gone = subprocess.run(argv, env={**os.environ, PARENT_PID_ENV: str(os.getpid() + 1)}, timeout=30)
@@ -220,7 +220,7 @@ def test_the_trampoline_runs_the_module_only_while_its_supervisor_lives(child_lo
 def test_children_spin_briefly_between_parallel_regions_unless_the_operator_says_otherwise(monkeypatch):
     """Sleeping between the ops of a CPU decode step (OMP_WAIT_POLICY=PASSIVE) made it 1.7x as slow; a bounded
     spin (GOMP_SPINCOUNT) keeps it fast. An operator's wait policy or spin count wins."""
-    from edge.launcher import OMP_SPIN_COUNT, child_environment
+    from edge.launch.launcher import OMP_SPIN_COUNT, child_environment
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     env = child_environment()
@@ -238,7 +238,7 @@ def test_the_engine_gets_the_pace_from_the_serve_config():
     from contracts.process_config import config_argv
     from decode_gpu.service.server import parse_args
     from edge.config import ServeConfig
-    from edge.launcher import engine_config
+    from edge.launch.launcher import engine_config
     config = engine_config(ServeConfig(cpu_decode_pace_ms=100), "m.gguf", "unix:/x", "/run/cpu-share")
     assert parse_args(config_argv(config)) == config
     assert (config.cpu_decode_pace_ms, config.listen, config.cpu_share_file) == (100.0, "unix:/x", "/run/cpu-share")

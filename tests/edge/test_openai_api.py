@@ -2,7 +2,7 @@
 
 import pytest
 
-from edge.openai_api import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, ApiError, parse_request
+from edge.api.openai_request import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, ApiError, parse_request
 
 VOCAB = 49152  # SmolLM2's vocabulary size
 

@@ -10,11 +10,11 @@ import pytest
 
 from contracts.events import FinishReason, Logprob, TokenEvent, TopLogprob
 from contracts.messages import PrefillFailed
-from edge.api_errors import prefill_error
-from edge.completion_batch import batch_prompts, check_batch, join
-from edge.openai_api import ApiError, parse_request
-from edge.responses import Completion
-from edge.tool_formats import ChatFormat
+from edge.api.errors import prefill_error
+from edge.api.openai_bodies import Completion
+from edge.api.openai_request import ApiError, parse_request
+from edge.chat.tool_formats import ChatFormat
+from edge.http.completion_batch import batch_prompts, check_batch, join
 from policies.enforcer import PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.loader import load_policy
 

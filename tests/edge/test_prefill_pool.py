@@ -4,8 +4,8 @@ import asyncio
 
 from contracts.handoff import SamplingParams
 from contracts.messages import PrefillJob
-from edge.lifecycle import InFlight, InFlightRegistry
-from edge.prefill_pool import PrefillPool
+from edge.core.lifecycle import InFlight, InFlightRegistry
+from edge.core.prefill_pool import PrefillPool
 
 
 def test_best_priority_is_announced_on_every_change():

@@ -8,15 +8,15 @@ import asyncio
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-import edge.gateway
+import edge.core.gateway
 from contracts.events import FinishReason, TokenEvent
 from contracts.messages import PrefillDone
+from edge.api.openai_request import ApiError, parse_request
 from edge.config import ServeConfig
-from edge.gateway import Gateway
-from edge.lifecycle import InFlightRegistry
-from edge.metrics import Metrics
-from edge.openai_api import ApiError, parse_request
-from edge.prefill_pool import PrefillPool
+from edge.core.gateway import Gateway
+from edge.core.lifecycle import InFlightRegistry
+from edge.core.metrics import Metrics
+from edge.core.prefill_pool import PrefillPool
 from policies.enforcer import PolicyEnforcer
 from policies.loader import parse_policy
 
@@ -66,7 +66,7 @@ def test_a_report_arriving_after_the_last_token_still_counts():
 
 
 def test_a_report_that_never_comes_delays_the_end_only_briefly(monkeypatch):
-    monkeypatch.setattr(edge.gateway, "PREFILL_REPORT_WAIT_S", 0.2)
+    monkeypatch.setattr(edge.core.gateway, "PREFILL_REPORT_WAIT_S", 0.2)
 
     async def scenario():
         gateway, run = admitted()

@@ -1,4 +1,4 @@
-"""Reasoning content (edge.reasoning, edge.chat_output): a thinking model's <think> text goes to reasoning_content,
+"""Reasoning content (edge.chat.reasoning, edge.chat.output): a thinking model's <think> text goes to reasoning_content,
 whole and streamed; chat completions' bodies and stream chunks carry it; max_reasoning_tokens is refused."""
 
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 
 from contracts.events import FinishReason, TokenEvent
-from edge.chat_output import chat_message
-from edge.openai_api import ApiError, parse_request
-from edge.reasoning import ReasoningStream, detect_reasoning, opens_thinking, split_reasoning
-from edge.responses import Completion
-from edge.tool_formats import ChatFormat
+from edge.api.openai_bodies import Completion
+from edge.api.openai_request import ApiError, parse_request
+from edge.chat.output import chat_message
+from edge.chat.reasoning import ReasoningStream, detect_reasoning, opens_thinking, split_reasoning
+from edge.chat.tool_formats import ChatFormat
 
 QWEN3 = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
          "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is "

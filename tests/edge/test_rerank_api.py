@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from contracts.messages import EmbedDone, WorkerStatus
-from edge.embeddings_api import _ranked, generation_refused, model_facts, parse_rerank
-from edge.request_fields import ApiError
+from edge.api.fields import ApiError
+from edge.http.embeddings import _ranked, generation_refused, model_facts, parse_rerank
 
 DOCS = ["a", "b", "c"]
 

@@ -1,14 +1,14 @@
 """POST /v1/responses as a translation: Responses bodies into the chat request, and the chat answer and chunks
-into the response object and the semantic stream events (edge/apis/openai_responses.py)."""
+into the response object and the semantic stream events (edge/api/responses.py)."""
 
 import json
 
 import pytest
 
 from contracts.events import FinishReason, TokenEvent
-from edge.apis.openai_responses import ResponsesApi
-from edge.openai_api import ApiError
-from edge.responses import Completion
+from edge.api.openai_bodies import Completion
+from edge.api.openai_request import ApiError
+from edge.api.responses import ResponsesApi
 
 API = ResponsesApi()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

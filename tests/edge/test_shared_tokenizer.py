@@ -4,8 +4,8 @@ Tokenizer per model file, built on first use."""
 import asyncio
 import types
 
-from edge import tokenize_api
-from edge.apis.anthropic_messages import prompt_tokens
+from edge.api.messages import prompt_tokens
+from edge.http import tokenize as tokenize_api
 
 
 class CountingTokenizer:

@@ -15,14 +15,14 @@ from contracts.events import EngineStats
 from contracts.framing import pack, unpack
 from contracts.handoff import SamplingParams
 from contracts.messages import PrefillDone, PrefillJob, Recompute, Stats
+from edge.api.openai_request import ApiError, parse_request
 from edge.config import ServeConfig
-from edge.gateway import Gateway
-from edge.lifecycle import InFlight, InFlightRegistry
-from edge.metrics import Metrics
-from edge.openai_api import ApiError, parse_request
-from edge.prefill_pool import PrefillPool
-from edge.request_record import RequestRecord
-from edge.status import StatusBoard
+from edge.core.gateway import Gateway
+from edge.core.lifecycle import InFlight, InFlightRegistry
+from edge.core.metrics import Metrics
+from edge.core.prefill_pool import PrefillPool
+from edge.core.request_record import RequestRecord
+from edge.observe.status_board import StatusBoard
 from policies.enforcer import PolicyEnforcer
 from policies.loader import parse_policy
 
@@ -141,7 +141,7 @@ def test_a_request_that_cannot_meet_its_objective_is_refused_at_once_with_retry_
 
 
 def test_the_predictors_recent_shortfall_is_allowed_for_and_fades():
-    from edge.slo import ERROR_WINDOW_S, MIN_ERRORS, Pending, TTFTPredictor
+    from edge.core.slo import ERROR_WINDOW_S, MIN_ERRORS, Pending, TTFTPredictor
     now = [0.0]
     predictor = TTFTPredictor(None, clock=lambda: now[0])
     known = Pending("interactive", 1000, 0, 100.0, 0, predicted_s=0.2, raw_s=0.2, deadline=0.0)
@@ -302,7 +302,7 @@ def test_a_recompute_keeps_its_requests_deadline():
 
 
 def test_the_learned_offset_fades_without_first_tokens():
-    from edge.slo import Offset
+    from edge.core.slo import Offset
     offset = Offset(now=0.0)
     offset.value.value = 4.0  # a spike learned at t = 0
     assert offset.now(30.0) == pytest.approx(2.0)
@@ -310,7 +310,7 @@ def test_the_learned_offset_fades_without_first_tokens():
 
 
 def test_prefill_time_is_a_fixed_part_and_a_part_per_token():
-    from edge.slo import PrefillTime
+    from edge.core.slo import PrefillTime
     line = PrefillTime()
     line.add(1000, 1.0)
     assert line.seconds(100) == pytest.approx(0.1)  # one size measured: a rate
@@ -339,7 +339,7 @@ def test_each_priority_learns_its_own_offset():
 
 
 def test_the_prefix_fresh_prompts_find_cached_is_not_predicted_as_work():
-    from edge.slo import TTFTPredictor
+    from edge.core.slo import TTFTPredictor
     predictor = TTFTPredictor(None)
     predictor.prefilled(PrefillDone("a", 130, 100.0, 0, 5.0, cached_tokens=30), None)  # 100 computed in 100 ms
     predictor.prefilled(PrefillDone("b", 300, 50.0, 0, 5.0, cached_tokens=250), None)  # a preempted one, resumed
@@ -384,7 +384,7 @@ def test_the_tpot_check_allows_for_how_served_answers_ran_against_their_predicti
     median of (served - predicted) over the class's recent answers, once 20 of them ended."""
     import collections
 
-    from edge.slo import MIN_ERRORS
+    from edge.core.slo import MIN_ERRORS
 
     async def scenario():
         gateway = make_gateway()

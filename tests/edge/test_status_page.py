@@ -20,13 +20,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from edge.config import ServeConfig
-from edge.gateway import Gateway
-from edge.lifecycle import InFlightRegistry
-from edge.metrics import Metrics
-from edge.request_record import RequestRecord
-from edge.routes import add_routes
+from edge.core.gateway import Gateway
+from edge.core.lifecycle import InFlightRegistry
+from edge.core.metrics import Metrics
+from edge.core.request_record import RequestRecord
+from edge.http.routes import add_routes
+from edge.observe.status_board import SESSION_COOKIE, WINDOW_S, StatusBoard, StatusSessions
 from edge.state import GATEWAY
-from edge.status import SESSION_COOKIE, WINDOW_S, StatusBoard, StatusSessions
 from policies.enforcer import PolicyEnforcer
 from policies.schema import Policy, Tier
 from server_process import served, wait_for

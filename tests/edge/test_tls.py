@@ -14,7 +14,7 @@ from aiohttp import web
 
 from edge import cli
 from edge.config import ServeConfig
-from edge.tls import server_context
+from edge.http.tls import server_context
 from server_process import ServerProcess
 
 SERVER_EXT = "subjectAltName = IP:127.0.0.1, DNS:localhost\nextendedKeyUsage = serverAuth\n"
@@ -180,10 +180,10 @@ def test_a_bad_config_stops_serve_with_one_clear_line(tmp_path, run_app, text, m
 
 
 def test_an_expired_or_expiring_certificate_is_warned_about_at_start(pki, caplog):
-    from edge.tls import warn_if_expiring
+    from edge.http.tls import warn_if_expiring
     cert = str(pki / "server.pem")  # valid for 2 days from now
     assert warn_if_expiring(cert, now=time.time() - 30 * 86400) is None
-    with caplog.at_level("WARNING", logger="edge.tls"):
+    with caplog.at_level("WARNING", logger="edge.http.tls"):
         assert "in 2.0 days: renew it" in warn_if_expiring(cert)
         assert "expired on" in warn_if_expiring(cert, now=time.time() + 5 * 86400)
     assert len(caplog.records) == 2

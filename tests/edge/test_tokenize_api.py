@@ -2,8 +2,8 @@
 
 import pytest
 
-from edge.request_fields import ApiError
-from edge.tokenize_api import Tokenizer
+from edge.api.fields import ApiError
+from edge.http.tokenize import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tool-call formats (edge.tool_formats): detection from each family's template, the template read from a GGUF's
+"""Tool-call formats (edge.chat.tool_formats): detection from each family's template, the template read from a GGUF's
 header, and the grammars: with tool_choice auto an answer is free text or well-formed calls, with required or a
 named function calls only; a reasoning model's thinking comes first. Grammars are run over a tiny GGUF's
 vocabulary, byte by byte, as the prefill worker and the engine run them."""
@@ -7,8 +7,8 @@ import gguf
 import pytest
 
 from contracts.grammar import compile_matcher
-from edge.openai_api import ApiError, parse_request
-from edge.tool_formats import FORMATS, ChatFormat, detect, model_chat_format, read_chat_template
+from edge.api.openai_request import ApiError, parse_request
+from edge.chat.tool_formats import FORMATS, ChatFormat, detect, model_chat_format, read_chat_template
 from tests import chat_templates
 from tests.tiny_gguf import write_tiny_gguf
 

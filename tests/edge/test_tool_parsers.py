@@ -1,4 +1,4 @@
-"""Tool calls out of answers, per family format (edge.tool_parser): whole answers and the same answers streamed in
+"""Tool calls out of answers, per family format (edge.chat.tool_parser): whole answers and the same answers streamed in
 small pieces give the same calls; streamed calls go out as OpenAI tool_calls deltas (index, id, type, name, then
 argument fragments that join into the arguments)."""
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from edge.tool_formats import FORMATS
-from edge.tool_parser import ToolCallStream, parse_tool_calls
+from edge.chat.tool_formats import FORMATS
+from edge.chat.tool_parser import ToolCallStream, parse_tool_calls
 
 NAMES = {"get_weather", "get_time"}
 ROME = {"city": "Rome"}

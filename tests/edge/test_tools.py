@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from edge.openai_api import ApiError, parse_request
-from edge.tool_formats import ChatFormat
-from edge.tools import with_tools
+from edge.api.openai_request import ApiError, parse_request
+from edge.chat.tool_formats import ChatFormat
+from edge.chat.tools import with_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -105,7 +105,7 @@ def test_tool_text_that_cannot_travel_is_a_400_not_a_500(messages, tools, param)
 
 def test_chat_bodies_and_stream_chunks_carry_the_calls():
     from contracts.events import FinishReason, TokenEvent
-    from edge.responses import Completion
+    from edge.api.openai_bodies import Completion
     pieces = ["Let me check.", "\n<tool_", 'call>\n{"name": "get_weather", "argu', 'ments": {"city": ', '"Rome"}}',
               "\n</tool_call>"]
     events = [TokenEvent("c", (i,), p, FinishReason.STOP if i == len(pieces) - 1 else None, num_output_tokens=i + 1)
@@ -133,7 +133,7 @@ def test_chat_bodies_and_stream_chunks_carry_the_calls():
 
 
 def test_a_forced_call_cut_by_max_tokens_is_dropped_and_the_reason_stays_length():
-    from edge.chat_output import chat_message
+    from edge.chat.output import chat_message
     spec = parse_request(_chat(tools=[WEATHER, TIME], tool_choice="required"), "chat").tools
     two = ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
            '"arguments": {"city": "Ro')

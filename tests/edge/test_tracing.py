@@ -9,12 +9,12 @@ import threading
 import pytest
 from aiohttp import web
 
-from edge.request_record import RequestRecord
+from edge.core.request_record import RequestRecord
 
 pytest.importorskip("opentelemetry.sdk", reason="OpenTelemetry is the optional [tracing] extra")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from edge.tracing import RequestTracer  # noqa: E402
+from edge.observe.tracing import RequestTracer  # noqa: E402
 
 T0 = 1_800_000_000.0
 
@@ -95,7 +95,7 @@ def test_spans_reach_an_otlp_http_collector():
 
 
 def test_without_the_setting_opentelemetry_is_not_imported():
-    code = ("import sys, edge.app, edge.cli, edge.gateway\n"
+    code = ("import sys, edge.app, edge.cli, edge.core.gateway\n"
             "print(any(name.startswith('opentelemetry') for name in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr

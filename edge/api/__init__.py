@@ -1,0 +1,1 @@
+"""client APIs: request types and parsing, errors, response bodies, Responses and Messages."""

@@ -1,0 +1,1 @@
+"""chat formats: tools, tool-call parsing, reasoning split, chat output."""

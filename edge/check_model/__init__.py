@@ -1,0 +1,1 @@
+"""`edge check-model` and its size tables."""

@@ -1,0 +1,1 @@
+"""the request's life in the gateway: admission, prefill pool, engines, SLO control, metrics."""

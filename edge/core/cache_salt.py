@@ -1,0 +1,45 @@
+"""The cache salt of a request: which earlier prompts its prefill may reuse from the prompt caches.
+
+A prompt that starts like a cached one is served much faster (its prefix is not computed again), so a client
+who may reuse another tenant's cached prompts can time guesses of their text. The prompt caches (the prefill
+worker's and the decode engine's) therefore share KV only between requests of one salt, which the gateway
+derives here, per API key by default. Keys the policy puts in one group (prefix_cache.groups: one team's keys, or
+the keys of everyone who uses a public system prompt) share one salt: sharing is named, never implied. A salt the
+client sends (`cache_salt`, as vLLM names it) only narrows sharing further: it is mixed with the key's (or its
+group's), so a client who copies another's salt still gets a different one. Ray routing affinity
+(edge.core.affinity.prefix_key) is keyed by the same salt, so a prompt follows only its own tenant's cached prefixes.
+
+The derivation is keyed with a secret drawn at start-up, so the salt of one key cannot be computed from the
+outside, and it changes with each start (the caches are empty then anyway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+SCOPES = ("key", "shared")  # the policy's prefix_cache.scope: per API key (or tenant), or one cache for all
+MAX_CLIENT_SALT_CHARS = 256
+
+
+class CacheSalter:
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret or secrets.token_bytes(32)
+
+    def salt(self, scope: str, key_id: str | None, tenant: str | None, client_salt: str = "",
+             group: str | None = None) -> str:
+        """The salt of a request. scope "key": one per API key, or per group of keys (group: the policy's name of
+        the key's group); without keys, one per tenant header value (a header anyone can send, so it separates
+        cooperating tenants, not attackers: use keys for that); without keys or tenant header (open access),
+        one for all, as a single-tenant server has. scope "shared": every request shares, unless it sends a salt
+        of its own."""
+        if scope == "shared":
+            owner = ""
+        elif group:
+            owner = f"group\0{group}"
+        else:
+            owner = f"key\0{key_id}" if key_id else f"tenant\0{tenant or ''}"
+        if not owner and not client_salt:
+            return ""
+        text = f"{owner}\1{client_salt}".encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(text, key=self._secret, digest_size=16).hexdigest()

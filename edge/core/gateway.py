@@ -1,0 +1,421 @@
+"""The gateway's request flow: filters before any model work, then prefill queue -> engine -> events.
+
+Every accepted request is in the InFlightRegistry until it reaches exactly one terminal state
+(finished, aborted or failed), which is counted in /metrics and told to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from contracts.events import EngineStats, FinishReason, TokenEvent
+from contracts.handoff import SamplingParams
+from contracts.messages import ChatMessage, EmbedDone, PrefillDone, PrefillFailed, PrefillJob, PromptLogprobs, Recompute
+from contracts.tasks import spawn
+from edge.api.errors import decode_error, policy_error, prefill_error
+from edge.api.openai_request import ApiError, GenerateRequest
+from edge.config import ServeConfig
+from edge.core.affinity import prefix_key
+from edge.core.cache_salt import CacheSalter
+from edge.core.engine_client import EngineClient
+from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
+from edge.core.metrics import Metrics
+from edge.core.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
+from edge.core.request_record import RequestRecord, ended_record
+from edge.core.slo import SloControl
+from edge.observe.gauges import EMPTY_STATS, refresh_gauges
+from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
+from policies.quota import key_id
+from policies.signals import TTFTWindow, box_signals
+from policies.slo import HEADER as SLO_HEADER
+
+log = logging.getLogger("edge.core.gateway")
+# how long a request that ended before its worker's PrefillDone arrived waits for it (milliseconds, normally)
+PREFILL_REPORT_WAIT_S = 1.0
+POOLED_KINDS = {"embedding": "embed", "rerank": "rank"}  # request kinds a worker answers alone -> PrefillJob.task
+
+
+@dataclass
+class Run:
+    """An accepted request as its handler sees it."""
+    inflight: InFlight
+    request: GenerateRequest  # with the policy's decisions applied to its sampling
+    decision: Decision
+    deadline: float
+    key_id: str | None = None
+    tenant: str | None = None
+    client: str = ""
+    route: str = ""  # the HTTP route it came in by (/v1/chat/completions, /v1/responses, ...)
+    prompt_logprobs: PromptLogprobs | None = None  # the worker's scores of the prompt, when the request asked
+    cached_tokens: int = 0  # prompt tokens its worker took from the prompt cache (PrefillDone), for usage
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Tell the client what the policy did to its request."""
+        headers = {"X-Request-Id": self.inflight.request_id, "X-Edge-Tier": self.decision.tier,
+                   "X-Edge-Class": self.decision.client_class}
+        if self.decision.notes:
+            headers["X-Edge-Degraded"] = "; ".join(self.decision.notes)
+        return headers
+
+
+class Gateway:
+    def __init__(self, config: ServeConfig, model_name: str, pool: PrefillPool, engine: EngineClient,
+                 registry: InFlightRegistry, metrics: Metrics, enforcer: PolicyEnforcer) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.pool, self.engine, self.registry, self.metrics = pool, engine, registry, metrics
+        self.enforcer = enforcer
+        self.ttft_window = TTFTWindow()
+        self.salter = CacheSalter()
+        self.shutting_down = False
+        # an embedding GGUF served on its own (contracts.model_kind): no decode engine; generation routes answer 400
+        self.embedding_only = False
+        self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
+        self.slo = SloControl(pool, metrics)  # objectives: deadlines, TTFT prediction, early refusal, attainment
+        self.observers.append(self.slo.observe)
+        for client in getattr(engine, "clients", {}).values():  # (tests may pass none)
+            client.on_recompute = self.recompute
+
+    @property
+    def ready(self) -> bool:
+        return (self.embedding_only or self.engine.state == "ready") and self.pool.num_ready > 0
+
+    def check_key(self, request: web.Request) -> None:
+        """For routes without a body (/v1/models): only the API key matters."""
+        if self.enforcer.auth_required and _bearer(request) not in self.enforcer.policy.keys:
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                           error_type="authentication_error", code="invalid_api_key")
+
+    def admit(self, http: web.Request, request: GenerateRequest) -> Run:
+        """The policy decides (auth, class, filters, limits, degradation), then the prompt is queued.
+        Raises ApiError to refuse; nothing has touched a model yet."""
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down",
+                           headers={"Connection": "close", "Retry-After": "5"})
+        tenant = _tenant(http, self.enforcer.policy)
+        facts = RequestFacts(_bearer(http), tenant, request.model, request.user_text,
+                             request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"],
+                             slo_ttft_ms=http.headers.get(SLO_HEADER))
+        try:
+            decision = self.enforcer.decide(facts, {self.model_name})
+        except PolicyRejection as err:
+            raise policy_error(err) from None
+        try:
+            run = self._queue(request, decision, self.cache_salt(http, request))
+        except ApiError:
+            self.enforcer.release(decision)
+            raise
+        run.key_id, run.tenant, run.client = key_id(_bearer(http)), tenant, http.remote or ""
+        run.route = route_of(http)
+        return run
+
+    def cache_salt(self, http: web.Request, request: GenerateRequest) -> str:
+        """Whose cached work the request may reuse (edge.core.cache_salt): its prompts' KV, and the structured-output
+        compiles the route checks its constraint against before admit."""
+        policy = self.enforcer.policy
+        return self.salter.salt(policy.prefix_cache_scope, key_id(_bearer(http)), _tenant(http, policy),
+                                request.cache_salt, policy.prefix_cache_groups.get(_bearer(http) or ""))
+
+    def _queue(self, request: GenerateRequest, decision: Decision, salt: str) -> Run:
+        pooled = request.kind in POOLED_KINDS  # computed by a worker alone: no engine takes part
+        if not (self.pool.num_ready > 0 if pooled else self.ready):
+            raise self._not_ready_error(pooled)
+        stats = self.engine_stats
+        if not pooled and stats.backlog_limit_bytes and stats.backlog_bytes >= stats.backlog_limit_bytes:
+            raise ApiError(503, f"the decode engine's backlog is full ({stats.backlog_bytes >> 20} MiB of KV "
+                                f"handoffs waiting); retry shortly", error_type="server_error", code="engine_busy",
+                           headers={"Retry-After": "2"})
+        if request.sampling["n"] > self.config.max_num_seqs:  # the engine runs a request's choices together
+            raise ApiError(400, f"n = {request.sampling['n']} choices, this server decodes at most "
+                                f"{self.config.max_num_seqs} sequences together (max_num_seqs)", "n", "invalid_value")
+        priority = request.priority if request.priority is not None else decision.priority
+        # may refuse: 429 slo_unattainable
+        decision, slo = self.slo.judge(decision, request, priority, self.enforcer, self.engine.stats)
+        sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
+        request = dataclasses.replace(request, sampling=sampling)
+        prefix = {"chat": "chatcmpl-", "embedding": "embd-", "rerank": "rerank-"}.get(request.kind, "cmpl-")
+        inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt)
+        messages = tuple(ChatMessage(m["role"], m["content"], m.get("tool_calls_json", ""), m.get("tool_call_id", ""))
+                         for m in request.messages) if request.messages else None
+        job = PrefillJob(inflight.request_id, SamplingParams(**sampling), priority, prompt=request.prompt,
+                         deadline=slo.deadline, tpot_slo_ms=decision.tpot_slo_ms,
+                         messages=messages, prompt_tokens=request.prompt_tokens,
+                         max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
+                         max_total_tokens=self._context_tokens(), cache_salt=salt,
+                         prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs,
+                         task=POOLED_KINDS.get(request.kind, "generate"),
+                         embed_texts=request.embed_texts, embed_tokens=request.embed_tokens,
+                         tools=request.template_tools)
+        inflight.prefix_key = prefix_key(request.prompt, request.messages, request.prompt_tokens,
+                                         f"{decision.kv_type}/{salt}")
+        self.registry.add(inflight)
+        try:
+            self.pool.submit(job)
+        except QueueFullError as err:
+            self.registry.remove(inflight.request_id)
+            raise ApiError(429, str(err), error_type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "2"}) from None
+        except UnsendableJobError as err:
+            self.registry.remove(inflight.request_id)
+            raise ApiError(400, str(err), code="invalid_value") from None
+        self.slo.queued(inflight, slo)
+        return Run(inflight, request, decision, time.monotonic() + self.config.limits.request_timeout_s)
+
+    def recompute(self, ask: Recompute, client: EngineClient) -> None:
+        """The engine preempted a choice by recompute (preemption_mode "recompute"): have a worker prefill its tokens
+        again at its priority and hand them back to that engine. The request itself goes on decoding; if the
+        recompute cannot be queued, the request ends with 503 (its handler then ends it in the engine too)."""
+        inflight = self.registry.get(ask.request_id)
+        if inflight is None or inflight.status.terminal:  # it ended meanwhile: the engine must not keep waiting
+            spawn(client.abort(ask.request_id), f"ending {ask.request_id}", log)
+            return
+        job = PrefillJob(ask.request_id, dataclasses.replace(ask.sampling, n=1), ask.priority,
+                         prompt_tokens=ask.tokens, max_prompt_tokens=len(ask.tokens), resume_index=ask.index,
+                         engine="" if client is self.engine else client.address,  # one engine: the workers' own
+                         cache_salt=inflight.cache_salt, deadline=self.slo.deadline_of(ask.request_id))
+        try:
+            self.pool.submit(job)
+        except (QueueFullError, UnsendableJobError) as err:
+            log.warning("cannot recompute %s: %s", ask.request_id, err)
+            self.registry.deliver(ask.request_id, PrefillFailed(
+                ask.request_id, "recompute_failed", f"the request was preempted for a more important one and could "
+                                                    f"not be queued again: {err}; retry shortly"))
+            return
+        log.info("recomputing choice %d of %s (%d tokens) at priority %d", ask.index, ask.request_id, len(ask.tokens),
+                 ask.priority)
+
+    def _not_ready_error(self, workers_only: bool = False) -> ApiError:
+        """Loading at start; afterwards a component is restarting (or unreachable): say which. workers_only: the
+        request needs no engine (embeddings, or an embedding model served on its own)."""
+        workers_only = workers_only or self.embedding_only
+        never_ready = (workers_only or self.engine.state == "connecting") and \
+            all(w.info is None and w.stuck_count == 0 for w in self.pool.workers.values())
+        if never_ready:
+            return ApiError(503, "the model is still loading", error_type="server_error", code="loading",
+                            headers={"Retry-After": "5"})
+        down = [name for name, w in self.pool.workers.items() if w.state != "ready"]
+        engine_down = not workers_only and self.engine.state != "ready"
+        down = (["decode engine"] if engine_down else []) + ([] if self.pool.num_ready else down)
+        return ApiError(503, f"not available now ({', '.join(down)} restarting or unreachable); retry shortly",
+                        error_type="server_error", code="unavailable", headers={"Retry-After": "2"})
+
+    def _context_tokens(self) -> int:
+        """What one request may hold in the decode engine: the model length, or the whole KV pool if smaller."""
+        pool = self.engine.stats.kv_capacity_tokens if self.engine.stats else self.config.max_model_len
+        return min(self.config.max_model_len, pool)
+
+    def _load(self) -> tuple[int, int, int]:
+        """(requests waiting for prefill or decode admission, KV blocks used, KV blocks total)."""
+        stats = self.engine_stats
+        waiting = self.registry.count(RequestStatus.WAITING) + self.registry.count(RequestStatus.PREFILLING)
+        return waiting + stats.num_waiting, stats.kv_blocks_used, stats.kv_blocks_total
+
+    @property
+    def engine_stats(self) -> EngineStats:
+        """The engine's last stats, or zeros while it is not connected."""
+        return self.engine.stats or EMPTY_STATS
+
+    def update_policy_signals(self) -> None:
+        waiting, used, total = self._load()
+        signals = {"kv_cache_usage": used / total if total else 0.0,
+                   "waiting_requests": float(waiting),
+                   "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
+                   **box_signals(), **self.slo.signals()}
+        if (transition := self.enforcer.update_signals(signals)) is not None:
+            m = self.metrics
+            m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
+        if self.enforcer.speculation_allowed != self.engine.speculation:
+            self.engine.speculation_changed(self.enforcer.speculation_allowed)
+
+    async def next_event(self, run: Run) -> TokenEvent:
+        """The next engine event for this run. Prefill outcomes are absorbed; failures raise ApiError."""
+        while True:
+            remaining = run.deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
+            except TimeoutError:
+                raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} s",
+                               error_type="server_error", code="timeout") from None
+            if isinstance(message, PrefillDone):
+                self._prefilled(run, message)
+                if not message.handed_off:  # max_tokens 0: the prompt was all there was to compute
+                    return self._token(run, TokenEvent.ending(run.inflight.request_id, FinishReason.LENGTH,
+                                                              num_prompt_tokens=message.num_prompt_tokens))
+            elif isinstance(message, PromptLogprobs):
+                run.prompt_logprobs = message
+            elif isinstance(message, PrefillFailed):
+                raise prefill_error(message, self._context_tokens(), "messages" if run.request.messages else "prompt")
+            else:
+                # handed_off_at is set when the worker's PrefillDone is taken in (_prefilled)
+                if message.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
+                        and run.inflight.handed_off_at is None:
+                    await self._await_prefill_report(run)
+                return self._token(run, message)
+
+    async def _await_prefill_report(self, run: Run) -> None:
+        """The engine sends the first token as the handoff lands, before the worker has reported the prefill, so
+        a short answer (max_tokens 1) can end before its PrefillDone arrives. Its usage (cached tokens) and the
+        prefill metrics come from that report: wait for it a moment rather than end the request without it."""
+        deadline = time.monotonic() + PREFILL_REPORT_WAIT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                message = await asyncio.wait_for(run.inflight.events.get(), timeout=remaining)
+            except TimeoutError:
+                break
+            if isinstance(message, PrefillDone):
+                self._prefilled(run, message)
+                return
+            if isinstance(message, PromptLogprobs):
+                run.prompt_logprobs = message
+            elif isinstance(message, PrefillFailed):  # it handed off, then lost the engine: no report comes
+                return
+        log.warning("%s ended before its prefill worker reported the prefill (waited %.1f s); its usage and the "
+                    "prefill metrics lack that prefill", run.inflight.request_id, PREFILL_REPORT_WAIT_S)
+
+    async def embeddings(self, run: Run, param: str = "input") -> EmbedDone:
+        """The worker's answer to an embeddings (or rerank) request; failures raise ApiError, a too-long input
+        naming `param`, the field it came in."""
+        while True:
+            remaining = run.deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
+            except TimeoutError:
+                raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} "
+                                    f"s", error_type="server_error", code="timeout") from None
+            if isinstance(message, EmbedDone):
+                m = self.metrics
+                m.label(m.prompt_tokens).inc(sum(message.num_tokens))
+                return message
+            if isinstance(message, PrefillFailed):
+                raise prefill_error(message, 0, param)
+            if isinstance(message, TokenEvent):  # the gateway ends every request so (shutting down, an engine lost)
+                self._token(run, message)  # raises for an abort or a failure
+
+    def _prefilled(self, run: Run, done: PrefillDone) -> None:
+        self.slo.prefilled(run.inflight, done)  # the measured prefill rate the TTFT prediction uses
+        if done.resumed:  # a recompute of a preempted choice: the request's own prefill is counted already
+            return
+        inflight = run.inflight
+        inflight.advance(RequestStatus.HANDED_OFF)
+        # the engine sends the first token as the handoff lands, so it may overtake the worker's report
+        inflight.handed_off_at = min(time.perf_counter(), inflight.first_token_at or float("inf"))
+        m = self.metrics
+        if inflight.prefill_started_at is not None:
+            m.label(m.queue_time).observe(inflight.prefill_started_at - inflight.created)
+            m.label(m.prefill_time).observe(inflight.handed_off_at - inflight.prefill_started_at)
+        inflight.num_prompt_tokens = done.num_prompt_tokens
+        run.cached_tokens = done.cached_tokens
+        m.label(m.prompt_tokens).inc(done.num_prompt_tokens)
+        m.label(m.prefix_cache_queries, where="worker").inc(done.num_prompt_tokens)
+        m.label(m.prefix_cache_hits, where="worker").inc(done.cached_tokens)
+        m.label(m.handoff_bytes).observe(done.handoff_bytes)
+        m.label(m.handoff_seconds).observe(done.handoff_ms / 1e3)
+
+    def _token(self, run: Run, event: TokenEvent) -> TokenEvent:
+        now = time.perf_counter()
+        inflight, m = run.inflight, self.metrics
+        if event.token_ids:
+            if inflight.first_token_at is None:
+                inflight.first_token_at = now
+                m.label(m.ttft).observe(now - inflight.created)
+                self.ttft_window.add(now - inflight.created)
+                self.slo.first_token(inflight, now - inflight.created)
+            elif inflight.last_token_at is not None:
+                m.label(m.itl).observe(now - inflight.last_token_at)
+            inflight.last_token_at = now
+            m.label(m.generation_tokens).inc(len(event.token_ids))
+        inflight.advance(RequestStatus.DECODING)
+        if event.finish_reason is FinishReason.ERROR:
+            raise decode_error(event)
+        if event.finish_reason is FinishReason.ABORT:
+            raise ApiError(503, "the request was aborted by the server (shutting down or restarting)",
+                           error_type="server_error", code="aborted")
+        return event
+
+    async def end(self, run: Run, status: RequestStatus, reason: str, usage: dict | None = None,
+                  error: ApiError | None = None) -> None:
+        """Record the one terminal state; stop any work still going on for the request. usage: OpenAI's usage
+        object of what was produced; error: what the client was answered, if it failed."""
+        inflight = run.inflight
+        was = inflight.status
+        if not inflight.advance(status):
+            return
+        self._notify(ended_record(run, status, reason, usage or {}, error))
+        self.enforcer.release(run.decision)
+        if status is not RequestStatus.FINISHED:
+            if was <= RequestStatus.PREFILLING:
+                await self.pool.cancel(inflight.request_id)
+            await self.engine.abort(inflight.request_id)  # also covers a handoff still in flight
+        self.registry.remove(inflight.request_id)
+        m = self.metrics
+        m.label(m.e2e).observe(time.perf_counter() - inflight.created)
+        if status is RequestStatus.FAILED:
+            m.label(m.failed).inc()
+        if inflight.engine:  # it reached a worker, which was told its engine
+            m.label(m.engine_requests, engine=inflight.engine).inc()
+        m.label(m.finished, finished_reason=reason).inc()
+        m.label(m.api_requests, route=run.route, status=status.name.lower()).inc()
+        log.info("request %s (priority %d) %s (%s) after %.2f s; %s", inflight.request_id, inflight.priority,
+                 status.name.lower(), reason, time.perf_counter() - inflight.created,
+                 inflight.ttft_breakdown() or "no first token")
+
+    def rejected(self, http: web.Request, err: ApiError, request: GenerateRequest | None) -> None:
+        """A request refused before it was queued (bad input, auth, policy, load): observers hear of it too."""
+        tenant_header = self.enforcer.policy.tenant_header
+        self._count_route(http, "rejected")
+        self._notify(RequestRecord(
+            time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
+            request.model if request else "", request.kind if request else "", http.remote or "", "rejected",
+            err.code or "", err.status, prompt_text=request.user_text if request else "", route=route_of(http)))
+
+    def answered(self, http: web.Request, request: GenerateRequest, prompt_tokens: int, reason: str) -> None:
+        """A request answered by the gateway without model work (count_tokens): observers hear of it too."""
+        tenant_header = self.enforcer.policy.tenant_header
+        self._count_route(http, "finished")
+        self._notify(RequestRecord(
+            time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
+            request.model, request.kind, http.remote or "", "finished", reason, 200, prompt_tokens,
+            prompt_text=request.user_text, route=route_of(http)))
+
+    def _count_route(self, http: web.Request, status: str) -> None:
+        if self.metrics is not None:  # (tests may pass none)
+            self.metrics.label(self.metrics.api_requests, route=route_of(http), status=status).inc()
+
+    def _notify(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:  # an observer's fault (a full disk for the audit log) must not fail the request
+                log.exception("request observer %r failed", observer)
+
+    def refresh_metrics(self) -> None:
+        """Bring /metrics up to date before a scrape (edge/observe/gauges.py)."""
+        refresh_gauges(self)
+
+
+def _bearer(request: web.Request) -> str | None:
+    """The API key: 'Authorization: Bearer <key>', or Anthropic's 'x-api-key: <key>' (the same policy keys)."""
+    header = request.headers.get("Authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.headers.get("x-api-key", "").strip() or None
+
+
+def _tenant(request: web.Request, policy) -> str | None:
+    """The policy's tenant header's value, when it names one."""
+    return request.headers.get(policy.tenant_header) if policy.tenant_header else None
+
+
+def route_of(request: web.Request) -> str:
+    """The route a request matched (its path pattern), for metrics and the audit log."""
+    canonical = getattr(getattr(request.match_info.route, "resource", None), "canonical", None)
+    return canonical if isinstance(canonical, str) else request.path[:200]
+

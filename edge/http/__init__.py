@@ -1,0 +1,1 @@
+"""the HTTP surface: the route table, handlers, the stream loop, middleware, TLS."""

@@ -1,0 +1,1 @@
+"""child processes: the supervisor, the child entry, Ray placement."""

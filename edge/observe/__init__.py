@@ -1,0 +1,1 @@
+"""observers: gauges, audit, tracing, the status board."""

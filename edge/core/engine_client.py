@@ -47,10 +47,13 @@ class EngineClient:
         self.connect_timeout_s: float | None = None  # give up on an address after this long (then resolve again)
         self.owns = lambda request: True  # which handed-off requests end with this connection (several engines)
 
-    @property
-    def clients(self) -> dict[str, EngineClient]:
-        """The engines behind this client, by name (edge.core.engine_group has several)."""
+    def links(self) -> dict[str, EngineClient]:
+        """The single engines behind this link, by name: this one alone (edge.core.engine_group has several)."""
         return {self.name: self}
+
+    def describe(self) -> None:
+        """One engine has no table of engines in /health: its state is the decode_engine component's."""
+        return None
 
     def choose(self, request_id: str) -> str | None:
         """As a worker takes the request: the one engine is the workers' own (their --engine), so the job names none."""

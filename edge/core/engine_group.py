@@ -80,7 +80,22 @@ class EngineGroup:
             self.affinity.remember(request.prefix_key, name)
         return self.clients[name].address
 
-    # --- EngineClient's interface, for the gateway ----------------------------------------------------------
+    # --- EngineLink (edge.core.engine_link), for the gateway -------------------------------------------------
+    def links(self) -> dict[str, EngineClient]:
+        return dict(self.clients)
+
+    def describe(self) -> dict:
+        """/health's table: each engine's state and address, what the gateway sent it, what it last reported."""
+        engines = {}
+        for name, client in self.clients.items():
+            stats = client.stats
+            engines[name] = {"state": client.state, "address": client.address, "requests": self.num_requests(name),
+                             "running": stats.num_running if stats else None,
+                             "waiting": stats.num_waiting if stats else None,
+                             "kv_usage": round(stats.kv_blocks_used / stats.kv_blocks_total, 4)
+                             if stats and stats.kv_blocks_total else None}
+        return engines
+
     @property
     def state(self) -> str:
         states = [c.state for c in self.clients.values()]

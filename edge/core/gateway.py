@@ -25,6 +25,7 @@ from edge.config import ServeConfig
 from edge.core.affinity import prefix_key
 from edge.core.cache_salt import CacheSalter
 from edge.core.engine_client import EngineClient
+from edge.core.engine_link import EngineLink
 from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
 from edge.core.metrics import Metrics
 from edge.core.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
@@ -67,7 +68,7 @@ class Run:
 
 
 class Gateway:
-    def __init__(self, config: ServeConfig, model_name: str, pool: PrefillPool, engine: EngineClient,
+    def __init__(self, config: ServeConfig, model_name: str, pool: PrefillPool, engine: EngineLink,
                  registry: InFlightRegistry, metrics: Metrics, enforcer: PolicyEnforcer) -> None:
         self.config = config
         self.model_name = model_name
@@ -81,7 +82,7 @@ class Gateway:
         self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
         self.slo = SloControl(pool, metrics)  # objectives: deadlines, TTFT prediction, early refusal, attainment
         self.observers.append(self.slo.observe)
-        for client in getattr(engine, "clients", {}).values():  # (tests may pass none)
+        for client in engine.links().values() if engine is not None else ():  # (tests may pass none)
             client.on_recompute = self.recompute
 
     @property
@@ -90,7 +91,7 @@ class Gateway:
 
     def check_key(self, request: web.Request) -> None:
         """For routes without a body (/v1/models): only the API key matters."""
-        if self.enforcer.auth_required and _bearer(request) not in self.enforcer.policy.keys:
+        if self.enforcer.auth_required and bearer_key(request) not in self.enforcer.policy.keys:
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                            error_type="authentication_error", code="invalid_api_key")
 
@@ -101,7 +102,7 @@ class Gateway:
             raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down",
                            headers={"Connection": "close", "Retry-After": "5"})
         tenant = _tenant(http, self.enforcer.policy)
-        facts = RequestFacts(_bearer(http), tenant, request.model, request.user_text,
+        facts = RequestFacts(bearer_key(http), tenant, request.model, request.user_text,
                              request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"],
                              slo_ttft_ms=http.headers.get(SLO_HEADER))
         try:
@@ -113,7 +114,7 @@ class Gateway:
         except ApiError:
             self.enforcer.release(decision)
             raise
-        run.key_id, run.tenant, run.client = key_id(_bearer(http)), tenant, http.remote or ""
+        run.key_id, run.tenant, run.client = key_id(bearer_key(http)), tenant, http.remote or ""
         run.route = route_of(http)
         return run
 
@@ -121,8 +122,8 @@ class Gateway:
         """Whose cached work the request may reuse (edge.core.cache_salt): its prompts' KV, and the structured-output
         compiles the route checks its constraint against before admit."""
         policy = self.enforcer.policy
-        return self.salter.salt(policy.prefix_cache_scope, key_id(_bearer(http)), _tenant(http, policy),
-                                request.cache_salt, policy.prefix_cache_groups.get(_bearer(http) or ""))
+        return self.salter.salt(policy.prefix_cache_scope, key_id(bearer_key(http)), _tenant(http, policy),
+                                request.cache_salt, policy.prefix_cache_groups.get(bearer_key(http) or ""))
 
     def _queue(self, request: GenerateRequest, decision: Decision, salt: str) -> Run:
         pooled = request.kind in POOLED_KINDS  # computed by a worker alone: no engine takes part
@@ -372,7 +373,7 @@ class Gateway:
         tenant_header = self.enforcer.policy.tenant_header
         self._count_route(http, "rejected")
         self._notify(RequestRecord(
-            time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
+            time.time(), "", key_id(bearer_key(http)), "", http.headers.get(tenant_header) if tenant_header else None,
             request.model if request else "", request.kind if request else "", http.remote or "", "rejected",
             err.code or "", err.status, prompt_text=request.user_text if request else "", route=route_of(http)))
 
@@ -381,7 +382,7 @@ class Gateway:
         tenant_header = self.enforcer.policy.tenant_header
         self._count_route(http, "finished")
         self._notify(RequestRecord(
-            time.time(), "", key_id(_bearer(http)), "", http.headers.get(tenant_header) if tenant_header else None,
+            time.time(), "", key_id(bearer_key(http)), "", http.headers.get(tenant_header) if tenant_header else None,
             request.model, request.kind, http.remote or "", "finished", reason, 200, prompt_tokens,
             prompt_text=request.user_text, route=route_of(http)))
 
@@ -401,12 +402,15 @@ class Gateway:
         refresh_gauges(self)
 
 
-def _bearer(request: web.Request) -> str | None:
+def bearer_key(request: web.Request) -> str | None:
     """The API key: 'Authorization: Bearer <key>', or Anthropic's 'x-api-key: <key>' (the same policy keys)."""
     header = request.headers.get("Authorization", "")
     if header.lower().startswith("bearer "):
         return header[7:].strip()
     return request.headers.get("x-api-key", "").strip() or None
+
+
+_bearer = bearer_key  # its old name, until edge/http imports the new one
 
 
 def _tenant(request: web.Request, policy) -> str | None:

@@ -34,7 +34,7 @@ def refresh_gauges(gateway: Gateway) -> None:
     m.label(m.decode_tps).set(stats.tokens_per_s)
     m.label(m.decode_yielded).set(stats.decode_yielded_s)
     m.label(m.tier).set(gateway.enforcer.evaluator.state.index + 1)
-    for name, client in getattr(gateway.engine, "clients", {}).items():
+    for name, client in gateway.engine.links().items():
         own = client.stats or EMPTY_STATS
         m.label(m.engine_up, engine=name).set(1 if client.state == "ready" else 0)
         m.label(m.engine_running, engine=name).set(own.num_running)

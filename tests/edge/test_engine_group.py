@@ -188,6 +188,19 @@ def test_health_lists_each_engine():
                      "waiting": None, "kv_usage": None}}
 
 
+def test_links_name_each_single_engine_and_describe_tables_only_a_group():
+    registry = InFlightRegistry()
+    group = group_of(registry)
+    group.clients["decode-0"].stats = stats(used=25, running=1)
+    request(registry, "r", "decode-0", RequestStatus.DECODING)
+    assert group.links() == group.clients and group.links() is not group.clients
+    assert group.describe()["decode-0"] == {"state": "ready", "address": "tcp://10.0.0.0:7000", "requests": 1,
+                                            "running": 1, "waiting": 0, "kv_usage": 0.25}
+    assert group.describe()["decode-1"]["running"] is None
+    one = EngineClient("unix:/nowhere", registry)
+    assert one.links() == {"decode_engine": one} and one.describe() is None
+
+
 def test_single_box_mode_imports_no_ray(tmp_path):
     code = ("import sys; from edge.config import ServeConfig; import edge.app, edge.cli; "
             f"edge.app.make_app(ServeConfig(launch=False, run_dir='{tmp_path}')); print('ray' in sys.modules)")

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from fake_engine_link import FakeEngine
 
 import edge.core.gateway
 from contracts.events import FinishReason, TokenEvent
@@ -27,17 +28,10 @@ priority = 0
 """
 
 
-class Engine:
-    state, stats, speculation, last_error = "ready", None, True, None
-
-    async def abort(self, request_id):
-        pass
-
-
 def admitted():
     pool = PrefillPool({"w0": "unix:/nonexistent"}, InFlightRegistry(), queue_limit=4)
     pool.workers["w0"].state = "ready"  # no connection: the job is never sent
-    gateway = Gateway(ServeConfig(), "m", pool, Engine(), pool.registry, Metrics("m"),
+    gateway = Gateway(ServeConfig(), "m", pool, FakeEngine(), pool.registry, Metrics("m"),
                       PolicyEnforcer(parse_policy(POLICY, "p.toml")))
     http = make_mocked_request("POST", "/v1/completions")
     run = gateway.admit(http, parse_request({"model": "m", "prompt": [7] * 400, "max_tokens": 1}, "completion"))

@@ -10,6 +10,7 @@ import time
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from fake_engine_link import FakeEngine
 
 from contracts.events import EngineStats
 from contracts.framing import pack, unpack
@@ -70,18 +71,11 @@ def test_the_prefill_queue_runs_the_earliest_deadline_first_within_a_priority():
     assert asyncio.run(scenario()) == ["vip", "soon", "late", "none-a", "none-b", "bg-soon"]
 
 
-class Engine:
-    state, stats, speculation, last_error = "ready", None, True, None
-
-    async def abort(self, request_id):
-        pass
-
-
 def make_gateway() -> Gateway:
     pool = PrefillPool({"w0": "unix:/nonexistent"}, InFlightRegistry(), queue_limit=64)
     pool.workers["w0"].state = "ready"  # no connection: a job it takes is never sent, so it stays busy
     enforcer = PolicyEnforcer(parse_policy(POLICY, "slo.toml"))
-    return Gateway(ServeConfig(), "m", pool, Engine(), pool.registry, Metrics("m"), enforcer)
+    return Gateway(ServeConfig(), "m", pool, FakeEngine(), pool.registry, Metrics("m"), enforcer)
 
 
 def admit(gateway, key, tokens=1000, slo_header=None):
@@ -357,7 +351,7 @@ def test_a_request_that_would_slow_the_batch_past_its_tpot_objective_is_refused(
     it would join counts the engine's sequences with objectives, the accepted ones not there yet, and itself."""
     async def scenario():
         gateway = make_gateway()
-        gateway.engine = Engine()
+        gateway.engine = FakeEngine()
         gateway.engine.stats = engine_stats(3, {1: 30.0, 4: 120.0, 8: 200.0})
         accepted = [admit(gateway, "k-int", tokens=10) for _ in range(4)]  # batches of 4 to 7: within 120 ms
         started = time.perf_counter()
@@ -388,7 +382,7 @@ def test_the_tpot_check_allows_for_how_served_answers_ran_against_their_predicti
 
     async def scenario():
         gateway = make_gateway()
-        gateway.engine = Engine()
+        gateway.engine = FakeEngine()
         gateway.engine.stats = engine_stats(3, {1: 30.0, 4: 120.0})
         served = admit(gateway, "k-int", tokens=10)  # predicted 120 ms, served 100 ms a token
         gateway.slo.observe(record(served, tpot_s=0.1))
@@ -415,7 +409,7 @@ def test_the_tpot_check_allows_for_how_served_answers_ran_against_their_predicti
 def test_the_tpot_check_refuses_nothing_it_cannot_help_or_has_not_measured():
     async def scenario():
         gateway = make_gateway()
-        gateway.engine = Engine()
+        gateway.engine = FakeEngine()
         gateway.engine.stats = engine_stats(0, {1: 500.0})  # alone: a refusal would make nothing faster
         alone = admit(gateway, "k-int", tokens=10)
         gateway.slo.first_token(alone.inflight, 0.1)

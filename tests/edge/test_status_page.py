@@ -18,6 +18,7 @@ import httpx
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from fake_engine_link import FakeEngine
 
 from edge.config import ServeConfig
 from edge.core.gateway import Gateway
@@ -180,8 +181,7 @@ class Clock:
 
 def _board(policy: Policy = Policy("test")) -> tuple[StatusBoard, Gateway, Clock]:
     pool = SimpleNamespace(queue_length=0, tokens_per_s=0.0, workers={}, num_ready=0)
-    engine = SimpleNamespace(stats=None, state="ready", last_error=None)
-    gateway = Gateway(ServeConfig(), "m", pool, engine, InFlightRegistry(), Metrics("m"), PolicyEnforcer(policy))
+    gateway = Gateway(ServeConfig(), "m", pool, FakeEngine(), InFlightRegistry(), Metrics("m"), PolicyEnforcer(policy))
     clock = Clock()
     return StatusBoard(gateway, clock=clock), gateway, clock
 

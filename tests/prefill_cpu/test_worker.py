@@ -380,7 +380,7 @@ def test_a_degraded_kv_type_runs_on_a_context_built_at_startup_on_the_same_weigh
         return [decode_handoff(h.data) for h in engine.handoffs], inbox.messages
 
     try:
-        with caplog.at_level(logging.WARNING, logger="prefill_cpu.worker"):
+        with caplog.at_level(logging.WARNING, logger="prefill_cpu.prefill_worker"):
             (q4, fallback, default), replies = asyncio.run(scenario())
         assert loads == [] and builds == []
         own = Prefiller(replace(config, kv_type="q4_0"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import gguf
 
+from contracts.gguf_check import check_gguf
 from contracts.gguf_header import GGUFHeader, read_header
 
 # How llama.cpp stores K heads relative to the Hugging Face layout, per architecture.
@@ -58,11 +59,10 @@ def read_gguf_identity(path: str) -> GGUFIdentity:
 
 
 def check_supported(path: str) -> None:
-    """Raise UnsupportedModelError (or FileNotFoundError) if the handoff cannot carry this GGUF's KV: what `edge serve`
-    refuses at start and `edge check-model` reports. Reads metadata only; no fingerprint of the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such GGUF file")
-    _read_shape(read_header(path), path)
+    """Raise UnsupportedModelError (or FileNotFoundError) if the handoff cannot carry this GGUF's KV, GGUFError if
+    the file is corrupt or hostile (contracts.gguf_check): what `edge serve` refuses at start and `edge check-model`
+    reports. Reads metadata only; no fingerprint of the file."""
+    _read_shape(check_gguf(path), path)
 
 
 @functools.lru_cache(maxsize=16)
@@ -76,16 +76,16 @@ def _read_shape(reader: GGUFHeader, path: str) -> dict:
     if arch not in ROPE_LAYOUTS:
         raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported; "
                                     f"supported: {sorted(ROPE_LAYOUTS)}")
-    n_layer = int(_field(reader, f"{arch}.block_count", path))
-    n_head = int(_field(reader, f"{arch}.attention.head_count", path))
-    n_embd = int(_field(reader, f"{arch}.embedding_length", path))
-    head_dim_k = int(_field(reader, f"{arch}.attention.key_length", path, default=n_embd // n_head))
+    n_layer = _count(reader, f"{arch}.block_count", path)
+    n_head = _count(reader, f"{arch}.attention.head_count", path)
+    n_embd = _count(reader, f"{arch}.embedding_length", path)
+    head_dim_k = _count(reader, f"{arch}.attention.key_length", path, default=n_embd // n_head)
     _check_features(reader, path, arch)
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", path, default=n_head))
+    num_kv_heads = _count(reader, f"{arch}.attention.head_count_kv", path, default=n_head)
     if n_head % num_kv_heads:
         raise UnsupportedModelError(f"{path}: {n_head} attention heads cannot share {num_kv_heads} KV heads evenly; "
                                     "the GGUF's metadata is wrong")
-    head_dim_v = int(_field(reader, f"{arch}.attention.value_length", path, default=head_dim_k))
+    head_dim_v = _count(reader, f"{arch}.attention.value_length", path, default=head_dim_k)
     _check_attention_shapes(reader, path, n_layer, {"attn_q": ("heads", n_head, head_dim_k),
                                                     "attn_k": ("KV heads", num_kv_heads, head_dim_k),
                                                     "attn_v": ("KV heads", num_kv_heads, head_dim_v)})
@@ -97,8 +97,7 @@ def _read_shape(reader: GGUFHeader, path: str) -> dict:
         head_dim_k=head_dim_k,
         head_dim_v=head_dim_v,
         rope_layout=ROPE_LAYOUTS[arch],
-        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", path,
-                                  default=DEFAULT_WINDOWS.get(arch, 0))),
+        sliding_window=_count(reader, f"{arch}.attention.sliding_window", path, DEFAULT_WINDOWS.get(arch, 0), 0),
         swa_layers=tuple(il for il, swa in enumerate(sliding_layers(reader, arch, n_layer)) if swa),
     )
 
@@ -112,6 +111,8 @@ def sliding_layers(reader: GGUFHeader | gguf.GGUFReader, arch: str, n_layer: int
     pattern = metadata(reader, f"{arch}.attention.sliding_window_pattern", default_pattern)
     if isinstance(pattern, list):
         return [bool(x) for x in pattern]
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 0:
+        raise UnsupportedModelError(f"{arch}.attention.sliding_window_pattern is {pattern!r}, not a layer pattern")
     return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
 
 
@@ -160,6 +161,18 @@ def _field(reader: GGUFHeader, key: str, path: str, default=_MISSING):
         if default is _MISSING:
             raise UnsupportedModelError(f"{path}: GGUF metadata lacks {key!r}")
         return default
+    return value
+
+
+def _count(reader: GGUFHeader, key: str, path: str, default=_MISSING, least: int = 1) -> int:
+    """An integer of at least `least` the shape needs; a per-layer array (a head count that differs by layer) is not
+    one the handoff's fixed layout can carry."""
+    value = _field(reader, key, path, default)
+    if isinstance(value, list):
+        raise UnsupportedModelError(f"{path}: {key} differs by layer ({len(value)} values); the handoff carries one "
+                                    "attention shape for every layer")
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise UnsupportedModelError(f"{path}: {key} is {value!r}, not an integer of at least {least}")
     return value
 
 

@@ -20,6 +20,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from contracts.gguf_header import GGUFError
 from contracts.identity import GGUFIdentity, UnsupportedModelError, check_supported, read_gguf_identity
 from contracts.options import AUTO, KNOBS
 from edge.check_model.sizes import decode_weight_bytes, handoff_kv_bytes, pool_kv_bytes, pool_tokens
@@ -140,9 +141,11 @@ def read_model(path: str, memory: int, utilization: float) -> ModelReport:
 
     from decode_gpu.model.weight_plan import gguf_weight_types  # int4: the lm_head follows the GGUF's
     try:
-        check_supported(path)
+        check_supported(path)  # the header's bounds first (contracts.gguf_check): nothing below reads a hostile file
         identity = read_gguf_identity(path)
         tensors = gguf.GGUFReader(path).tensors
+    except GGUFError as err:
+        raise CheckFailed(f"{err.path}: not a readable GGUF file ({err.reason})") from None
     except (UnsupportedModelError, FileNotFoundError) as err:
         raise CheckFailed(str(err)) from None  # word for word what `edge serve` refuses with
     except Exception as err:  # the gguf reader's numpy errors on a truncated or corrupt file

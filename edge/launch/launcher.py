@@ -2,7 +2,10 @@
 
 Children die with the gateway (PR_SET_PDEATHSIG, set inside the child by edge.launch.child_main), a dead child is
 logged, shown in /health and restarted after an exponential backoff that resets once the child has run
-stably, and shutdown sends SIGTERM, then SIGKILL to whatever has not exited in time.
+stably, and shutdown sends SIGTERM, then SIGKILL to whatever has not exited in time (a child that was never ready
+has nothing to finish: it gets a second). A child that dies during its start, before it was ever ready, several
+times in a row (a model llama.cpp aborts on) is not restarted in a loop: the start fails with its exit and the last
+lines of its stderr (edge.launch.child_output), and the gateway exits with that reason.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from contracts.options import check
 from contracts.process_config import Config, EngineProcessConfig, WorkerProcessConfig, config_argv
 from edge.config import ServeConfig, default_threads
 from edge.launch.child_main import PARENT_PID_ENV
+from edge.launch.child_output import StderrTail
 
 log = logging.getLogger("edge.launch.launcher")
 
@@ -81,6 +85,7 @@ class Backoff:
     max_s: float = 30.0
     stable_after_s: float = 60.0  # a child that ran this long was healthy: its next failure counts as the first
     crash_loop_after: int = 5  # this many quick failures in a row are reported as a crash loop
+    start_attempts: int = 3  # a child that dies this many times before it was ever ready fails the start
 
     def delay_s(self, consecutive_failures: int) -> float:
         return min(self.max_s, self.initial_s * 2 ** max(0, consecutive_failures - 1))
@@ -91,12 +96,14 @@ class Child:
     name: str
     argv: list[str]
     process: subprocess.Popen | None = None
-    state: str = "starting"  # starting | running | backoff | crash_loop | stopped
+    state: str = "starting"  # starting | running | backoff | crash_loop | failed | stopped
     restarts: int = 0  # total over the gateway's life
     consecutive_failures: int = 0  # exits without a stable run in between; sets the backoff
     last_exit: int | None = None
     started_at: float | None = None
     next_start_at: float | None = None  # monotonic time of the scheduled restart, while waiting for it
+    ready: bool = False  # the gateway has seen it ready at least once (Supervisor.is_ready)
+    stderr: StderrTail | None = None  # the running process's stderr
 
     def snapshot(self) -> dict:
         """What /health shows for this process."""
@@ -109,12 +116,22 @@ class Child:
                 "uptime_s": round(now - self.started_at, 3) if alive else None}
 
 
+NEVER_READY_STOP_S = 1.0  # SIGTERM to SIGKILL for a child that was never ready: it holds no request
+
+
 class Supervisor:
-    def __init__(self, on_exit=None, backoff: Backoff = Backoff(), poll_interval_s: float = 0.25) -> None:
+    def __init__(self, on_exit=None, backoff: Backoff = Backoff(), poll_interval_s: float = 0.25, is_ready=None,
+                 on_start_failed=None, stop_timeout_s: float = 5.0) -> None:
         self.children: dict[str, Child] = {}
         self.on_exit = on_exit  # callback(name, returncode) so the gateway can fail that child's requests
         self.backoff = backoff
         self.poll_interval_s = poll_interval_s
+        # is_ready(name) -> bool: whether the gateway has the child ready now. Without it no child is known to have
+        # started, and every one is restarted however it dies.
+        self.is_ready = is_ready
+        self.on_start_failed = on_start_failed  # callback(reason) once a child's start has failed for good
+        self.start_failure: str | None = None  # that reason
+        self.stop_timeout_s = stop_timeout_s  # shutdown's SIGTERM to SIGKILL, unless it is given one
         self.stopping = False
 
     def add(self, name: str, module: str, args: list[str]) -> Child:
@@ -133,7 +150,8 @@ class Supervisor:
         # Own process group: a terminal's Ctrl-C reaches only the gateway, which drains in-flight requests
         # (they need the children) before shutdown() stops the children; SIGKILL can then take the group.
         # Called on the event loop's thread: PR_SET_PDEATHSIG fires when the creating thread ends, not the process.
-        child.process = subprocess.Popen(child.argv, env=child_environment(), process_group=0)
+        child.process = subprocess.Popen(child.argv, env=child_environment(), process_group=0, stderr=subprocess.PIPE)
+        child.stderr = StderrTail(child.process.stderr, child.name)
         child.started_at, child.next_start_at, child.state = time.monotonic(), None, "starting"
         log.info("started %s (pid %d)", child.name, child.process.pid)
 
@@ -154,9 +172,14 @@ class Supervisor:
             child.consecutive_failures = 0  # it ran stably, even if it has just exited
         if code is None:
             child.state = "running"
+            child.ready = child.ready or (self.is_ready is not None and bool(self.is_ready(child.name)))
+            return
+        if self.is_ready is not None and not child.ready \
+                and child.consecutive_failures + 1 >= self.backoff.start_attempts:
+            self._fail_start(child, code)
         else:
             self._schedule_restart(child, code, now)
-            self._notify_exit(child.name, code)
+        self._notify_exit(child.name, code)
 
     def _restart(self, child: Child, now: float) -> None:
         child.restarts += 1
@@ -180,6 +203,24 @@ class Supervisor:
         log.error("%s exited with code %s after %.1f s (failure %d in a row%s); restarting in %.1f s",
                   child.name, code, ran_s, child.consecutive_failures, ", crash loop" if crash_loop else "", delay_s)
 
+    def _fail_start(self, child: Child, code: int) -> None:
+        """Not restarted again: it died at every start, so it would at the next (docs/security.md, "Model files")."""
+        child.consecutive_failures += 1
+        child.process, child.last_exit, child.state, child.next_start_at = None, code, "failed", None
+        said = child.stderr.last_lines() if child.stderr else []
+        reason = (f"{child.name} exited with {describe_exit(code)} during its start, {child.consecutive_failures} "
+                  "times in a row, before it was ever ready")
+        if said:
+            reason += f"; its last words: {' | '.join(said)}"
+        log.error("%s; not restarting it", reason)
+        if self.start_failure is None:
+            self.start_failure = reason
+            if self.on_start_failed:
+                try:
+                    self.on_start_failed(reason)
+                except Exception:
+                    log.exception("on_start_failed callback failed")
+
     def _notify_exit(self, name: str, code: int) -> None:
         if self.on_exit:
             try:
@@ -187,23 +228,57 @@ class Supervisor:
             except Exception:  # a failing callback must not end supervision of every child
                 log.exception("on_exit callback failed for %s", name)
 
-    async def shutdown(self, timeout_s: float = 10.0) -> None:
+    async def shutdown(self, timeout_s: float | None = None) -> None:
+        """SIGTERM to every child, SIGKILL to what has not exited after timeout_s (stop_timeout_s unless given), or
+        after NEVER_READY_STOP_S for a child that was never ready (one stuck in a model load ignores SIGTERM)."""
+        timeout_s = self.stop_timeout_s if timeout_s is None else timeout_s
         self.stopping = True
         for child in self.children.values():
             child.next_start_at = None  # a child waiting for its backoff is not started any more
         live = [c for c in self.children.values() if c.process and c.process.poll() is None]
         for child in live:
             child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while any(c.process.poll() is None for c in live) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for child in live:
-            if child.process.poll() is None:
-                log.warning("%s did not stop in %.0f s; killing it", child.name, timeout_s)
-                _kill_group(child.process)
+        began = time.monotonic()
+        pending = list(live)
+        while pending:
+            waited = time.monotonic() - began
+            done = [c for c in pending if c.process.poll() is not None or waited >= self._stop_wait(c, timeout_s)]
+            for child in done:
+                pending.remove(child)
+                if child.process.poll() is None:
+                    log.warning("%s did not stop in %.1f s; killing it", child.name, waited)
+                    _kill_group(child.process)
+            if pending:
+                await asyncio.sleep(0.05)
         for child in self.children.values():
             child.process, child.state = None, "stopped"
         log.info("all child processes stopped")
+
+    def _stop_wait(self, child: Child, timeout_s: float) -> float:
+        never_ready = self.is_ready is not None and not child.ready
+        return min(timeout_s, NEVER_READY_STOP_S) if never_ready else timeout_s
+
+
+def describe_exit(code: int) -> str:
+    """-6 -> "signal SIGABRT (an abort, e.g. an assertion in native code)"; 1 -> "exit code 1"."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+    return f"signal {name}" + (" (an abort, e.g. an assertion in native code)" if name == "SIGABRT" else "")
+
+
+def ready_probe(gateway):
+    """is_ready for a Supervisor of this gateway's children: a worker is ready once its connection is (the pool's
+    workers are named as the children are), the engine once the gateway's engine connection is."""
+    def is_ready(name: str) -> bool:
+        worker = gateway.pool.workers.get(name)
+        if worker is not None:
+            return worker.state == "ready"
+        return gateway.engine.state == "ready"
+    return is_ready
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -2,8 +2,10 @@
 
 from aiohttp import web
 
+from edge.api.structured import GrammarChecks
 from edge.config import ServeConfig
 from edge.core.gateway import Gateway
+from edge.http.tokenizers import Tokenizers
 from edge.launch.launcher import Supervisor
 from policies.reloader import PolicyReloader
 
@@ -11,3 +13,5 @@ CONFIG = web.AppKey("config", ServeConfig)
 GATEWAY = web.AppKey("gateway", Gateway)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 RELOADER = web.AppKey("policy_reloader", PolicyReloader)
+GRAMMAR_CHECKS = web.AppKey("grammar_checks", GrammarChecks)  # the gateway's structured-output compile processes
+TOKENIZERS = web.AppKey("tokenizers", Tokenizers)  # one vocabulary per GGUF for /tokenize and count_tokens

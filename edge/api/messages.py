@@ -1,19 +1,17 @@
 """POST /v1/messages (Anthropic Messages) and POST /v1/messages/count_tokens: the body becomes a chat completions
-request, the chat answer and chunks become a message and Anthropic's stream events, and every error answers in
+request, the answer (edge.api.completion) becomes a message and Anthropic's stream events, and every error answers in
 Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the same HTTP status as on chat."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from aiohttp import web
 
-from edge.api.client_api import ClientApi, StreamWriter, chat_delta, sse_event
+from edge.api.client_api import ClientApi, StreamWriter, sse_event
+from edge.api.completion import ChoiceDelta, Completion
 from edge.api.fields import get_field, get_number, nested_string, show
-from edge.api.openai_bodies import Completion
 from edge.api.openai_request import ApiError, GenerateRequest, parse_request
-from edge.http.tokenize import shared_tokenizer
 
 ROLES = {"user", "assistant"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -53,15 +51,14 @@ class MessagesApi(ClientApi):
         return error_response(err)
 
     def body(self, completion: Completion) -> dict:
-        choice = completion.body()["choices"][0]
-        message = choice["message"]
+        message, reason = completion.message(completion.choices[0])
         blocks = []
         if message.get("reasoning_content"):
             blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
         if message.get("content"):
             blocks.append({"type": "text", "text": message["content"]})
         blocks.extend(_tool_use(call) for call in message.get("tool_calls") or ())
-        return {**_message(completion, blocks), "stop_reason": STOP_REASONS.get(choice["finish_reason"]),
+        return {**_message(completion, blocks), "stop_reason": STOP_REASONS.get(reason),
                 "usage": _usage(completion)}
 
     def writer(self, completion: Completion) -> StreamWriter:
@@ -241,9 +238,8 @@ def _message(completion: Completion, content: list[dict]) -> dict:
 def _usage(completion: Completion) -> dict:
     """Anthropic's usage: input_tokens are the prompt tokens not read from a cache, cache_read_input_tokens the
     ones the prefill worker's prompt cache held (their sum is the prompt, what count_tokens says)."""
-    usage = completion.usage
-    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+    cached = completion.num_cached_tokens
+    return {"input_tokens": completion.num_prompt_tokens - cached, "output_tokens": completion.num_output_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
@@ -272,17 +268,18 @@ class MessagesStream(StreamWriter):
         message = {**_message(self.completion, []), "usage": {**_usage(self.completion), "output_tokens": 0}}
         return sse_event("message_start", {"type": "message_start", "message": message})
 
-    def event(self, chunk: dict | None) -> bytes:
-        delta, reason = chat_delta(chunk)
+    def event(self, delta: ChoiceDelta | None) -> bytes:
+        if delta is None:
+            return b""
         out = b""
-        if delta.get("reasoning_content"):
-            out += self._text("thinking", delta["reasoning_content"])
-        if delta.get("content"):
-            out += self._text("text", delta["content"])
-        for fragment in delta.get("tool_calls") or ():
+        if delta.reasoning:
+            out += self._text("thinking", delta.reasoning)
+        if delta.content:
+            out += self._text("text", delta.content)
+        for fragment in delta.calls:
             out += self._call_fragment(fragment)
-        if reason is not None:
-            self.reason = reason
+        if delta.finish_reason is not None:
+            self.reason = delta.finish_reason
             out += self._stop_block()
         return out
 
@@ -334,23 +331,12 @@ class MessagesStream(StreamWriter):
         return sse_event("error", error_body(err))
 
 
-async def prompt_tokens(gateway, body, model_path: str | None, chat=None) -> tuple[GenerateRequest, int]:
-    """POST /v1/messages/count_tokens's work once the key is checked and the body read: the request as chat sees
-    it, and its prompt's tokens."""
-    from prefill_cpu.prompt_renderer import BadPromptError
+def parse_count(body, chat=None) -> GenerateRequest:
+    """POST /v1/messages/count_tokens's body (no max_tokens, no stream) as the request chat sees it."""
     try:
-        request = parse_request(_counted_body(body), "chat", vocab_size=None, chat=chat)
+        return parse_request(_counted_body(body), "chat", vocab_size=None, chat=chat)
     except ApiError as err:
         raise _renamed(err) from None
-    if request.model != gateway.model_name:
-        raise ApiError(404, f"the model {show(request.model)} is not served here (this server serves "
-                            f"{gateway.model_name})", "model", "model_not_found")
-    tokenizer = shared_tokenizer(model_path, "count tokens")  # the one /tokenize uses too
-    try:
-        tokens = len(await asyncio.to_thread(tokenizer.chat, worker_messages(request), request.template_tools))
-    except BadPromptError as err:
-        raise ApiError(400, str(err), "messages", "invalid_prompt") from None
-    return request, tokens
 
 
 def worker_messages(request: GenerateRequest) -> list[dict]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 from edge.api.fields import ApiError, checked_text, get_field, get_int, get_number, show
+from edge.api.sampling_request import SamplingRequest
 from edge.api.structured import structured_constraint
 from edge.chat.reasoning import MAX_REASONING_TOKENS_REFUSAL
 from edge.chat.tool_formats import ChatFormat
@@ -27,7 +29,7 @@ MAX_LOGIT_BIAS = 1024  # entries in logit_bias (OpenAI documents no limit; this 
 class GenerateRequest:
     kind: str  # "chat" or "completion"
     model: str
-    sampling: dict  # contracts.handoff.SamplingParams fields (max_tokens None until the policy decides)
+    sampling: SamplingRequest  # max_tokens None until the policy decides
     stream: bool
     include_usage: bool
     priority: int | None  # None: the API key's default
@@ -82,11 +84,11 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None,
     echo = _echo(body, kind, prompt, logprobs)
     prompt_logprobs = _prompt_logprobs(body, kind, echo, logprobs)
     sampling = _sampling(body, kind, logprobs, vocab_size)
-    if sampling["max_tokens"] == 0 and sampling["n"] > 1:
+    if sampling.max_tokens == 0 and sampling.n > 1:
         raise ApiError(400, "'max_tokens' 0 computes the prompt alone, once: n must be 1", "n", "invalid_value")
-    param, sampling["structured"] = structured_constraint(body)
+    param, structured = structured_constraint(body)
     if tools is not None and tools.constrained:
-        if sampling["structured"] is not None:
+        if structured is not None:
             raise ApiError(400, f"tool_choice {tools.choice!r} and {param} both constrain the answer; use one",
                            "tool_choice", "invalid_value")
     elif kind != "chat" and body.get("tools") is not None:
@@ -95,20 +97,20 @@ def parse_request(body, kind: str, *, vocab_size: int | None = None,
         raise ApiError(400, MAX_REASONING_TOKENS_REFUSAL, "max_reasoning_tokens", "unsupported_parameter")
     if kind == "chat":  # tool calls and a reasoning model's thinking shape the answer's grammar
         try:
-            constraint = answer_constraint(sampling["structured"], tools, chat)
+            constraint = answer_constraint(structured, tools, chat)
         except ToolError as err:
             raise ApiError(400, str(err), param or err.param, "invalid_value") from None
-        if constraint is not sampling["structured"]:
+        if constraint is not structured:
             param = "tools" if tools is not None and tools.choice != "none" else param
-            sampling["structured"] = constraint
-    if sampling["structured"] is not None and sampling["ignore_eos"]:
+            structured = constraint
+    if structured is not None and sampling.ignore_eos:
         raise ApiError(400, "'ignore_eos' cannot be combined with a structured output: the grammar ends the answer",
                        "ignore_eos", "invalid_value")
     priority = get_int(body, "priority", -1_000_000, 1_000_000, default=None)
-    return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt,
-                           prompt_tokens, messages, chat_logprobs, echo, param, tools, text, _cache_salt(body),
-                           prompt_logprobs, chat=chat, template_tools=template_tools(tools, chat),
-                           asked_logprobs=logprobs is not None)
+    sampling = dataclasses.replace(sampling, structured=structured)
+    return GenerateRequest(kind, model, sampling, stream, include_usage, priority, prompt, prompt_tokens, messages,
+                           chat_logprobs, echo, param, tools, text, _cache_salt(body), prompt_logprobs, chat=chat,
+                           template_tools=template_tools(tools, chat), asked_logprobs=logprobs is not None)
 
 
 def _cache_salt(body: dict) -> str:
@@ -145,27 +147,28 @@ def _prompt_logprobs(body: dict, kind: str, echo: bool, logprobs: int | None) ->
     return value
 
 
-def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | None) -> dict:
-    return {
-        "temperature": get_number(body, "temperature", 0.0, 2.0, default=1.0),
-        "top_p": get_number(body, "top_p", 0.0, 1.0, default=1.0, open_low=True),
-        "top_k": max(0, get_int(body, "top_k", -1, 1_000_000, default=0)),
-        "seed": get_int(body, "seed", -2**63, 2**63 - 1, default=None),
-        "max_tokens": _max_tokens(body, kind),
-        "stop": _stop(body),
-        "stop_token_ids": _token_ids(get_field(body, "stop_token_ids", list, default=[]), "stop_token_ids",
-                                     vocab_size, MAX_STOP_TOKEN_IDS),
-        "logprobs": logprobs,
-        "logit_bias": _logit_bias(body, vocab_size),
-        "presence_penalty": get_number(body, "presence_penalty", -2.0, 2.0, default=0.0),
-        "frequency_penalty": get_number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
+def _sampling(body: dict, kind: str, logprobs: int | None, vocab_size: int | None) -> SamplingRequest:
+    """Every sampling field but the structured output (the caller's, once tools and reasoning are known)."""
+    return SamplingRequest(
+        temperature=get_number(body, "temperature", 0.0, 2.0, default=1.0),
+        top_p=get_number(body, "top_p", 0.0, 1.0, default=1.0, open_low=True),
+        top_k=max(0, get_int(body, "top_k", -1, 1_000_000, default=0)),
+        seed=get_int(body, "seed", -2**63, 2**63 - 1, default=None),
+        max_tokens=_max_tokens(body, kind),
+        stop=_stop(body),
+        stop_token_ids=_token_ids(get_field(body, "stop_token_ids", list, default=[]), "stop_token_ids", vocab_size,
+                                  MAX_STOP_TOKEN_IDS),
+        logprobs=logprobs,
+        logit_bias=_logit_bias(body, vocab_size),
+        presence_penalty=get_number(body, "presence_penalty", -2.0, 2.0, default=0.0),
+        frequency_penalty=get_number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
         # bounded away from 0: dividing a logit by 1e-300 overflows to inf, a failed decode rather than a 400
-        "repetition_penalty": get_number(body, "repetition_penalty", MIN_REPETITION_PENALTY, 100.0, default=1.0),
-        "min_p": get_number(body, "min_p", 0.0, 1.0, default=0.0),
-        "min_tokens": get_int(body, "min_tokens", 0, MAX_TOKENS_LIMIT, default=0),
-        "ignore_eos": get_field(body, "ignore_eos", bool, default=False),
-        "n": get_int(body, "n", 1, MAX_N, default=1),
-    }
+        repetition_penalty=get_number(body, "repetition_penalty", MIN_REPETITION_PENALTY, 100.0, default=1.0),
+        min_p=get_number(body, "min_p", 0.0, 1.0, default=0.0),
+        min_tokens=get_int(body, "min_tokens", 0, MAX_TOKENS_LIMIT, default=0),
+        ignore_eos=get_field(body, "ignore_eos", bool, default=False),
+        n=get_int(body, "n", 1, MAX_N, default=1),
+    )
 
 
 def _logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:

@@ -1,5 +1,5 @@
-"""POST /v1/responses (OpenAI Responses), stateless: the body becomes a chat completions request, and the chat
-answer and chunks become a response object and the Responses stream's semantic events.
+"""POST /v1/responses (OpenAI Responses), stateless: the body becomes a chat completions request, and the answer
+(edge.api.completion) becomes a response object and the Responses stream's semantic events.
 
 Nothing is stored: `store: true`, `previous_response_id` and the other stored-state fields are refused with a
 400 that says so, and the client sends the whole conversation as `input` items each time."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import time
 
-from edge.api.client_api import ClientApi, StreamWriter, chat_delta, sse_event
+from edge.api.client_api import ClientApi, StreamWriter, sse_event
+from edge.api.completion import ChoiceDelta, Completion
 from edge.api.fields import get_field, nested_string, show
-from edge.api.openai_bodies import Completion
 from edge.api.openai_request import ApiError, GenerateRequest, parse_request
 
 ROLES = {"user", "system", "developer", "assistant"}
@@ -39,7 +39,7 @@ class ResponsesApi(ClientApi):
         return _renamed(err).response()  # failures after parsing too (an over-long prompt names the input)
 
     def body(self, completion: Completion) -> dict:
-        message = completion.body()["choices"][0]["message"]
+        message, _ = completion.message(completion.choices[0])
         output = []
         rid = response_id(completion)
         if message.get("reasoning_content"):
@@ -199,7 +199,6 @@ def response_object(completion: Completion, output: list[dict], status: str | No
     reason = completion.finish_reason
     if status is None:
         status = "incomplete" if reason == "length" else "completed" if reason is not None else "failed"
-    usage = completion.usage
     tools = request.tools
     return {
         "id": response_id(completion), "object": "response", "created_at": completion.created, "status": status,
@@ -207,23 +206,27 @@ def response_object(completion: Completion, output: list[dict], status: str | No
         "error": _error_body(completion.error) if status == "failed" and completion.error is not None else None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": None,  # not echoed: the request's system text holds the tool prompt too
-        "max_output_tokens": request.sampling.get("max_tokens"), "model": completion.model, "output": output,
+        "max_output_tokens": request.sampling.max_tokens, "model": completion.model, "output": output,
         "parallel_tool_calls": tools.parallel if tools else True, "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None}, "store": False,
-        "temperature": request.sampling.get("temperature"), "top_p": request.sampling.get("top_p"),
+        "temperature": request.sampling.temperature, "top_p": request.sampling.top_p,
         "text": {"format": _format_echo(request)}, "truncation": "disabled",
         "tool_choice": _choice_echo(tools), "tools": [{"type": "function", **t, "strict": False}
                                                       for t in (tools.tools if tools else ())],
         "metadata": {},
-        "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {
-            "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
-                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": usage["total_tokens"]} if status != "in_progress" else None,
+        "usage": _usage(completion) if status != "in_progress" else None,
     }
 
 
+def _usage(completion: Completion) -> dict:
+    return {"input_tokens": completion.num_prompt_tokens,
+            "input_tokens_details": {"cached_tokens": completion.num_cached_tokens},
+            "output_tokens": completion.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": completion.num_prompt_tokens + completion.num_output_tokens}
+
+
 def _format_echo(request: GenerateRequest) -> dict:
-    structured = request.sampling.get("structured")
+    structured = request.sampling.structured
     if request.structured_param == "response_format" and structured is not None:
         kind, source = structured
         if kind == "json_schema":
@@ -286,16 +289,17 @@ class ResponsesStream(StreamWriter):
         return self._emit("response.created", response=initial) + self._emit("response.in_progress",
                                                                               response=initial)
 
-    def event(self, chunk: dict | None) -> bytes:
-        delta, reason = chat_delta(chunk)
+    def event(self, delta: ChoiceDelta | None) -> bytes:
+        if delta is None:
+            return b""
         out = b""
-        if delta.get("reasoning_content"):
-            out += self._text_delta("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            out += self._text_delta("message", delta["content"])
-        for fragment in delta.get("tool_calls") or ():
+        if delta.reasoning:
+            out += self._text_delta("reasoning", delta.reasoning)
+        if delta.content:
+            out += self._text_delta("message", delta.content)
+        for fragment in delta.calls:
             out += self._call_fragment(fragment)
-        if reason is not None:
+        if delta.finish_reason is not None:
             out += self._close_item()
         return out
 

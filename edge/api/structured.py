@@ -11,13 +11,50 @@ from edge.api.fields import ApiError, checked_text, get_field, show
 if TYPE_CHECKING:  # openai_api imports this module
     from edge.api.openai_request import GenerateRequest
 
-_GRAMMAR_CHECKS: dict = {}  # model path -> contracts.grammar_compile.GatewayCheck, made on its first constraint
 COMPILE_PROCESSES = 2  # the gateway's compile processes (each takes one core while it compiles)
 COMPILES_PER_OWNER = 1  # of them, at most this many for one API key (or one client address without keys); the
 # key's further compiles wait their turn (grammar_compile_queue_per_key of them, within the time limit)
 
 
-async def check_structured(request: GenerateRequest, timeout_s: float | None = None,
+class GrammarChecks:
+    """The gateway's compile processes: one contracts.grammar_compile.GatewayCheck per model file, made on its first
+    constraint (or by warm); held under edge.state.GRAMMAR_CHECKS."""
+
+    def __init__(self) -> None:
+        self.checks: dict = {}  # model path (None: no vocabulary) -> GatewayCheck
+
+    def check(self, model_path: str | None, queue_per_key: int | None = None):
+        from contracts.compile_processes import CompileProcesses
+        from contracts.grammar_compile import GatewayCheck
+        check = self.checks.get(model_path)
+        if check is None:
+            vocabulary = "prefill_cpu.grammar:GGUFVocabulary" if model_path else None
+            check = self.checks[model_path] = GatewayCheck(CompileProcesses(
+                COMPILE_PROCESSES, COMPILES_PER_OWNER, vocabulary, model_path or ""))
+        if queue_per_key is not None:  # the config's (the route passes it with each check)
+            check.processes.queue_per_owner = queue_per_key
+        return check
+
+    def warm(self, model_path: str | None) -> None:
+        """Start the compile processes now (each loads the model's vocabulary, a second or two), so that the first
+        structured request does not wait for them."""
+        self.check(model_path).processes.warm()
+
+    def state(self) -> dict:
+        """For /health: the compile processes (running, waiting for a process, waiting their key's turn, stopped so
+        far, compiles sent to them so far), over all models."""
+        states = [check.processes.state() for check in self.checks.values()]
+        return {name: sum(state[name] for state in states)
+                for name in ("idle", "compiling", "waiting", "queued", "stopped", "compiles")}
+
+    def close(self) -> None:
+        """Stop every compile (at shutdown): the requests awaiting them end at once."""
+        for check in self.checks.values():
+            check.close()
+        self.checks.clear()
+
+
+async def check_structured(request: GenerateRequest, checks: GrammarChecks, timeout_s: float | None = None,
                            model_path: str | None = None, owner: str | None = None,
                            queue_per_key: int | None = None, cache_salt: str = "") -> None:
     """A constraint the engine cannot enforce is the client's 400 naming the problem (code
@@ -25,19 +62,20 @@ async def check_structured(request: GenerateRequest, timeout_s: float | None = N
     a client whose compiles already fill its queue, or whose turn does not come within the limit, a 429
     (structured_output_compiles_per_key), and no process free within the limit a 503 (structured_output_busy). The
     constraint is compiled as the prefill workers will compile it, over the model's vocabulary (the GGUF at
-    model_path, its tokenizer only), in a child process that is killed at timeout_s (grammar_compile_timeout_s) or
-    when the client goes away (this task cancelled, which also takes a waiting compile out of its key's queue).
-    owner: whose share the compile takes (compile_owner). queue_per_key: grammar_compile_queue_per_key (None: the
-    knob's default). cache_salt: the request's (Gateway.cache_salt): the outcome is kept for that salt alone, so
-    a schema another tenant sent before is compiled again, not answered at once."""
-    constraint = request.sampling.get("structured")
+    model_path, its tokenizer only), in one of checks' child processes that is killed at timeout_s
+    (grammar_compile_timeout_s) or when the client goes away (this task cancelled, which also takes a waiting
+    compile out of its key's queue). owner: whose share the compile takes (compile_owner). queue_per_key:
+    grammar_compile_queue_per_key (None: the knob's default). cache_salt: the request's (Gateway.cache_salt): the
+    outcome is kept for that salt alone, so a schema another tenant sent before is compiled again, not answered at
+    once."""
+    constraint = request.sampling.structured
     if constraint is None:
         return
     from contracts.grammar import GrammarBusyError, GrammarError, GrammarOwnerBusyError
     from contracts.grammar_compile import compile_timeout_s
     try:
-        await _check(model_path, queue_per_key).check(*constraint, timeout_s or compile_timeout_s(), owner,
-                                                      cache_salt)
+        await checks.check(model_path, queue_per_key).check(*constraint, timeout_s or compile_timeout_s(), owner,
+                                                            cache_salt)
     except GrammarOwnerBusyError as err:
         raise ApiError(429, str(err), request.structured_param, err.code, "rate_limit_error",
                        {"Retry-After": "1"}) from None
@@ -53,38 +91,17 @@ def compile_owner(key_id: str | None, address: str | None) -> str:
     return f"key:{key_id}" if key_id else f"address:{address or ''}"
 
 
-def _check(model_path: str | None, queue_per_key: int | None = None):
-    from contracts.compile_processes import CompileProcesses
-    from contracts.grammar_compile import GatewayCheck
-    check = _GRAMMAR_CHECKS.get(model_path)
-    if check is None:
-        vocabulary = "prefill_cpu.grammar:GGUFVocabulary" if model_path else None
-        check = _GRAMMAR_CHECKS[model_path] = GatewayCheck(CompileProcesses(
-            COMPILE_PROCESSES, COMPILES_PER_OWNER, vocabulary, model_path or ""))
-    if queue_per_key is not None:  # the config's (the route passes it with each check)
-        check.processes.queue_per_owner = queue_per_key
-    return check
+# The process's checks until edge/app.py holds its own GrammarChecks under edge.state.GRAMMAR_CHECKS (add_routes
+# puts this one there when the app has none); warm and close at start and shutdown through these two.
+PROCESS_CHECKS = GrammarChecks()
 
 
 def warm_structured_checks(model_path: str | None) -> None:
-    """Start the gateway's compile processes now (each loads the model's vocabulary, a second or two), so that the
-    first structured request does not wait for them."""
-    _check(model_path).processes.warm()
-
-
-def structured_state() -> dict:
-    """For /health: the gateway's compile processes (running, waiting for a process, waiting their key's turn,
-    stopped so far, compiles sent to them so far), over all models."""
-    states = [check.processes.state() for check in _GRAMMAR_CHECKS.values()]
-    return {name: sum(state[name] for state in states)
-            for name in ("idle", "compiling", "waiting", "queued", "stopped", "compiles")}
+    PROCESS_CHECKS.warm(model_path)
 
 
 def close_structured_checks() -> None:
-    """Stop every compile of the gateway's checks (at shutdown): the requests awaiting them end at once."""
-    for check in _GRAMMAR_CHECKS.values():
-        check.close()
-    _GRAMMAR_CHECKS.clear()
+    PROCESS_CHECKS.close()
 
 
 def structured_constraint(body: dict) -> tuple[str | None, tuple[str, str] | None]:

@@ -19,11 +19,12 @@ import dataclasses
 import numpy as np
 from aiohttp import web
 
-from contracts.handoff import SamplingParams
 from edge.api.fields import ApiError, checked_text, get_field, get_int, show
 from edge.api.openai_request import GenerateRequest
+from edge.api.sampling_request import SamplingRequest
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import RequestStatus
+from edge.http.body import read_json
 from edge.state import GATEWAY
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request (and the documents of one rerank)
@@ -49,7 +50,7 @@ def parse_embeddings(body, vocab_size: int | None) -> EmbeddingsRequest:
     dimensions = get_int(body, "dimensions", 1, 1 << 20, default=None)
     checked_text(get_field(body, "user", str, default=""), "user")
     priority = get_int(body, "priority", -1_000_000, 1_000_000, default=None)
-    sampling = dataclasses.asdict(SamplingParams(max_tokens=0))  # nothing is generated
+    sampling = SamplingRequest(max_tokens=0)  # nothing is generated
     request = GenerateRequest("embedding", model, sampling, False, False, priority, user_text="\n".join(texts),
                               embed_texts=texts, embed_tokens=tokens)
     return EmbeddingsRequest(request, encoding, dimensions)
@@ -107,7 +108,7 @@ def _check_dimensions(parsed: EmbeddingsRequest, gateway: Gateway) -> None:
 
 def model_facts(gateway) -> dict:
     """What /v1/models and /health add for an embedding model served on its own: its task and pooling."""
-    if not getattr(gateway, "embedding_only", False):
+    if not gateway.embedding_only:
         return {}
     status = gateway.pool.embedding
     pooling = status.pooling if status is not None else None
@@ -123,8 +124,7 @@ def generation_refused(gateway, route: str) -> ApiError:
                          f"/detokenize, not text generation ({route})", "model", "model_not_supported")
 
 
-async def embeddings(request: web.Request, read_json) -> web.Response:
-    """read_json: the routes' body reader (size and time limits, JSON errors)."""
+async def embeddings(request: web.Request) -> web.Response:
     gateway: Gateway = request.app[GATEWAY]
     parsed = None
     try:
@@ -206,7 +206,7 @@ def parse_rerank(body) -> RerankRequest:
     return_documents = get_field(body, "return_documents", bool, default=False)
     checked_text(get_field(body, "user", str, default=""), "user")
     priority = get_int(body, "priority", -1_000_000, 1_000_000, default=None)
-    sampling = dataclasses.asdict(SamplingParams(max_tokens=0))  # nothing is generated
+    sampling = SamplingRequest(max_tokens=0)  # nothing is generated
     request = GenerateRequest("rerank", model, sampling, False, False, priority, user_text="\n".join((query, *texts)),
                               embed_texts=(query, *texts))
     return RerankRequest(request, texts, min(top_n, len(texts)), return_documents)
@@ -224,7 +224,7 @@ def _document(value, index: int) -> str:
     return checked_text(value, param)
 
 
-async def rerank(request: web.Request, read_json) -> web.Response:
+async def rerank(request: web.Request) -> web.Response:
     """llama-server's /v1/rerank: each document scored against the query by the reranker's rank head, the results
     sorted by relevance_score, best first. A model without a rank head has nothing to score with: 400, not a ranking
     by something else."""

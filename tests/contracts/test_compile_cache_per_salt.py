@@ -23,7 +23,15 @@ from contracts.grammar_compile import CompiledGrammars, CompilePool, GatewayChec
 from contracts.handoff import SamplingParams
 from edge.api import structured as structured_request
 from edge.api.openai_request import GenerateRequest
+from edge.api.sampling_request import SamplingRequest
 from fake_runner import fake_handoff, make_engine
+
+CHECKS = structured_request.GrammarChecks()  # the gateway's compile processes, as edge.state.GRAMMAR_CHECKS holds them
+
+
+def check_structured(request, timeout_s=None, **kwargs):
+    return structured_request.check_structured(request, CHECKS, timeout_s, **kwargs)
+
 
 SCHEMA = '{"type": "object", "properties": {"secret_field": {"type": "string"}}}'
 WAIT_S = 20.0
@@ -178,12 +186,12 @@ def test_check_structured_keeps_outcomes_per_salt_and_health_counts_the_compiles
     """The route's check (edge.api.structured) passes the request's salt on; /health's
     structured_outputs.compiles is what an end-to-end test reads to tell a miss from a hit."""
     processes = CountingProcesses()
-    monkeypatch.setattr(structured_request, "_GRAMMAR_CHECKS", {None: GatewayCheck(processes)})
-    request = GenerateRequest("chat", "m", {"structured": ("json_schema", SCHEMA)}, False, False, None,
+    monkeypatch.setitem(CHECKS.checks, None, GatewayCheck(processes))
+    request = GenerateRequest("chat", "m", SamplingRequest(structured=("json_schema", SCHEMA)), False, False, None,
                               structured_param="response_format")
     for owner, salt in (("key:a", "salt-a"), ("key:b", "salt-b"), ("key:a", "salt-a")):
-        asyncio.run(structured_request.check_structured(request, 5.0, owner=owner, cache_salt=salt))
-    assert structured_request.structured_state()["compiles"] == 2
+        asyncio.run(check_structured(request, 5.0, owner=owner, cache_salt=salt))
+    assert CHECKS.state()["compiles"] == 2
 
 
 def test_the_real_compile_processes_count_what_they_compile():

@@ -22,7 +22,14 @@ from contracts.grammar import GrammarBusyError, GrammarOwnerBusyError
 from contracts.grammar_compile import GatewayCheck
 from edge.api import structured as structured_request
 from edge.api.openai_request import ApiError, GenerateRequest
-from edge.api.structured import check_structured
+from edge.api.sampling_request import SamplingRequest
+
+CHECKS = structured_request.GrammarChecks()  # the gateway's compile processes, as edge.state.GRAMMAR_CHECKS holds them
+
+
+def check_structured(request, timeout_s=None, **kwargs):
+    return structured_request.check_structured(request, CHECKS, timeout_s, **kwargs)
+
 
 FAKE_CHILD = r"""
 import json, os, sys, time
@@ -255,10 +262,10 @@ def test_the_gateway_answers_a_full_queue_with_a_429_and_takes_the_configured_qu
     """check_structured: with grammar_compile_queue_per_key = 0 a key's second concurrent compile is the 429 at once
     (Retry-After: 1); with 1 it waits its turn and passes."""
     b = bench()
-    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, GatewayCheck(b.processes))
+    monkeypatch.setitem(CHECKS.checks, None, GatewayCheck(b.processes))
 
     def request(source: str) -> GenerateRequest:
-        return GenerateRequest("chat", "m", {"structured": ("regex", source)}, False, False, None,
+        return GenerateRequest("chat", "m", SamplingRequest(structured=("regex", source)), False, False, None,
                                structured_param="guided_regex")
 
     async def scenario():

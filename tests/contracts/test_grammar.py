@@ -21,7 +21,14 @@ from contracts.grammar import (
 from contracts.grammar_compile import CompilePool, GatewayCheck, compile_timeout_s
 from edge.api import structured as structured_request
 from edge.api.openai_request import ApiError, GenerateRequest
-from edge.api.structured import check_structured
+from edge.api.sampling_request import SamplingRequest
+
+CHECKS = structured_request.GrammarChecks()  # the gateway's compile processes, as edge.state.GRAMMAR_CHECKS holds them
+
+
+def check_structured(request, timeout_s=None, **kwargs):
+    return structured_request.check_structured(request, CHECKS, timeout_s, **kwargs)
+
 
 
 def refusal(kind: str, source: str) -> str:
@@ -148,7 +155,7 @@ def test_the_timeout_comes_from_the_config_when_it_has_one():
 
 
 def request(schema) -> GenerateRequest:
-    return GenerateRequest("chat", "m", {"structured": ("json_schema", json.dumps(schema))}, False, False, None,
+    return GenerateRequest("chat", "m", SamplingRequest(structured=("json_schema", json.dumps(schema))), False, False, None,
                            structured_param="response_format")
 
 
@@ -169,7 +176,7 @@ def explosive(k: int = 4, n: int = 9) -> dict:
 def processes(monkeypatch):
     """The gateway's check on real compile processes (grammars alone, no vocabulary: quick to start)."""
     check = GatewayCheck(CompileProcesses(workers=2, per_owner=1))
-    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, check)
+    monkeypatch.setitem(CHECKS.checks, None, check)
     yield check.processes
     check.close()
 
@@ -239,7 +246,7 @@ def test_a_client_that_goes_away_leaves_its_keys_queue_or_stops_its_compile_and_
 
 def test_no_free_process_within_the_limit_is_a_503(monkeypatch):
     check = GatewayCheck(CompileProcesses(workers=0))  # none will ever come free
-    monkeypatch.setitem(structured_request._GRAMMAR_CHECKS, None, check)
+    monkeypatch.setitem(CHECKS.checks, None, check)
     busy = asyncio.run(refused({"type": "object", "title": "another"}, timeout_s=0.1))
     assert (busy.status, busy.code, busy.headers) == (503, "structured_output_busy", {"Retry-After": "1"})
 

@@ -3,17 +3,16 @@ message and Anthropic's stream events, errors into Anthropic's shape (edge/api/m
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from fake_gateway import fake_gateway, keyed
 
 from contracts.events import FinishReason, TokenEvent
+from edge.api.completion import ChoiceDelta, Completion
 from edge.api.messages import MessagesApi, error_response, worker_messages
-from edge.api.openai_bodies import Completion
 from edge.api.openai_request import ApiError
-from edge.config import ServeConfig
 from edge.http.routes import add_routes
 from edge.state import GATEWAY
 
@@ -45,7 +44,7 @@ def run_stream(request, tokens) -> list[tuple[str, dict]]:
     raw = b""
     for i, event in enumerate(tokens):
         completion.add(event)
-        raw += (writer.open() if i == 0 else b"") + writer.event(completion.chunk(event))
+        raw += (writer.open() if i == 0 else b"") + writer.event(completion.delta(event))
     return events(raw + writer.close())
 
 
@@ -55,8 +54,8 @@ def test_system_blocks_sampling_and_stop_sequences():
                     temperature=0.2, top_p=0.8, top_k=5, stop_sequences=["END"], stream=True)
     assert [(m["role"], m["content"]) for m in request.messages] == [("system", "Be brief."), ("user", "Hi")]
     sampling = request.sampling
-    assert (sampling["max_tokens"], sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (16, 0.2, 0.8, 5)
-    assert sampling["stop"] == ("END",) and request.stream
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (16, 0.2, 0.8, 5)
+    assert sampling.stop == ("END",) and request.stream
 
 
 def test_tool_use_and_tool_result_history():
@@ -174,10 +173,8 @@ def test_thinking_then_text_are_two_blocks():
     completion.add(token("", 1, FinishReason.STOP))
     writer = API.writer(completion)
 
-    def chunk(delta, reason=None):
-        return {"choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
-    got = events(writer.open() + writer.event(chunk({"reasoning_content": "hm"})) + writer.event(
-        chunk({"content": "yes"}, "stop")) + writer.close())
+    got = events(writer.open() + writer.event(ChoiceDelta(0, True, reasoning="hm")) + writer.event(
+        ChoiceDelta(0, False, content="yes", finish_reason="stop")) + writer.close())
     starts = [d["content_block"]["type"] for n, d in got if n == "content_block_start"]
     assert starts == ["thinking", "text"]
     assert [d["index"] for n, d in got if n == "content_block_stop"] == [0, 1]
@@ -190,36 +187,14 @@ def test_an_error_mid_stream_is_an_error_event():
                                                          "message": "engine restarting"}})]
 
 
-class StubGateway:
-    """What the Messages route touches before admission; no request here is meant to be admitted."""
-
-    def __init__(self) -> None:
-        self.config = ServeConfig()
-        self.model_name = "m"
-        self.refused: list = []
-        self.metrics = SimpleNamespace(rejected="rejected", label=lambda metric, reason: SimpleNamespace(
-            inc=lambda: None))
-        self.pool = SimpleNamespace(vocab_size=49152)
-
-    def rejected(self, http, err, parsed) -> None:
-        self.refused.append((err.status, err.code))
-
-    def check_key(self, request) -> None:
-        if request.headers.get("x-api-key") != "right":
-            raise ApiError(401, "wrong key", error_type="authentication_error", code="invalid_api_key")
-
-    def admit(self, request, parsed):
-        raise AssertionError(f"admitted a request that should have been refused: {parsed}")
-
-
 def _call(method: str, path: str, **kwargs):
     async def run():
         app = web.Application()
-        app[GATEWAY] = StubGateway()
+        app[GATEWAY], refused = fake_gateway(keyed({"right": False}))
         add_routes(app)
         async with TestClient(TestServer(app)) as client:
             response = await client.request(method, path, **kwargs)
-            return response.status, await response.json(), app[GATEWAY].refused
+            return response.status, await response.json(), refused
     return asyncio.run(run())
 
 

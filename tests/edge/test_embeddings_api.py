@@ -23,7 +23,7 @@ def test_every_input_shape_is_taken():
     assert _parsed(input=[[1, 2], [3]]).request.embed_tokens == ((1, 2), (3,))
     parsed = _parsed(input="hi", encoding_format="base64", dimensions=576, priority=3)
     assert (parsed.encoding_format, parsed.dimensions, parsed.request.priority) == ("base64", 576, 3)
-    assert parsed.request.kind == "embedding" and parsed.request.sampling["max_tokens"] == 0
+    assert parsed.request.kind == "embedding" and parsed.request.sampling.max_tokens == 0
     assert parsed.request.user_text == "hi"  # what the content filters read
 
 

@@ -3,37 +3,15 @@ aiohttp's own 404/405/413 and unexpected exceptions, which aiohttp alone would a
 
 import asyncio
 import logging
-from types import SimpleNamespace
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from fake_gateway import fake_gateway, rejected_count
 
-from edge.config import ServeConfig
 from edge.http.routes import add_routes
 from edge.state import GATEWAY
 
-
-class StubGateway:
-    """What _generate touches before admission; a request that passes validation is not expected here."""
-
-    def __init__(self) -> None:
-        self.config = ServeConfig()
-        self.reasons: list[str] = []  # the rejection metric's labels
-        self.observed: list = []  # what the gateway's observers were told
-        self.metrics = SimpleNamespace(rejected="rejected", label=self._label)
-        self.pool = SimpleNamespace(vocab_size=49152)  # what the workers report at their handshake
-
-    def _label(self, metric, reason: str):
-        return SimpleNamespace(inc=lambda: self.reasons.append(reason))
-
-    def rejected(self, http, err, parsed) -> None:
-        self.observed.append((err.status, err.code))
-
-    def check_key(self, request) -> None:
-        pass
-
-    def admit(self, request, parsed):
-        raise AssertionError(f"admitted a request that should have been refused: {parsed}")
+REFUSALS = web.AppKey("refusals", list)
 
 
 async def _broken(request: web.Request) -> web.Response:
@@ -50,7 +28,7 @@ async def _read_body(request: web.Request) -> web.Response:
 
 def _app(**kwargs) -> web.Application:
     app = web.Application(**kwargs)
-    app[GATEWAY] = StubGateway()
+    app[GATEWAY], app[REFUSALS] = fake_gateway()
     add_routes(app)
     app.router.add_get("/broken", _broken)
     app.router.add_get("/timing-out", _timing_out)
@@ -82,7 +60,7 @@ def test_a_refused_request_is_counted_and_told_to_the_observers():
     status, _, _ = _call("POST", "/v1/chat/completions", app=app, data=b"{not json",
                          headers={"Content-Type": "application/json"})
     assert status == 400
-    assert app[GATEWAY].reasons == ["invalid_json"] and app[GATEWAY].observed == [(400, "invalid_json")]
+    assert rejected_count(app[GATEWAY], "invalid_json") == 1 and app[REFUSALS] == [(400, "invalid_json")]
 
 
 def test_deep_nesting_inside_messages_is_400_json():

@@ -1,8 +1,12 @@
 """parse_request: every value that reaches the prefill worker's msgpack wire is checked at the gateway."""
 
+import dataclasses
+
 import pytest
 
+from contracts.handoff import SamplingParams
 from edge.api.openai_request import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, ApiError, parse_request
+from edge.api.sampling_request import SamplingRequest
 
 VOCAB = 49152  # SmolLM2's vocabulary size
 
@@ -42,7 +46,7 @@ def test_text_outside_the_bmp_and_text_parts_pass():
     parts = [{"type": "text", "text": "h\u00e9llo "}, {"type": "text", "text": "\U0001f642"}]
     request = parse_request(_chat(messages=[{"role": "user", "content": parts}], stop=["\u00e9"]), "chat")
     assert request.messages == ({"role": "user", "content": "h\u00e9llo \U0001f642"},)
-    assert request.sampling["stop"] == ("\u00e9",)
+    assert request.sampling.stop == ("\u00e9",)
 
 
 @pytest.mark.parametrize("prompt, vocab_size, index", [
@@ -62,7 +66,7 @@ def test_vocabulary_size_is_named_and_the_last_id_passes():
     assert f"vocabulary has {VOCAB} tokens" in err.message and str(VOCAB - 1) in err.message
     request = parse_request(_completion(prompt=[0, VOCAB - 1], stop_token_ids=[VOCAB - 1]), "completion",
                             vocab_size=VOCAB)
-    assert request.prompt_tokens == (0, VOCAB - 1) and request.sampling["stop_token_ids"] == (VOCAB - 1,)
+    assert request.prompt_tokens == (0, VOCAB - 1) and request.sampling.stop_token_ids == (VOCAB - 1,)
 
 
 @pytest.mark.parametrize("ids, vocab_size, param", [
@@ -113,16 +117,30 @@ def test_deeply_nested_values_are_refused_without_recursing():
 
 
 def test_output_controls_are_parsed_into_sampling_params():
-    from contracts.handoff import SamplingParams
     request = parse_request(_chat(logit_bias={"15": -100, "42": 2.5}, presence_penalty=0.5, frequency_penalty=-1,
-                                  repetition_penalty=1.2, min_p=0.05, min_tokens=3, ignore_eos=True), "chat",
-                            vocab_size=VOCAB)
-    params = SamplingParams(**{**request.sampling, "max_tokens": 16})
-    assert params.logit_bias == ((15, -100.0), (42, 2.5))
+                                  repetition_penalty=1.2, min_p=0.05, min_tokens=3, ignore_eos=True, logprobs=True,
+                                  top_logprobs=2), "chat", vocab_size=VOCAB)
+    params = request.sampling.decided(16, None).params()
+    assert params.logit_bias == ((15, -100.0), (42, 2.5)) and (params.max_tokens, params.logprobs) == (16, None)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.2)
     assert (params.min_p, params.min_tokens, params.ignore_eos) == (0.05, 3, True)
     neutral = parse_request(_completion(), "completion").sampling
-    assert (neutral["logit_bias"], neutral["repetition_penalty"], neutral["min_tokens"]) == ((), 1.0, 0)
+    assert (neutral.logit_bias, neutral.repetition_penalty, neutral.min_tokens) == ((), 1.0, 0)
+
+
+def test_the_sampling_request_is_typed_frozen_and_has_every_field_the_worker_samples_with():
+    sampling = parse_request(_chat(temperature=0.5, n=2), "chat").sampling
+    assert isinstance(sampling, SamplingRequest) and (sampling.temperature, sampling.n, sampling.max_tokens) == (
+        0.5, 2, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sampling.n = 3
+    assert [f.name for f in dataclasses.fields(SamplingRequest)] == [f.name for f in dataclasses.fields(SamplingParams)]
+    with pytest.raises(ValueError):
+        sampling.params()  # the policy decides max_tokens first
+    # read by name as a mapping too, for the gateway until it reads the fields
+    assert (sampling["n"], sampling.get("temperature"), SamplingParams(**{**sampling, "max_tokens": 4}).n) == (2, 0.5, 2)
+    with pytest.raises(KeyError):
+        sampling["nope"]
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -161,7 +179,7 @@ def test_echo_takes_a_text_prompt_or_logprobs():
 
 def test_echo_with_logprobs_scores_the_prompt():
     scored = parse_request(_completion(prompt=[[1, 2, 3]], echo=True, logprobs=2, max_tokens=0), "completion")
-    assert (scored.prompt_tokens, scored.prompt_logprobs, scored.sampling["max_tokens"]) == ((1, 2, 3), 2, 0)
+    assert (scored.prompt_tokens, scored.prompt_logprobs, scored.sampling.max_tokens) == ((1, 2, 3), 2, 0)
     assert parse_request(_completion(prompt_logprobs=5), "completion").prompt_logprobs == 5
     assert parse_request(_completion(logprobs=1), "completion").prompt_logprobs is None  # not echoed: not scored
     for body, kind, param in ((_chat(prompt_logprobs=1), "chat", "prompt_logprobs"),

@@ -10,11 +10,14 @@ import pytest
 
 from contracts.events import FinishReason, Logprob, TokenEvent, TopLogprob
 from contracts.messages import PrefillFailed
+from edge.api.chat_completions import ChatCompletionsApi
+from edge.api.completion import Completion
+from edge.api.completions import CompletionsApi, batch_prompts, check_batch
 from edge.api.errors import prefill_error
-from edge.api.openai_bodies import Completion
+from edge.api.openai_bodies import usage_chunk
 from edge.api.openai_request import ApiError, parse_request
 from edge.chat.tool_formats import ChatFormat
-from edge.http.completion_batch import batch_prompts, check_batch, join
+from edge.http.completion_batch import join
 from policies.enforcer import PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.loader import load_policy
 
@@ -48,13 +51,22 @@ def event(text: str, n: int, finish: FinishReason | None = None, logprobs=()) ->
                       num_output_tokens=n)
 
 
+def api_of(request):
+    return ChatCompletionsApi() if request.kind == "chat" else CompletionsApi()
+
+
 def answer(request, events) -> tuple[Completion, list[dict]]:
-    """The events through the response builder: the completion and its stream chunks."""
-    built, chunks = Completion("chatcmpl-1", request, "m"), []
+    """The events through the API's stream writer: the completion and its stream chunks."""
+    built = Completion("chatcmpl-1", request, "m")
+    writer, raw = api_of(request).writer(built), b""
     for e in events:
         built.add(e)
-        chunks += built.chunks(e)
-    return built, chunks
+        raw += writer.event(built.delta(e))
+    return built, [json.loads(block.removeprefix("data: ")) for block in raw.decode().split("\n\n") if block]
+
+
+def body(built: Completion) -> dict:
+    return api_of(built.request).body(built)
 
 
 # --- the request ------------------------------------------------------------------------------------------------
@@ -83,10 +95,10 @@ def test_a_batch_of_one_prompt_passes():
 
 def test_logprobs_zero_asks_for_the_sampled_tokens_logprob():
     request = completion(logprobs=0)
-    assert request.sampling["logprobs"] == 0 and request.asked_logprobs
+    assert request.sampling.logprobs == 0 and request.asked_logprobs
     built, _ = answer(request, [event(" a", 1, logprobs=[Logprob(7, -0.25, " a")]),
                                 event(" b", 2, FinishReason.LENGTH, logprobs=[Logprob(8, -1.5, " b")])])
-    logprobs = built.body()["choices"][0]["logprobs"]
+    logprobs = body(built)["choices"][0]["logprobs"]
     assert logprobs["tokens"] == [" a", " b"] and logprobs["token_logprobs"] == [-0.25, -1.5]
     assert logprobs["top_logprobs"] == [{" a": -0.25}, {" b": -1.5}]  # the sampled token's, as vLLM
 
@@ -138,9 +150,9 @@ def test_usage_says_how_many_prompt_tokens_came_from_the_cache():
     built, _ = answer(chat(), [event("x", 1, FinishReason.LENGTH)])
     assert built.usage["prompt_tokens_details"] == {"cached_tokens": 0}
     built.cached_tokens = 6
-    body = built.body()
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 6} and body["usage"]["prompt_tokens"] == 9
-    assert built.usage_chunk()["usage"]["prompt_tokens_details"] == {"cached_tokens": 6}
+    usage = body(built)["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 6} and usage["prompt_tokens"] == 9
+    assert usage_chunk(built, "chat.completion.chunk")["usage"]["prompt_tokens_details"] == {"cached_tokens": 6}
 
 
 # --- chat logprobs ----------------------------------------------------------------------------------------------
@@ -149,7 +161,7 @@ def test_chat_logprobs_leave_out_the_end_of_turn_token():
     events = [event("Hel", 1, logprobs=[lp("Hel")]), event("lo", 2, logprobs=[lp("lo")]),
               event("", 3, FinishReason.STOP, logprobs=[lp("<|im_end|>")])]
     built, chunks = answer(chat(logprobs=True, top_logprobs=1, stream=True), events)
-    choice = built.body()["choices"][0]
+    choice = body(built)["choices"][0]
     tokens = [e["token"] for e in choice["logprobs"]["content"]]
     assert tokens == ["Hel", "lo"] and "".join(tokens) == choice["message"]["content"]
     streamed = [e["token"] for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
@@ -159,7 +171,7 @@ def test_chat_logprobs_leave_out_the_end_of_turn_token():
 def test_chat_logprobs_keep_the_last_token_of_an_answer_cut_by_length():
     built, _ = answer(chat(logprobs=True), [event("Hel", 1, logprobs=[lp("Hel")]),
                                             event("lo", 2, FinishReason.LENGTH, logprobs=[lp("lo")])])
-    assert [e["token"] for e in built.body()["choices"][0]["logprobs"]["content"]] == ["Hel", "lo"]
+    assert [e["token"] for e in body(built)["choices"][0]["logprobs"]["content"]] == ["Hel", "lo"]
 
 
 # --- a forced tool call cut by max_tokens -----------------------------------------------------------------------
@@ -174,7 +186,7 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_a_call_with_finish_reason_lengt
                                                                                    arguments):
     request = chat(tools=TOOLS, tool_choice=tool_choice)
     built, _ = answer(request, [event(text, 5, FinishReason.LENGTH)])
-    choice = built.body()["choices"][0]
+    choice = body(built)["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"] and call["function"] == {"name": name, "arguments": arguments}
@@ -182,14 +194,14 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_a_call_with_finish_reason_lengt
 
 def test_required_cut_before_any_name_stays_text():
     built, _ = answer(chat(tools=TOOLS, tool_choice="required"), [event('<tool_call>\n{"na', 3, FinishReason.LENGTH)])
-    choice = built.body()["choices"][0]
+    choice = body(built)["choices"][0]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
 
 
 def test_a_finished_forced_call_still_ends_with_tool_calls():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     built, _ = answer(chat(tools=TOOLS, tool_choice="required"), [event(text, 9, FinishReason.STOP)])
-    choice = built.body()["choices"][0]
+    choice = body(built)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
 
@@ -198,13 +210,13 @@ def test_a_finished_forced_call_still_ends_with_tool_calls():
 
 def test_logprobs_a_tier_strips_are_marked_in_the_body():
     request = chat(logprobs=True)
-    stripped = dataclasses.replace(request, sampling={**request.sampling, "logprobs": None})
+    stripped = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, logprobs=None))
     built, _ = answer(stripped, [event("Hi", 1, FinishReason.LENGTH)])
-    body = built.body()
-    assert body["choices"][0]["logprobs"] is None and "logprobs" in body["degraded"]
-    assert "degraded" in built.usage_chunk()
+    answered = body(built)
+    assert answered["choices"][0]["logprobs"] is None and "logprobs" in answered["degraded"]
+    assert "degraded" in usage_chunk(built, "chat.completion.chunk")
     plain, _ = answer(chat(), [event("Hi", 1, FinishReason.LENGTH)])
-    assert "degraded" not in plain.body()
+    assert "degraded" not in body(plain)
 
 
 def _default_enforcer(signals: dict) -> PolicyEnforcer:

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from contracts.events import FinishReason, TokenEvent
-from edge.api.openai_bodies import Completion
+from edge.api.chat_completions import ChatCompletionsApi
+from edge.api.completion import Completion
 from edge.api.openai_request import ApiError, parse_request
 from edge.chat.output import chat_message
 from edge.chat.reasoning import ReasoningStream, detect_reasoning, opens_thinking, split_reasoning
@@ -70,22 +71,21 @@ def test_chat_bodies_and_stream_chunks_carry_reasoning_content():
     whole = _completion(chat)
     for event in _events(PIECES):
         whole.add(event)
-    message = whole.body()["choices"][0]["message"]
+    message = ChatCompletionsApi().body(whole)["choices"][0]["message"]
     assert message == {"role": "assistant", "content": "Paris.", "reasoning_content": "Hmm, Paris.\n"}
     stream, reasoning, content = _completion(chat, stream=True), "", ""
     for event in _events(PIECES):
         stream.add(event)
-        chunk = stream.chunk(event)
-        if chunk is not None:
-            delta = chunk["choices"][0]["delta"]
-            reasoning += delta.get("reasoning_content", "")
-            content += delta.get("content") or ""
+        delta = stream.delta(event)
+        if delta is not None:
+            reasoning += delta.reasoning
+            content += delta.content
     assert (reasoning, content) == (message["reasoning_content"], "Paris.")
-    assert chunk["choices"][0]["finish_reason"] == "stop"
+    assert delta.finish_reason == "stop"
     plain = _completion(ChatFormat())
     for event in _events(PIECES):
         plain.add(event)
-    assert plain.body()["choices"][0]["message"] == {"role": "assistant", "content": "".join(PIECES)}
+    assert ChatCompletionsApi().body(plain)["choices"][0]["message"] == {"role": "assistant", "content": "".join(PIECES)}
 
 
 def test_a_constraint_applies_after_the_thinking_and_tool_calls_are_parsed_from_the_answer():

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from contracts.events import FinishReason, TokenEvent
-from edge.api.openai_bodies import Completion
+from edge.api.completion import ChoiceDelta, Completion
 from edge.api.openai_request import ApiError
 from edge.api.responses import ResponsesApi
 
@@ -38,15 +38,15 @@ def run_stream(request, tokens) -> list[tuple[str, dict]]:
     raw = b""
     for i, event in enumerate(tokens):
         completion.add(event)
-        raw += (writer.open() if i == 0 else b"") + writer.event(completion.chunk(event))
+        raw += (writer.open() if i == 0 else b"") + writer.event(completion.delta(event))
     return events(raw + writer.close())
 
 
 def test_input_string_and_instructions_become_system_and_user_messages():
     request = parse(input="Hello", instructions="Be brief.", max_output_tokens=9, temperature=0.5, top_p=0.9)
     assert [(m["role"], m["content"]) for m in request.messages] == [("system", "Be brief."), ("user", "Hello")]
-    assert request.sampling["max_tokens"] == 9 and request.sampling["temperature"] == 0.5
-    assert request.sampling["top_p"] == 0.9 and request.sampling["n"] == 1 and not request.stream
+    assert request.sampling.max_tokens == 9 and request.sampling.temperature == 0.5
+    assert request.sampling.top_p == 0.9 and request.sampling.n == 1 and not request.stream
 
 
 def test_input_items_with_function_calls_and_outputs():
@@ -68,10 +68,10 @@ def test_input_items_with_function_calls_and_outputs():
 def test_tool_choice_and_text_format_are_translated():
     named = parse(input="x", tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
     assert named.tools.choice == "named" and named.tools.named == "get_weather"
-    assert named.sampling["structured"] is not None  # the call is forced by a constraint
+    assert named.sampling.structured is not None  # the call is forced by a constraint
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     shaped = parse(input="x", text={"format": {"type": "json_schema", "name": "out", "schema": schema}})
-    assert shaped.sampling["structured"] == ("json_schema", json.dumps(schema))
+    assert shaped.sampling.structured == ("json_schema", json.dumps(schema))
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -153,10 +153,9 @@ def test_reasoning_deltas_become_a_reasoning_item_before_the_message():
     completion.add(token("", 1, FinishReason.STOP))
     writer = API.writer(completion)
 
-    def chunk(delta, reason=None):
-        return {"choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
-    raw = writer.open() + writer.event(chunk({"reasoning_content": "think"})) + \
-        writer.event(chunk({"content": "answer"})) + writer.event(chunk({}, "stop")) + writer.close()
+    raw = writer.open() + writer.event(ChoiceDelta(0, True, reasoning="think")) + \
+        writer.event(ChoiceDelta(0, False, content="answer")) + \
+        writer.event(ChoiceDelta(0, False, finish_reason="stop")) + writer.close()
     got = events(raw)
     names = [name for name, _ in got]
     assert names[2:6] == ["response.output_item.added", "response.content_part.added",
@@ -171,7 +170,7 @@ def test_an_error_mid_stream_is_an_error_event_then_response_failed():
     completion.add(token("Hi", 1))
     writer = API.writer(completion)
     writer.open()
-    writer.event(completion.chunk(token("Hi", 1)))
+    writer.event(completion.delta(token("Hi", 1)))
     completion.error = ApiError(503, "engine restarting", code="engine_unavailable", error_type="server_error")
     got = events(writer.error(completion.error))
     assert [name for name, _ in got] == ["error", "response.failed"]

@@ -105,7 +105,8 @@ def test_tool_text_that_cannot_travel_is_a_400_not_a_500(messages, tools, param)
 
 def test_chat_bodies_and_stream_chunks_carry_the_calls():
     from contracts.events import FinishReason, TokenEvent
-    from edge.api.openai_bodies import Completion
+    from edge.api.chat_completions import ChatCompletionsApi
+    from edge.api.completion import Completion
     pieces = ["Let me check.", "\n<tool_", 'call>\n{"name": "get_weather", "argu', 'ments": {"city": ', '"Rome"}}',
               "\n</tool_call>"]
     events = [TokenEvent("c", (i,), p, FinishReason.STOP if i == len(pieces) - 1 else None, num_output_tokens=i + 1)
@@ -113,7 +114,7 @@ def test_chat_bodies_and_stream_chunks_carry_the_calls():
     whole = Completion("c", parse_request(_chat(tools=[WEATHER]), "chat"), "m")
     for event in events:
         whole.add(event)
-    (choice,) = whole.body()["choices"]
+    (choice,) = ChatCompletionsApi().body(whole)["choices"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
     (call,) = choice["message"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
@@ -121,15 +122,14 @@ def test_chat_bodies_and_stream_chunks_carry_the_calls():
     deltas = []
     for event in events:
         streamed.add(event)
-        if (chunk := streamed.chunk(event)) is not None:
-            deltas.append(chunk["choices"][0]["delta"])
-            reason = chunk["choices"][0]["finish_reason"]
-    assert deltas[0] == {"role": "assistant", "content": "Let me check."} and reason == "tool_calls"
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        if (delta := streamed.delta(event)) is not None:
+            deltas.append(delta)
+    assert deltas[0].first and deltas[0].content == "Let me check." and deltas[-1].finish_reason == "tool_calls"
+    calls = [c for d in deltas for c in d.calls]
     assert calls[0] == {"index": 0, "id": calls[0]["id"], "type": "function",
                         "function": {"name": "get_weather", "arguments": ""}}
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Rome"}' and len(calls) > 2
-    assert all("content" not in d for d in deltas[1:])
+    assert all(not d.content for d in deltas[1:])
 
 
 def test_a_forced_call_cut_by_max_tokens_is_dropped_and_the_reason_stays_length():

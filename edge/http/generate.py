@@ -1,0 +1,107 @@
+"""The generation routes: OpenAI chat completions and completions, OpenAI Responses, Anthropic Messages. One path for
+all of them: the key, the body, the API's parser (edge.api.client_api), the structured-output check, admission, then
+the answer collected or streamed (edge.http.stream) and the request's one terminal state."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from aiohttp import web
+
+from contracts.grammar_compile import compile_timeout_s
+from edge.api.chat_completions import ChatCompletionsApi
+from edge.api.client_api import ClientApi
+from edge.api.completion import Completion
+from edge.api.completions import CompletionsApi
+from edge.api.messages import MessagesApi
+from edge.api.openai_request import ApiError, GenerateRequest
+from edge.api.responses import ResponsesApi
+from edge.api.sampling_request import SamplingRequest
+from edge.api.structured import check_structured, compile_owner
+from edge.core.gateway import Gateway, Run, bearer_key
+from edge.core.lifecycle import RequestStatus
+from edge.http.body import read_json
+from edge.http.completion_batch import serve_batch
+from edge.http.embeddings import generation_refused
+from edge.http.model_file import chat_format, model_path
+from edge.http.stream import collect, stream
+from edge.state import GATEWAY, GRAMMAR_CHECKS
+from policies.quota import key_id
+
+CHAT_COMPLETIONS, COMPLETIONS = ChatCompletionsApi(), CompletionsApi()
+RESPONSES, MESSAGES = ResponsesApi(), MessagesApi()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, CHAT_COMPLETIONS)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, COMPLETIONS)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await generate(request, RESPONSES)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await generate(request, MESSAGES)
+
+
+async def generate(request: web.Request, api: ClientApi, body: dict | None = None) -> web.StreamResponse:
+    """body: one prompt of a completions batch (edge.http.completion_batch), already read."""
+    gateway: Gateway = request.app[GATEWAY]
+    parsed = None
+    try:
+        gateway.check_key(request)
+        if gateway.embedding_only:
+            raise generation_refused(gateway, request.path)
+        body = await read_json(request, gateway) if body is None else body
+        bodies = api.batch(body, gateway.pool.vocab_size, gateway.config.limits.prefill_queue_size)
+        if bodies is not None:  # one request per prompt
+            return await serve_batch(bodies, lambda one: generate(request, api, one))
+        parsed = api.parse(body, gateway.pool.vocab_size, await chat_format(gateway) if api.chat else None)
+        await _check_structured(request, gateway, parsed)
+        run = gateway.admit(request, parsed)
+    except ApiError as err:
+        gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
+        gateway.rejected(request, err, parsed)
+        return api.error(err)
+    return await _answer(request, gateway, run, api)
+
+
+async def _check_structured(request: web.Request, gateway: Gateway, parsed: GenerateRequest) -> None:
+    """The constraint compiled as the workers will compile it, under the salt whose compiles may answer it."""
+    if parsed.sampling.structured is None:
+        return
+    config = gateway.config
+    await check_structured(parsed, request.app[GRAMMAR_CHECKS], compile_timeout_s(config), model_path(gateway),
+                           compile_owner(key_id(bearer_key(request)), request.remote),
+                           config.grammar_compile_queue_per_key, gateway.cache_salt(request, parsed))
+
+
+async def _answer(request: web.Request, gateway: Gateway, run: Run, api: ClientApi) -> web.StreamResponse:
+    completion = Completion(run.inflight.request_id, _typed(run.request), gateway.model_name)
+    status, reason = RequestStatus.ABORTED, "abort"
+    try:
+        response = await (stream(request, gateway, run, completion, api) if run.request.stream
+                          else collect(gateway, run, completion, api))
+        if completion.finish_reason in ("stop", "length"):
+            status, reason = RequestStatus.FINISHED, completion.finish_reason
+        elif completion.error is not None and completion.error.code != "aborted":
+            status, reason = RequestStatus.FAILED, "error"
+        return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        status, reason = RequestStatus.ABORTED, "abort"  # the client went away
+        raise
+    finally:
+        await asyncio.shield(gateway.end(run, status, reason, completion.usage, completion.error))
+
+
+def _typed(request: GenerateRequest) -> GenerateRequest:
+    """The admitted request with its sampling typed: Gateway._queue spreads it into a dict with the policy's decision
+    (max_tokens, logprobs) until it applies SamplingRequest.decided instead."""
+    if isinstance(request.sampling, SamplingRequest):
+        return request
+    return dataclasses.replace(request, sampling=SamplingRequest(**request.sampling))

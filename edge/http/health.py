@@ -1,0 +1,95 @@
+"""GET /health, /v1/models (and one model's card) and /metrics: what the service is, and how it is."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from aiohttp import web
+
+from edge.api.fields import ApiError, show
+from edge.core.gateway import Gateway
+from edge.http.embeddings import model_facts
+from edge.state import GATEWAY, GRAMMAR_CHECKS, RELOADER, SUPERVISOR
+
+
+async def models(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app[GATEWAY]
+    try:
+        gateway.check_key(request)
+    except ApiError as err:
+        return err.response()
+    return web.json_response({"object": "list", "data": [_model_card(gateway.model_name, gateway)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id} (the openai client's models.retrieve): the served model's card, else a 404."""
+    gateway: Gateway = request.app[GATEWAY]
+    name = request.match_info["model_id"]
+    try:
+        gateway.check_key(request)
+        if name != gateway.model_name:
+            raise ApiError(404, f"the model {show(name)} does not exist here (this server serves "
+                                f"{gateway.model_name})", "model", "model_not_found")
+    except ApiError as err:
+        return err.response()
+    return web.json_response(_model_card(name, gateway))
+
+
+def _model_card(name: str, gateway: Gateway) -> dict:
+    card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "edge"}
+    return {**card, **model_facts(gateway)}
+
+
+async def health(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app[GATEWAY]
+    # each single engine by name (a down one of a group makes the service degraded); none for an embedding model
+    components = {name: link.state for name, link in _engines(gateway).items()}
+    components.update({name: w.state for name, w in gateway.pool.workers.items()})
+    supervisor = request.app.get(SUPERVISOR)
+    processes = supervisor.snapshot() if supervisor else {}
+    ready = gateway.ready and not gateway.shutting_down
+    troubled = any(p["state"] in ("backoff", "crash_loop") for p in processes.values())
+    degraded = ready and (troubled or any(state != "ready" for state in components.values()))
+    body = {"status": "degraded" if degraded else "ok" if ready else "loading" if not gateway.shutting_down
+            else "shutting_down", "model": gateway.model_name, "components": components, "processes": processes,
+            "errors": _component_errors(gateway), "prefill": _prefill_state(gateway),
+            "prefill_queue": gateway.pool.queue_length, "policy": _policy_state(request),
+            "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None,
+            "structured_outputs": request.app[GRAMMAR_CHECKS].state(), **model_facts(gateway)}
+    if (engines := gateway.engine.describe()) is not None:
+        body["engines"] = engines
+    return web.json_response(body, status=200 if ready else 503)
+
+
+def _engines(gateway: Gateway) -> dict:
+    """The single decode engines by name (edge.core.engine_link); an embedding model is served without one."""
+    return {} if gateway.embedding_only else gateway.engine.links()
+
+
+def _component_errors(gateway: Gateway) -> dict:
+    """Why a component is not ready (a refused handshake, a bad frame, a missed heartbeat), if known."""
+    errors = {name: link.last_error for name, link in _engines(gateway).items()}
+    errors.update({name: w.last_error for name, w in gateway.pool.workers.items()})
+    return {name: error for name, error in errors.items() if error}
+
+
+def _prefill_state(gateway: Gateway) -> dict:
+    return {name: {"request": w.current_id, "stuck_count": w.stuck_count,
+                   "engine_connected": w.engine_connected, "weights": w.info.prefill_weights if w.info else None}
+            for name, w in gateway.pool.workers.items()}
+
+
+def _policy_state(request: web.Request) -> dict:
+    gateway: Gateway = request.app[GATEWAY]
+    state = gateway.enforcer.evaluator.state
+    reloader = request.app.get(RELOADER)
+    return {"source": gateway.enforcer.policy.source, "tier": state.name, "reason": state.reason,
+            "in_tier_s": round(gateway.enforcer.clock() - state.since, 1),
+            "last_reload_error": reloader.last_error if reloader else None}
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app[GATEWAY]
+    gateway.refresh_metrics()
+    return web.Response(body=gateway.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})

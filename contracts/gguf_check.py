@@ -26,6 +26,7 @@ HPARAM_BOUNDS = {
     "attention.head_count_kv": (1, 1024),
     "attention.key_length": (1, 1 << 12),
     "attention.value_length": (1, 1 << 12),
+    "rope.dimension_count": (1, 1 << 12),
     "vocab_size": (1, MAX_ARRAY_ITEMS),
 }
 PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")  # a value, or one a layer

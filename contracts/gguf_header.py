@@ -39,6 +39,9 @@ MAX_STRING_BYTES = 1 << 24
 MAX_TENSOR_NAME_BYTES = 63  # llama.cpp's GGML_MAX_NAME, less its terminating zero
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ALIGNMENT = 1 << 16
+# ggml's integer types hold indices, never a model's weights: a weight in one has ggml abort at the first op
+INTEGER_TYPES = frozenset({GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32,
+                           GGMLQuantizationType.I64})
 # the fewest bytes one key/value and one tensor description can take: a bound on the counts from the file's size
 _MIN_FIELD_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
 _MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, a one-byte name, dims count, one dim, type, offset
@@ -259,6 +262,9 @@ class _Cursor:
             tensor_type = GGMLQuantizationType(kind)
         except ValueError:
             raise GGUFError(self.path, f"tensor {name!r} has type {kind}, not a ggml type") from None
+        if tensor_type in INTEGER_TYPES:
+            raise GGUFError(self.path, f"tensor {name!r} has type {tensor_type.name}: a model's weights are floats or "
+                                       "quantized blocks")
         block_size, type_size = GGML_QUANT_SIZES[tensor_type]
         if shape[0] % block_size:
             raise GGUFError(self.path, f"tensor {name!r} has rows of {shape[0]} elements, not whole blocks of "

@@ -4,19 +4,25 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
 from aiohttp import web
+from aiohttp.web_runner import GracefulExit
 
+from contracts.gguf_check import check_gguf
+from contracts.gguf_header import GGUFError
 from contracts.identity import UnsupportedModelError, check_supported
 from contracts.model_kind import model_kind
 from contracts.options import KNOBS
 from contracts.startup_clock import since_start
-from edge.config import ConfigError, load_config, policy_path
+from edge.config import ConfigError, load_config, open_without_authentication, policy_path
 from edge.http.tls import TLSError, server_context
 from policies.loader import PolicyError, load_policy
 from prefill_cpu.embedded_model import embedded_model_path
+
+ALLOW_OPEN_FLAG = "--allow-unauthenticated"
 
 
 def main(argv=None) -> None:
@@ -25,6 +31,9 @@ def main(argv=None) -> None:
     serve = commands.add_parser("serve", help="start the service")
     serve.add_argument("--config", help="TOML config file (see docs/config.md)")
     add_serve_flags(serve)
+    serve.add_argument(ALLOW_OPEN_FLAG, action="store_true",
+                       help="serve on a non-loopback address with no API keys and no client certificates: anyone "
+                            "who reaches the port may use the model (docs/security.md)")
     check = commands.add_parser("check-model", help="check a GGUF before serving it: support, sizes, fidelity")
     from edge.check_model.command import add_arguments  # the command's own flags live with it
     add_arguments(check)
@@ -32,19 +41,30 @@ def main(argv=None) -> None:
     if args.command == "check-model":
         from edge.check_model.command import run
         sys.exit(run(args))
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "allow_unauthenticated")}
     try:
         config = load_config(args.config, overrides)
-        load_policy(policy_path(config))  # refuse a bad policy before starting anything
+        policy = load_policy(policy_path(config))  # refuse a bad policy before starting anything
         ssl_context = server_context(config)  # ... and bad TLS files, before the model loads
         model = config.model or embedded_model_path()
+        check_gguf(model)  # ... and a corrupt or hostile model file, before any process reads it
         if not model_kind(model).embedding:  # an embedding model is served without a handoff (no engine)
             check_supported(model)  # ... and a model family the handoff cannot carry
-    except (ConfigError, PolicyError, TLSError, UnsupportedModelError, FileNotFoundError) as err:
+    except (ConfigError, PolicyError, TLSError, UnsupportedModelError, GGUFError, FileNotFoundError) as err:
         sys.exit(f"edge: {err}")
+    open_to = open_without_authentication(config, policy)
+    if open_to and not args.allow_unauthenticated:
+        sys.exit(f"edge: refusing to serve on {open_to} with no API keys in the policy ({policy.source}) and no "
+                 f"client certificates (ssl_ca_certs): anyone who reaches the port could use the model. Add keys "
+                 f"(docs/policies.md), listen on 127.0.0.1, or pass {ALLOW_OPEN_FLAG} to serve it open on purpose "
+                 "(docs/security.md)")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
     logging.getLogger("edge").info("gateway: config, policy and model checked %.1f s after the process started",
                                    since_start())
+    if open_to:
+        logging.getLogger("edge").warning("OPEN SERVICE: listening on %s with NO AUTHENTICATION (no API keys, no "
+                                          "client certificates; %s given): anyone who reaches this port can use the "
+                                          "model", open_to, ALLOW_OPEN_FLAG)
     if config.ssl_ca_certs:
         logging.getLogger("edge").info("mutual TLS: clients need a certificate signed by %s", config.ssl_ca_certs)
     from edge.app import make_app  # after logging is set up: loading the app logs
@@ -52,12 +72,34 @@ def main(argv=None) -> None:
         app = make_app(config)
     except (ValueError, FileNotFoundError) as err:  # a bad secret file, TCP without a secret, no model
         sys.exit(f"edge: {err}")
+    supervisor = _supervise_start(app, config)
     # with ssl_context, aiohttp's "Running on https://..." line below names the scheme clients must use
     web.run_app(app, host=config.host, port=config.port, ssl_context=ssl_context, handler_cancellation=True,
                 shutdown_timeout=config.limits.shutdown_grace_s + 5,
                 # a new or idle connection must send its headers in time
                 keepalive_timeout=config.limits.header_timeout_s,
                 print=lambda msg: logging.getLogger("edge").info(msg.strip()))
+    if supervisor is not None and supervisor.start_failure:
+        sys.exit(f"edge: the start failed: {supervisor.start_failure}")
+
+
+def _supervise_start(app: web.Application, config):
+    """The launched children's supervisor, told which of them the gateway has seen ready, and to end the gateway
+    when one fails its start for good (it died at each try before it was ever ready: a model llama.cpp aborts on);
+    its children stop within the drain time. None without launched children (launch = false, ray)."""
+    from edge.launch.launcher import ready_probe
+    from edge.state import GATEWAY, SUPERVISOR
+    supervisor = app.get(SUPERVISOR)
+    if supervisor is None:
+        return None
+    supervisor.is_ready = ready_probe(app[GATEWAY])
+    supervisor.on_start_failed = lambda reason: asyncio.get_running_loop().call_soon(_graceful_exit)
+    supervisor.stop_timeout_s = max(1.0, config.limits.shutdown_grace_s)
+    return supervisor
+
+
+def _graceful_exit() -> None:
+    raise GracefulExit()  # what aiohttp's SIGTERM handler raises: run_app then runs its shutdown sequence
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

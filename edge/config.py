@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import Field, create_model
 
+from contracts.control_tls import is_loopback
 from contracts.options import conflicts, field_knob, knob
 from policies.validation import FileError, Invalid, Issue, Strict, parse_toml, read_text, validate
 
@@ -183,3 +184,14 @@ def is_local_address(address: str) -> bool:
         return True
     host = address.removeprefix("tcp://").rpartition(":")[0]
     return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def open_without_authentication(config: ServeConfig, policy) -> str:
+    """Where the gateway would listen beyond this host with nothing that authenticates a client: no API key in
+    `policy` and no client certificates (ssl_ca_certs); "" when it listens on loopback only or clients must prove
+    who they are. `edge serve` refuses such a start unless the operator says it is meant (docs/security.md)."""
+    if is_loopback(config.host) or policy.keys or config.ssl_ca_certs:
+        return ""
+    if not config.host:  # aiohttp then listens on every interface
+        return f"every interface, port {config.port}"
+    return f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"

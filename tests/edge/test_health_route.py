@@ -1,0 +1,52 @@
+"""/health's engine parts come from the engine link (edge.core.engine_link): each single engine by name as a
+component (its error beside), and a group's table of engines where the link describes one."""
+
+import asyncio
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from fake_engine_link import FakeEngine
+from fake_gateway import fake_gateway
+
+from edge.http.routes import add_routes
+from edge.state import GATEWAY
+
+
+class TwoEngines(FakeEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = FakeEngine("ready"), FakeEngine("down")
+        self.second.last_error = "refused the handshake"
+
+    def links(self) -> dict:
+        return {"decode-0": self.first, "decode-1": self.second}
+
+    def describe(self) -> dict:
+        return {"decode-0": {"state": "ready"}, "decode-1": {"state": "down"}}
+
+
+def health(engine, embedding_only: bool = False) -> dict:
+    async def scenario():
+        app = web.Application()
+        app[GATEWAY], _ = fake_gateway()
+        app[GATEWAY].engine, app[GATEWAY].embedding_only = engine, embedding_only
+        add_routes(app)
+        async with TestClient(TestServer(app)) as client:
+            return await (await client.get("/health")).json()
+    return asyncio.run(scenario())
+
+
+def test_each_linked_engine_is_a_component_and_a_group_adds_its_table():
+    body = health(TwoEngines())
+    assert body["components"] == {"decode-0": "ready", "decode-1": "down"}
+    assert body["errors"] == {"decode-1": "refused the handshake"}
+    assert body["engines"] == {"decode-0": {"state": "ready"}, "decode-1": {"state": "down"}}
+
+
+def test_one_engine_has_no_table_and_an_embedding_model_no_engine():
+    one = FakeEngine("connecting")
+    one.links = lambda: {"decode_engine": one}
+    body = health(one)
+    assert body["components"] == {"decode_engine": "connecting"} and "engines" not in body
+    assert health(TwoEngines(), embedding_only=True)["components"] == {}
+    assert health(TwoEngines())["structured_outputs"]["compiles"] == 0  # the app's grammar checks, none yet

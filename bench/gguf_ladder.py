@@ -103,6 +103,48 @@ SHAPES["tiny"] = dataclasses.replace(SHAPES["1b"], label="tiny Llama-3.2-shaped"
                                      n_head=4, n_kv_head=2, n_vocab=49408)
 
 
+# llama.cpp's K-quant blocks: bytes per 256 weights
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+FILE_TYPES = {"f16": 1, "q4_k_m": 15}  # general.file_type (llama_ftype)
+
+
+def q4_k_m_type(shape: LadderShape, name: str) -> str:
+    """The type llama.cpp's Q4_K_M gives a matrix (llama-quant.cpp): Q6_K for the output matrix (the embedding when
+    tied) and for attn_v and ffn_down in the layers use_more_bits picks (the first and last eighth, every third
+    between), Q4_K for the rest."""
+    if name == "output.weight" or (name == "token_embd.weight" and shape.tied):
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer, n = int(name.split(".")[1]), shape.n_layer
+        if layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
+def ladder_sizes(size: str, kind: str):
+    """The rung's contracts.model_sizes.ModelSizes, projected without writing it: tensor data as llama.cpp's Q4_K_M
+    rule or f16 lays it out (the header, a few MB of tokenizer, not counted)."""
+    from contracts.model_sizes import Matrix, ModelSizes
+    shape = SHAPES[size]
+    types, data = {}, 0
+    for name, dims, tensor_kind in shape.tensors():
+        elements = int(np.prod(dims))
+        if tensor_kind != "matrix":
+            data += 4 * elements
+            continue
+        types[name] = "F16" if kind == "f16" else q4_k_m_type(shape, name)
+        data += 2 * elements if kind == "f16" else elements // 256 * BLOCK_BYTES[types[name]]
+    layers = [Matrix(*dims) for name, dims, k in shape.tensors() if k == "matrix" and name.startswith("blk.")]
+    return ModelSizes(
+        name=ladder_path(Path("."), size, kind).name, file_bytes=data, file_type=FILE_TYPES[kind],
+        n_layer=shape.n_layer, n_embd=shape.n_embd, n_ff=shape.n_ff, n_vocab=shape.n_vocab,
+        num_kv_heads=shape.n_kv_head, head_dim_k=shape.head_dim, head_dim_v=shape.head_dim,
+        embedding=Matrix(shape.n_vocab, shape.n_embd), head=None if shape.tied else Matrix(shape.n_vocab, shape.n_embd),
+        layers=tuple(layers), vector_elements=sum(int(np.prod(d)) for _, d, k in shape.tensors() if k != "matrix"),
+        layer_types=frozenset(t for n, t in types.items() if n.startswith("blk.")),
+        head_type=types["output.weight" if not shape.tied else "token_embd.weight"])
+
+
 def ladder_path(out: Path, size: str, kind: str) -> Path:
     return out / f"ladder-{size}-{kind}.gguf"
 
@@ -304,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", default="q4_k_m,f16", help=f"comma-separated, of {', '.join(TYPES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-check", action="store_true", help="skip loading each file in llama.cpp")
-    parser.add_argument("--plan", action="store_true", help="print the shapes' parameters and f16 bytes, write nothing")
+    parser.add_argument("--plan", action="store_true", help="print the files' projected sizes, write nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     sizes, kinds = args.sizes.split(","), tuple(args.types.split(","))
@@ -315,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         shape = SHAPES[size]
         if args.plan:
-            print(f"{size:5} {shape.label:22} {shape.n_params() / 1e9:8.2f}B {'f16':7} {shape.f16_bytes() / 1e9:7.2f}")
+            for kind in kinds:
+                projected = ladder_sizes(size, kind).file_bytes
+                print(f"{size:5} {shape.label:22} {shape.n_params() / 1e9:8.2f}B {kind:7} {projected / 1e9:7.2f}")
             continue
         for kind, row in build(args.out, size, kinds, args.seed, not args.no_check).items():
             logit = f"{row['max_logit']:10.2f}" if "max_logit" in row else ""

@@ -120,6 +120,51 @@ def plan_memory(sizes: ModelSizes, machine: Machine, config: PlanConfig) -> Memo
     return _Planner(sizes, machine, config).plan()
 
 
+@dataclass(frozen=True)
+class WeightOption:
+    """A way to hold the decode weights: the weight_dtype the engine is told, the sets it may hold (name, bytes)."""
+    told: str
+    sets: tuple[tuple[str, int], ...]
+    second_set: bool  # quantized and float sets both
+    float_set: bool  # auto may keep float weights (alone or beside the quantized)
+    why: str
+
+    @property
+    def bytes(self) -> int:
+        return sum(held for _, held in self.sets)
+
+    def parts(self, where: str) -> list[Part]:
+        notes = ["", "for the batches the quantized kernels lose at"]
+        return [Part(f"decode weights, {name}", held, where, note) for (name, held), note in zip(self.sets, notes)]
+
+
+def weight_options(sizes: ModelSizes, device: str, weight_dtype: str, dtype: str) -> list[WeightOption]:
+    """Best first; the last is the least the config allows. auto on a CPU measures int4 (every layer matrix affine
+    4-bit) or int8, and ggml's q8_0, against the float weights (decode_gpu/model/weight_plan.py): room for the
+    larger of the quantized ones until only the smaller fits."""
+    if weight_dtype != "auto" or device == "cuda":
+        told = weight_dtype
+        if weight_dtype == "auto":  # CUDA: the GGUF's own quantization
+            told = "int4" if sizes.layer_types & GGUF_INT4 else "int8" if sizes.layer_types & GGUF_INT8 else dtype
+        why = f"weight_dtype = {weight_dtype!r}" + (f": {told}, the GGUF's own" if weight_dtype == "auto" else "")
+        held = sizes.decode_weight_bytes(told, dtype)
+        return [WeightOption(weight_dtype, ((told, held),), False, told in FLOAT_BYTES, f"one set ({why})")]
+    kind = "int4" if sizes.layer_types and sizes.layer_types <= GGUF_EXACT_INT4 else "int8"
+    least, q8_0 = sizes.decode_weight_bytes(kind, dtype), sizes.decode_weight_bytes("q8_0", dtype)
+    most, floating = max(least, q8_0), sizes.decode_weight_bytes(dtype, dtype)
+    quantized = f"{kind} or q8_0" if q8_0 > least else kind
+    options = [WeightOption("auto", ((quantized, most), (dtype, floating)), True, True,
+                            f"auto: the {quantized} and {dtype} sets both fit"),
+               WeightOption("auto", ((f"{quantized} or {dtype}", floating),), False, True,
+                            "auto, one set: both do not fit; it keeps the one faster at one row"),
+               WeightOption("auto", ((quantized, most),), False, False,
+                            f"auto, quantized only: {dtype} ({floating / GIB:.2f} GiB) does not fit")]
+    if most > least:
+        options.append(WeightOption(kind, ((kind, least),), False, False,
+                                    f"{kind} only: q8_0 ({q8_0 / GIB:.2f} GiB) and {dtype} do not fit"))
+    return options
+
+
 class _Planner:
     def __init__(self, sizes: ModelSizes, machine: Machine, config: PlanConfig) -> None:
         self.sizes, self.machine, self.config = sizes, machine, config
@@ -132,55 +177,35 @@ class _Planner:
         self.kv_floor = config.kv_cache_tokens or min(max(KV_FLOOR_TOKENS, 4 * config.max_model_len), longest)
         # swapped-out KV beyond what the pool's floor holds would be memory a CPU box pays twice for
         self.swap_bytes = min(int(config.swap_space_gib * GIB), self.kv_floor * self.per_token)
+        self.options = weight_options(sizes, machine.device, config.weight_dtype, config.dtype)
         self.reasons: dict[str, str] = {}
 
     def plan(self) -> MemoryPlan:
-        quantized, floating = self._weight_sets()
-        one_set = quantized or floating
-        workers = self._workers(one_set)
-        copy = self._prefill_copy(one_set, workers)
-        second, float_alone = self._second_set(quantized, floating, workers, copy)
-        held = floating if float_alone and not second else one_set  # auto may keep float alone: room for it
-        parts = self._required(held, workers, copy)
-        if second:
-            parts.insert(1, Part(f"decode weights, {floating[0]} set too", floating[1], self.engine_at,
-                                 "for batches the quantized kernels lose at"))
+        least = self.options[-1]
+        workers = self._workers(least)
+        copy = self._prefill_copy(least, workers)
+        weights = next(o for o in self.options if o is least or self._fits(self._required(o, workers, copy)))
+        self.reasons["weights"] = weights.why
+        parts = self._required(weights, workers, copy)
         tokens = min(self.kv_cap, self.kv_floor + self._left(parts) // self.per_token)
         parts[-1] = self._kv_part(tokens)
-        self.reasons.setdefault("kv_cache_tokens", f"{tokens}: what is left"
-                                + (", up to every sequence at its longest (max_num_seqs x max_model_len)"
-                                   if tokens == self.kv_cap and not self.config.kv_cache_tokens else ""))
-        return MemoryPlan(self.budgets, tuple(parts), self._told(quantized, floating, second, float_alone), second,
-                          float_alone, copy, workers, tokens, self.swap_bytes, dict(self.reasons))
+        capped = tokens == self.kv_cap and not self.config.kv_cache_tokens
+        self.reasons["kv_cache_tokens"] = (f"{tokens}: " + ("kv_cache_tokens" if self.config.kv_cache_tokens else
+                                           "what is left") + (", up to every sequence at its longest (max_num_seqs "
+                                                              "x max_model_len)" if capped else ""))
+        return MemoryPlan(self.budgets, tuple(parts), weights.told, weights.second_set, weights.float_set, copy,
+                          workers, tokens, self.swap_bytes, dict(self.reasons))
 
-    # the weight sets: (weight_dtype, bytes) each, None where the config rules it out
-    def _weight_sets(self) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
-        config, sizes = self.config, self.sizes
-        wanted = config.weight_dtype
-        if wanted in FLOAT_BYTES:
-            return None, (wanted, sizes.decode_weight_bytes(wanted, config.dtype))
-        if wanted != "auto":
-            return (wanted, sizes.decode_weight_bytes(wanted, config.dtype)), None
-        if self.machine.device == "cuda":  # the GGUF's own quantization, one set
-            kind = "int4" if sizes.layer_types & GGUF_INT4 else "int8" if sizes.layer_types & GGUF_INT8 else None
-            if kind is None:
-                return None, (config.dtype, sizes.decode_weight_bytes(config.dtype, config.dtype))
-            return (kind, sizes.decode_weight_bytes(kind, config.dtype)), None
-        # a CPU: auto measures int4 (every layer affine 4-bit) or int8, and ggml's q8_0: room for the larger
-        kind = "int4" if sizes.layer_types and sizes.layer_types <= GGUF_EXACT_INT4 else "int8"
-        quantized = max(sizes.decode_weight_bytes(k, config.dtype) for k in (kind, "q8_0"))
-        return (kind, quantized), (config.dtype, sizes.decode_weight_bytes(config.dtype, config.dtype))
-
-    def _required(self, weights: tuple[str, int], workers: int, copy: str | None) -> list[Part]:
+    def _required(self, weights: WeightOption, workers: int, copy: str | None) -> list[Part]:
         config, sizes = self.config, self.sizes
         rows = config.max_num_seqs  # a step's logits, probabilities and sampling scratch, and its activations
         activations = rows * 4 * (4 * sizes.n_vocab + 4 * sizes.n_ff + 8 * sizes.n_embd)
         kv_cells = config.n_ctx + config.prefix_cache_tokens
         worker_each = (WORKER_RUNTIME + kv_cells * sizes.handoff_kv_bytes(config.kv_type) + self._compute_buffer())
-        given = copy is None
-        parts = [Part(f"decode weights, {weights[0]}", weights[1], self.engine_at),
-                 Part("engine runtime", ENGINE_RUNTIME + (0 if self.engine_at == "device" else activations), "host",
-                      "Python, torch, tokenizer" + ("" if self.engine_at == "device" else ", a step's activations")),
+        given, on_device = copy is None, self.engine_at == "device"
+        parts = [*weights.parts(self.engine_at),
+                 Part("engine runtime", ENGINE_RUNTIME + (0 if on_device else activations), "host",
+                      "Python, torch, tokenizer" + ("" if on_device else ", a step's activations")),
                  Part("swap space (at most)", self.swap_bytes, "host",
                       "preempted sequences' KV: swap_space_gib or the pool's floor, the lesser"),
                  Part("gateway runtime", GATEWAY_RUNTIME, "host"),
@@ -188,8 +213,8 @@ class _Planner:
                       sizes.file_bytes if given else sizes.copy_bytes(copy), "host", "mmap'd: shared by the workers"),
                  Part(f"prefill workers x{workers}", workers * worker_each, "host",
                       f"each: runtime, llama.cpp KV of {kv_cells} tokens ({config.kv_type}), compute buffer")]
-        if self.engine_at == "device":
-            parts.insert(2, Part("CUDA context, activations", CUDA_CONTEXT + activations, "device"))
+        if on_device:
+            parts.insert(len(weights.sets), Part("CUDA context, activations", CUDA_CONTEXT + activations, "device"))
         return [*parts, self._kv_part(self.kv_floor)]
 
     def _kv_part(self, tokens: int) -> Part:
@@ -212,7 +237,7 @@ class _Planner:
     def _fits(self, parts: list[Part]) -> bool:
         return all(self._used(parts, where) <= budget for where, budget in self.budgets.items())
 
-    def _workers(self, weights: tuple[str, int]) -> int:
+    def _workers(self, weights: WeightOption) -> int:
         wanted = self.config.prefill_workers
         for workers in range(wanted, 0, -1):
             if self._fits(self._required(weights, workers, self._named_copy())):
@@ -226,7 +251,7 @@ class _Planner:
         wanted = self.config.prefill_weights
         return None if wanted in ("auto", "given") else wanted
 
-    def _prefill_copy(self, weights: tuple[str, int], workers: int) -> str | None:
+    def _prefill_copy(self, weights: WeightOption, workers: int) -> str | None:
         wanted, sizes = self.config.prefill_weights, self.sizes
         if wanted != "auto":
             self.reasons["prefill_copy"] = f"prefill_weights = {wanted!r}"
@@ -242,35 +267,6 @@ class _Planner:
         self.reasons["prefill_copy"] = (f"none: an f16 copy ({sizes.copy_bytes('f16') / GIB:.2f} GiB) or q8_0 would "
                                         f"not fit beside the required parts")
         return None
-
-    def _second_set(self, quantized, floating, workers: int, copy: str | None) -> tuple[bool, bool]:
-        """(both sets held, the float set alone allowed) for auto on a CPU; the one configured set otherwise."""
-        if quantized is None or floating is None:
-            self.reasons["weights"] = f"{(quantized or floating)[0]}: one set ({self._why_one_set()})"
-            return False, floating is not None
-        both = self._required(quantized, workers, copy)
-        both.append(Part("float set", floating[1], self.engine_at))
-        if self._fits(both):
-            self.reasons["weights"] = (f"auto: {quantized[0]} and {floating[0]} sets both fit "
-                                       f"({(quantized[1] + floating[1]) / GIB:.2f} GiB)")
-            return True, True
-        float_alone = self._fits(self._required(floating, workers, copy))
-        self.reasons["weights"] = (
-            f"one set: {quantized[0]} ({quantized[1] / GIB:.2f} GiB) and {floating[0]} ({floating[1] / GIB:.2f} GiB) "
-            f"do not both fit; " + ("auto keeps the one faster at one row" if float_alone else
-                                    f"{floating[0]} alone does not fit either: {quantized[0]}"))
-        return False, float_alone
-
-    def _why_one_set(self) -> str:
-        if self.config.weight_dtype != "auto":
-            return f"weight_dtype = {self.config.weight_dtype!r}"
-        return "auto on CUDA: the GGUF's own quantization"
-
-    def _told(self, quantized, floating, second: bool, float_alone: bool) -> str:
-        """The weight_dtype the engine is told: auto where it may still measure, else the one set the budget holds."""
-        if self.config.weight_dtype != "auto" or quantized is None or floating is None:
-            return self.config.weight_dtype
-        return "auto" if second or float_alone else quantized[0]
 
     def _refusal(self, parts: list[Part]) -> str:
         listed = "; ".join(f"{p.name} {p.bytes / MIB:.0f} MiB ({p.where})" for p in parts)

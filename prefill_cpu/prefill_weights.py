@@ -17,6 +17,11 @@ Choices (`prefill_weights` in the serve config, `--prefill-weights` of a worker)
   A worker holds its prefills' live rate against the recorded one (prefill_cpu.prefill_rate); a record whose
   measurement it finds slowed is marked stale, and the next start measures again.
 
+The memory plan (contracts/memory_plan.py) may say which copies fit beside everything else on the box
+(`copy_kinds`): auto then measures only those, best first, in place of its own quarter-of-the-memory rule, and
+prefills from the given file when none fits (a recorded decision for a copy that no longer fits included). A copy
+asked for by name is the plan's to refuse at start, not this module's.
+
 The worker's identity (fingerprint, KV shape) stays the given file's: the engine checks handoffs against it.
 """
 
@@ -52,8 +57,10 @@ PROBE_TOKENS = 256  # the prompt auto measures with
 DECISION_FILE = "prefill-weights.json"
 
 
-def prefill_weights_path(identity: GGUFIdentity, choice: str, threads: int, n_batch: int) -> str:
-    """The file llama.cpp should load for prefill under `choice`; the given file when nothing better is known."""
+def prefill_weights_path(identity: GGUFIdentity, choice: str, threads: int, n_batch: int,
+                         copy_kinds: tuple[str, ...] | None = None) -> str:
+    """The file llama.cpp should load for prefill under `choice`; the given file when nothing better is known.
+    copy_kinds: the copies the memory plan leaves room for, best first (None: auto's own memory rule)."""
     if choice not in CHOICES:
         raise ValueError(f"prefill weights {choice!r}: choose one of {', '.join(CHOICES)}")
     if choice == "given":
@@ -65,7 +72,7 @@ def prefill_weights_path(identity: GGUFIdentity, choice: str, threads: int, n_ba
             fcntl.flock(lock, fcntl.LOCK_EX)
             if choice != "auto":
                 return str(converted_copy(identity, choice, folder))
-            return _auto(identity, folder, threads, n_batch)
+            return _auto(identity, folder, threads, n_batch, copy_kinds)
     except (OSError, RuntimeError) as err:
         if choice != "auto":  # asked for by name: fail clearly rather than prefill from another file
             raise RuntimeError(f"prefill weights {choice}: {err}") from err
@@ -101,7 +108,8 @@ def quantize_gguf(source: str, target: Path, kind: str) -> None:
         raise RuntimeError(f"llama.cpp could not convert {source} to {kind}")
 
 
-def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> str:
+def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int,
+          copy_kinds: tuple[str, ...] | None = None) -> str:
     key = {"cpu": llama_cpp.llama_print_system_info().decode(errors="replace").strip(), "threads": threads,
            "n_batch": n_batch}
     decision_file = folder / DECISION_FILE
@@ -110,13 +118,17 @@ def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int) -> s
     except (OSError, ValueError):
         decision = None
     if decision and decision.get("key") == key and "stale" not in decision:
+        if not copy_allowed(decision.get("choice"), copy_kinds):
+            log.info("prefill weights: the given file; the %s copy an earlier start chose does not fit the memory "
+                     "plan (%s kept)", decision.get("choice"), decision_file)
+            return identity.path
         log.info("prefill weights: %s, as measured at an earlier start (%s; delete it to measure again)",
                  decision.get("choice"), decision_file)
         return _chosen(identity, folder, decision)
     if decision and "stale" in decision:
         log.info("prefill weights: measuring again; a worker found the recorded measurement slowed (%s)",
                  decision["stale"])
-    kind = candidate(identity.path, folder)
+    kind = candidate(identity.path, folder, copy_kinds)
     if kind is None:
         decision = {"key": key, "choice": "given", "why": "a copy would not fit, or not prefill faster"}
     else:
@@ -158,9 +170,15 @@ def _chosen(identity: GGUFIdentity, folder: Path, decision: dict) -> str:
     return identity.path
 
 
-def candidate(path: str, folder: Path) -> str | None:
+def copy_allowed(choice: str | None, copy_kinds: tuple[str, ...] | None) -> bool:
+    """Whether a recorded choice may be used under the memory plan's copy_kinds (the given file always may)."""
+    return choice not in FTYPES or copy_kinds is None or choice in copy_kinds
+
+
+def candidate(path: str, folder: Path, copy_kinds: tuple[str, ...] | None = None) -> str | None:
     """f16 if its copy takes at most MEMORY_SHARE of the memory, else q8_0 if that does, else None (also when the disk
-    lacks room for the copy twice over, or the file has 16 or 32 bits a weight already)."""
+    lacks room for the copy twice over, or the file has 16 or 32 bits a weight already). copy_kinds: the memory
+    plan's copies, best first, in place of the MEMORY_SHARE rule (() : none fits)."""
     reader = read_header(path)
     file_type = reader.get_field("general.file_type")
     if file_type is not None and int(file_type.contents()) in UNCONVERTED:
@@ -168,18 +186,19 @@ def candidate(path: str, folder: Path) -> str | None:
     weights = sum(int(tensor.n_elements) for tensor in reader.tensors)
     memory = psutil.virtual_memory().total
     free = shutil.disk_usage(folder).free
-    for kind in ("f16", "q8_0"):
+    planned = copy_kinds is not None
+    for kind in copy_kinds if planned else ("f16", "q8_0"):
         size = weights * BYTES_PER_WEIGHT[kind]
-        if size <= MEMORY_SHARE * memory and 2 * size <= free:
+        if (planned or size <= MEMORY_SHARE * memory) and 2 * size <= free:
             return kind
     log.info("prefill weights: no converted copy of %s (%.1f G weights; %.0f GB memory, %.0f GB free disk)",
              os.path.basename(path), weights / 1e9, memory / 1e9, free / 1e9)
     return None
 
 
-def auto_outlook(identity: GGUFIdentity) -> str:
+def auto_outlook(identity: GGUFIdentity, copy_kinds: tuple[str, ...] | None = None) -> str:
     """What `auto` did or will do for this file, read without converting or measuring anything (edge check-model):
-    the decision an earlier start recorded, else what the first start will do."""
+    the decision an earlier start recorded, else what the first start will do. copy_kinds: the memory plan's."""
     folder = converted_dir(identity)
     record = folder / DECISION_FILE
     try:
@@ -191,6 +210,9 @@ def auto_outlook(identity: GGUFIdentity) -> str:
         return (f"to be measured again at the next start: a worker prefilled {stale.get('live_tok_s')} tok/s at "
                 f"{stale.get('threads')} threads on {decision.get('choice')}, well above the "
                 f"{_recorded_for(decision)} tok/s recorded for it, so the measurement ran slowed ({record})")
+    if decision and not copy_allowed(decision.get("choice"), copy_kinds):
+        return (f"the given file: the {decision['choice']} copy an earlier start chose does not fit the memory plan "
+                f"({record})")
     if decision and decision.get("choice") in ("given", *FTYPES):
         chosen = "the given file" if decision["choice"] == "given" else f"its {decision['choice']} copy"
         key = decision.get("key") or {}
@@ -202,7 +224,7 @@ def auto_outlook(identity: GGUFIdentity) -> str:
     if file_type is not None and int(file_type.contents()) in UNCONVERTED:
         return "the given file: it has 16 or 32 bits a weight already"
     existing = next(p for p in (folder, *folder.parents) if p.exists())  # candidate() asks its disk for room
-    kind = candidate(identity.path, existing)
+    kind = candidate(identity.path, existing, copy_kinds)
     if kind is None:
         return "the given file: a converted copy would not fit (memory or disk)"
     return (f"not measured yet: the first start converts it to {kind} once and keeps the copy if it prefills at "

@@ -4,6 +4,7 @@ size, in this process, or the plan a quiet start recorded (plan_record.py; docs/
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -69,20 +70,40 @@ def layer_class(weight_dtype: str, int8_head: bool) -> type[QuantizedLinear]:
 
 
 def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Module | None = None,
-                     max_batch: int = 32) -> WeightPlan:
+                     max_batch: int = 32, second_set: bool = True, float_set: bool = True) -> WeightPlan:
     """weight_dtype = auto. CUDA: the GGUF's own quantization. CPU: a measurement, per batch size, of the quantized
     layers against the model's float weights: int4 where every layer matrix is affine 4-bit in the GGUF (its codes
-    come back exactly), int8 otherwise. The lm_head is int4 only where the GGUF's is."""
+    come back exactly), int8 otherwise. The lm_head is int4 only where the GGUF's is. second_set, float_set: what
+    the memory plan leaves room for (within_memory); the defaults keep every choice open."""
     if device.type == "cuda":
         if types.layers & GGUF_INT4:
             return WeightPlan("int4", f"the GGUF's weights are {'/'.join(sorted(types.layers & GGUF_INT4))}",
                               head_int8=types.head_int8)
         if types.layers & GGUF_INT8:
             return WeightPlan("int8", f"the GGUF's weights are {'/'.join(sorted(types.layers & GGUF_INT8))}")
-        return WeightPlan("float", "the GGUF's weights are not quantized")
+        return within_memory(WeightPlan("float", "the GGUF's weights are not quantized"), "int8", float_set=float_set)
     if model is None:
-        return WeightPlan("float", "no model to measure")
-    return _measured_cpu_plan(model, max_batch, cpu_kinds(types), types.head_int8)
+        return within_memory(WeightPlan("float", "no model to measure"), "int8", float_set=float_set)
+    kinds = cpu_kinds(types)
+    plan = _measured_cpu_plan(model, max_batch, kinds, types.head_int8)
+    return within_memory(plan, kinds[0], second_set, float_set, types.head_int8)
+
+
+def within_memory(plan: WeightPlan, kind: str, second_set: bool = True, float_set: bool = True,
+                  head_int8: bool = False) -> WeightPlan:
+    """`plan` as the memory plan (contracts/memory_plan.py) allows it; a recorded plan (plan_record.py) goes through
+    here as a measured one does. second_set False: one set at every batch size, the one the measurement found
+    fastest at one row (a decode step on a CPU box is mostly of few rows, and the smaller set leaves the KV pool more
+    room); the float weights kept for larger batches are dropped. float_set False: no float weights at all; where
+    the float set measured fastest, `kind` (the quantized kind auto measured; head_int8 as for it) instead."""
+    if not float_set and plan.weight_dtype == "float":
+        return WeightPlan(kind, f"{plan.why}; {kind}: the memory plan leaves no room for the float weights",
+                          head_int8=kind == "int4" and head_int8)
+    if plan.float_above is not None and not (second_set and float_set):
+        return dataclasses.replace(plan, float_above=None, packed={}, why=(
+            f"{plan.why}; {plan.weight_dtype} at every batch size: the memory plan leaves no room for the float "
+            f"weights beside it"))
+    return plan
 
 
 def cpu_kinds(types: GGUFWeightTypes) -> tuple[str, ...]:

@@ -82,7 +82,7 @@ def _check_admin(request: web.Request, key: str | None, challenge: bool) -> None
         raise ApiError(401, "the status page needs an admin API key: 'Authorization: Bearer <key>', or basic auth "
                             "with the key as the password", error_type="authentication_error",
                        code="invalid_api_key", headers=headers)
-    if not getattr(rule, "admin", False):
+    if not rule.admin:
         raise ApiError(403, "this API key may not see the status page (its policy rule has no admin = true)",
                        error_type="permission_error", code="not_admin")
 

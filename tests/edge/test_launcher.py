@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from edge.launch.child_main import PARENT_PID_ENV
-from edge.launch.launcher import Backoff, Supervisor
+from edge.launch.launcher import NEVER_READY_STOP_S, Backoff, Supervisor, describe_exit, ready_probe
 from server_process import pid_alive, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +28,14 @@ CHILD_MODULE = textwrap.dedent("""
 
     mode, log = sys.argv[1], Path(sys.argv[2])
     starts_before = len(log.read_text().splitlines()) if log.exists() else 0
+    if mode == "abort_at_load":  # as llama.cpp does on a model it cannot take: a message, then abort()
+        import resource
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with log.open("a") as f:
+            f.write(f"{os.getpid()} {time.monotonic()}\\n")
+        print("loading the model", file=sys.stderr)
+        print(f"GGML_ASSERT(n_layer <= 1024) failed at start {starts_before + 1}", file=sys.stderr, flush=True)
+        os.abort()
     if mode == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -245,3 +253,91 @@ def test_the_engine_gets_the_pace_from_the_serve_config():
     assert engine_config(ServeConfig(), "m.gguf", "unix:/x").cpu_decode_pace_ms == 0.0
     # 0 and unset both leave the pool's size to the engine
     assert engine_config(ServeConfig(kv_cache_tokens=0), "m.gguf", "unix:/x").kv_cache_tokens is None
+
+
+def test_a_child_that_dies_at_every_start_before_it_was_ready_fails_the_start(child_log):
+    """Not restarted in a loop: after Backoff.start_attempts deaths before it was ever ready, the start fails with
+    its exit and its stderr's last words, once; the supervisor then leaves it stopped."""
+    failures: list[str] = []
+    backoff = Backoff(initial_s=0.01, max_s=0.05, start_attempts=3)
+
+    async def scenario():
+        supervisor = Supervisor(backoff=backoff, poll_interval_s=0.01, is_ready=lambda name: False,
+                                on_start_failed=failures.append)
+        watcher = asyncio.create_task(supervisor.watch())
+        try:
+            child = supervisor.add("prefill-0", "launcher_child", ["abort_at_load", str(child_log("aborter"))])
+            assert await until(lambda: child.state == "failed", 30.0)
+            supervisor._tend(child, time.monotonic() + 60.0)  # a tick long after any backoff: nothing restarts it
+            return supervisor, child.snapshot()
+        finally:
+            await supervisor.shutdown(timeout_s=1.0)
+            watcher.cancel()
+
+    supervisor, snapshot = asyncio.run(scenario())
+    assert len(starts(child_log("aborter"))) == 3
+    assert failures == [supervisor.start_failure]
+    assert failures[0].startswith("prefill-0 exited with signal SIGABRT (an abort, e.g. an assertion in native "
+                                  "code) during its start, 3 times in a row, before it was ever ready; its last words:")
+    assert "GGML_ASSERT(n_layer <= 1024) failed at start 3" in failures[0]
+    assert (snapshot["state"], snapshot["last_exit"], snapshot["next_start_in_s"]) == ("failed", -signal.SIGABRT,
+                                                                                       None)
+
+
+def test_a_child_that_was_ready_once_is_restarted_however_often_it_dies(child_log):
+    """Readiness seen once: later deaths are a crash loop, restarted with backoff as before, never a failed start."""
+    ready = {"flaky": False}
+    backoff = Backoff(initial_s=0.01, max_s=0.02, stable_after_s=30.0, start_attempts=2)
+
+    async def scenario() -> Supervisor:
+        supervisor = Supervisor(backoff=backoff, poll_interval_s=0.01, is_ready=ready.get)
+        watcher = asyncio.create_task(supervisor.watch())
+        try:
+            child = supervisor.add("flaky", "launcher_child", ["sleep", str(child_log("flaky"))])
+            assert await until(lambda: child.state == "running")
+            ready["flaky"] = True
+            assert await until(lambda: child.ready)
+            for _ in range(4):
+                killed = child.process.pid
+                os.kill(killed, signal.SIGKILL)
+                assert await until(lambda old=killed: child.process is not None and child.process.pid != old)
+            assert child.consecutive_failures == 4 and child.state != "failed"
+            return supervisor
+        finally:
+            await supervisor.shutdown(timeout_s=1.0)
+            watcher.cancel()
+
+    assert asyncio.run(scenario()).start_failure is None
+
+
+def test_a_never_ready_child_that_ignores_sigterm_is_killed_within_a_second(child_log):
+    """One stuck in a model load holds no request: shutdown does not wait its full timeout for it."""
+    log = child_log("loading")
+
+    async def scenario() -> float:
+        supervisor = Supervisor(poll_interval_s=0.01, is_ready=lambda name: False, stop_timeout_s=30.0)
+        supervisor.add("decode_engine", "launcher_child", ["ignore_term", str(log)])
+        assert await until(lambda: starts(log))
+        began = time.monotonic()
+        await supervisor.shutdown()
+        return time.monotonic() - began
+
+    took_s = asyncio.run(scenario())
+    assert took_s < NEVER_READY_STOP_S + 1.0
+    assert not pid_alive(starts(log)[0][0])
+
+
+def test_the_start_failure_names_the_exit():
+    assert describe_exit(1) == "exit code 1"
+    assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+    assert describe_exit(-signal.SIGABRT).startswith("signal SIGABRT (an abort")
+
+
+def test_the_ready_probe_reads_the_gateways_connections():
+    from types import SimpleNamespace
+    gateway = SimpleNamespace(pool=SimpleNamespace(workers={"prefill-0": SimpleNamespace(state="down")}),
+                              engine=SimpleNamespace(state="connecting"))
+    is_ready = ready_probe(gateway)
+    assert not is_ready("prefill-0") and not is_ready("decode_engine")
+    gateway.pool.workers["prefill-0"].state, gateway.engine.state = "ready", "ready"
+    assert is_ready("prefill-0") and is_ready("decode_engine")

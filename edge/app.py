@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
@@ -17,6 +20,7 @@ from contracts import control_tls
 from contracts.control_tls import ControlTLS
 from contracts.events import FinishReason
 from contracts.framing import SECRET_ENV, control_secret, new_secret, refuse_plaintext_links
+from contracts.messages import Recompute
 from contracts.model_kind import model_kind
 from contracts.process_config import config_argv
 from contracts.startup_clock import since_start
@@ -41,6 +45,8 @@ from prefill_cpu.embedded_model import embedded_model_path
 
 log = logging.getLogger("edge.app")
 READY_POLL_S = 0.1  # how often the start-up looks whether /health answers 200 yet, to log when it does
+RUN_DIR_PREFIX = "edge-"
+OWNER_FILE = "gateway.pid"  # in a temporary run dir: "<pid> <process start time>" of the gateway that made it
 
 
 def resolve_addresses(config: ServeConfig, run_dir: str) -> tuple[str, dict[str, str]]:
@@ -51,17 +57,52 @@ def resolve_addresses(config: ServeConfig, run_dir: str) -> tuple[str, dict[str,
 
 
 def _make_run_dir(config: ServeConfig) -> str:
-    """Where local sockets live: private to this user (0700), a fresh temporary one unless configured."""
+    """Where local sockets live: private to this user (0700), a fresh temporary one unless configured. A temporary
+    one names its gateway (OWNER_FILE) so that the next start can remove it if that gateway was killed before its
+    cleanup ran."""
     if not config.run_dir:
-        return tempfile.mkdtemp(prefix="edge-")  # created 0700
+        remove_stale_run_dirs(tempfile.gettempdir())
+        run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)  # created 0700
+        me = psutil.Process()
+        Path(run_dir, OWNER_FILE).write_text(f"{me.pid} {me.create_time()}\n")
+        return run_dir
     Path(config.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(config.run_dir, 0o700)
     return config.run_dir
 
 
-def _kill_stuck(supervisor: Supervisor, name: str) -> bool:
-    """A stuck worker is killed (SIGKILL works on a stopped process too) and restarted by the supervisor."""
-    child = supervisor.children.get(name)
+def remove_stale_run_dirs(parent: str) -> list[str]:
+    """Remove the temporary run dirs (this user's) whose gateway is gone: killed (SIGKILL, OOM) before it could
+    remove its own. A dir without an owner file, or whose owner still runs, is left alone. Returns those removed."""
+    removed = []
+    for path in Path(parent).glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            pid, started = (path / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):  # not ours, gone meanwhile, or no owner file (not made by a gateway)
+            continue
+        if not _running(int(pid), float(started)):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed the run dir %s of a gateway that is gone (pid %s)", path, pid)
+            removed.append(str(path))
+    return removed
+
+
+def _running(pid: int, started: float) -> bool:
+    """Whether that process still runs: the pid alone may be another process's by now."""
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # another user's process (access denied): it exists
+        return True
+
+
+def _kill_stuck(supervisor: Supervisor | None, name: str) -> bool:
+    """A stuck worker is killed (SIGKILL works on a stopped process too) and restarted by the supervisor; a worker
+    this gateway did not launch (launch = false) cannot be."""
+    child = supervisor.children.get(name) if supervisor is not None else None
     if child is None or child.process is None or child.process.poll() is not None:
         return False
     log.error("killing stuck %s (pid %d); the supervisor restarts it", name, child.process.pid)
@@ -164,20 +205,21 @@ def make_app(config: ServeConfig) -> web.Application:
     if embedding_only and config.ray:
         raise ValueError(f"ray: {model_name} is an embedding model ({kind.reason}), served by its prefill workers "
                          "alone; serve it without ray")
+    gateway: Gateway | None = None  # made below, once the pool and engine it drives are
+
+    def recompute(ask: Recompute, client: EngineClient) -> None:
+        """An engine preempted a choice by recompute (called on the loop, once the connections run)."""
+        gateway.recompute(ask, client)
+
+    supervisor = Supervisor() if config.launch and not config.ray else None
     if config.ray:  # Ray is imported only here: single-box mode never loads it
         from edge.launch.ray_gateway_side import ray_components
-        pool, engine, cluster_context = ray_components(config, registry, _ray_secret(config))
+        pool, engine, cluster_context = ray_components(config, registry, _ray_secret(config), recompute)
         run_dir = None
     else:
         run_dir = _make_run_dir(config)
         engine_address, worker_addresses = resolve_addresses(config, run_dir)
-        secret = _control_secret(config, [engine_address, *worker_addresses.values()])
-        pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret,
-                           config.worker_heartbeat_timeout_s)
-        engine = EngineClient(engine_address, registry, secret, heartbeat_timeout_s=config.engine_heartbeat_timeout_s)
-    pool.on_best_priority = engine.prefill_priority_changed
-    pool.on_backlog = engine.prefill_backlog_changed
-    pool.choose_engine = engine.choose
+        pool, engine = _local_components(config, registry, engine_address, worker_addresses, supervisor, recompute)
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     gateway.embedding_only = embedding_only
     if embedding_only:
@@ -190,9 +232,8 @@ def make_app(config: ServeConfig) -> web.Application:
     app[RELOADER] = PolicyReloader(policy_path(config), enforcer)
     if config.ray:
         app.cleanup_ctx.append(cluster_context)
-    elif config.launch:
-        app[SUPERVISOR] = supervisor = Supervisor()
-        pool.on_stuck = lambda name: _kill_stuck(supervisor, name)
+    elif supervisor is not None:
+        app[SUPERVISOR] = supervisor
         app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses, run_dir, embedding_only))
     if run_dir is not None and not config.run_dir:
         app.on_cleanup.append(lambda _: _remove_run_dir(run_dir))
@@ -202,6 +243,21 @@ def make_app(config: ServeConfig) -> web.Application:
     app.on_shutdown.append(_drain)
     add_routes(app)
     return app
+
+
+def _local_components(config: ServeConfig, registry: InFlightRegistry, engine_address: str,
+                      worker_addresses: dict[str, str], supervisor: Supervisor | None,
+                      recompute: Callable[[Recompute, EngineClient], None]) -> tuple[PrefillPool, EngineClient]:
+    """The prefill pool and the engine connection of single-box mode (a stuck worker is killed by the supervisor,
+    when this gateway launched it)."""
+    secret = _control_secret(config, [engine_address, *worker_addresses.values()])
+    engine = EngineClient(engine_address, registry, secret, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
+                          on_recompute=recompute)
+    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret,
+                       config.worker_heartbeat_timeout_s, on_best_priority=engine.prefill_priority_changed,
+                       on_backlog=engine.prefill_backlog_changed, choose_engine=engine.choose,
+                       on_stuck=functools.partial(_kill_stuck, supervisor))
+    return pool, engine
 
 
 def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str,

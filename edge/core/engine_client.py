@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from contracts.events import EngineStats, FinishReason
 from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, read_message, send_message
 from contracts.messages import Abort, DecodeYield, Recompute, Speculate, Stats, Token
 from contracts.reconnect import Streams, stay_connected
 from contracts.tasks import spawn
-from edge.core.lifecycle import InFlightRegistry, RequestStatus
+from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
 
 log = logging.getLogger("edge.core.engine_client")
 HEARTBEAT_TIMEOUT_S = 5.0  # the engine sends Stats every 0.5 s
@@ -26,7 +27,10 @@ HEARTBEAT_TIMEOUT_S = 5.0  # the engine sends Stats every 0.5 s
 
 class EngineClient:
     def __init__(self, address: str, registry: InFlightRegistry, secret: bytes = b"",
-                 name: str = "decode_engine", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+                 name: str = "decode_engine", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, *,
+                 on_recompute: Callable[[Recompute, EngineClient], None] = lambda ask, client: None,
+                 resolve: Callable[[], Awaitable[str]] | None = None, connect_timeout_s: float | None = None,
+                 sole: bool = True) -> None:
         self.name = name
         self.address = address
         self.registry = registry
@@ -41,11 +45,21 @@ class EngineClient:
         self.yield_to: int | None = None  # best priority in prefill, as last told by the prefill pool
         self.backlog = False  # prompts wait for a free prefill worker, as last told by the prefill pool
         self.speculation = True  # the policy tier in force allows speculative decoding
-        self.on_recompute = lambda ask, client: None  # the gateway has a preempted choice prefilled again
+        self.on_recompute = on_recompute  # the gateway has a preempted choice prefilled again
         # where this engine listens now, asked before each connection (a Ray actor moves when it restarts); None: fixed
-        self.resolve = None  # async () -> address
-        self.connect_timeout_s: float | None = None  # give up on an address after this long (then resolve again)
-        self.owns = lambda request: True  # which handed-off requests end with this connection (several engines)
+        self.resolve = resolve
+        self.connect_timeout_s = connect_timeout_s  # give up on an address after this long (then resolve again)
+        # the only engine (single-box): the workers hand off to it unasked, and a request not yet given an engine is
+        # bound for it; one of a group (edge.core.engine_group) owns only the requests chosen for it
+        self.sole = sole
+        # why a request bound for this engine cannot be served while it is not ready: (message, error code)
+        self.outage = ("the decode engine is not connected (it is starting or restarting); retry shortly",
+                       "engine_unavailable")
+
+    def owns(self, request: InFlight) -> bool:
+        """Whether the request's KV goes (or went) to this engine: it was chosen for it, or, as the only engine, it
+        is a request that needs one (not an embeddings job) and was given no other."""
+        return request.engine == self.name or (self.sole and not request.engine and request.needs_engine)
 
     def links(self) -> dict[str, EngineClient]:
         """The single engines behind this link, by name: this one alone (edge.core.engine_group has several)."""
@@ -61,6 +75,18 @@ class EngineClient:
         if request is not None:
             request.engine = self.name
         return ""
+
+    def job_address(self) -> str:
+        """What a job handing off to this engine names: "" for the workers' own engine, else its address."""
+        return "" if self.sole else self.address
+
+    def handed_off(self, request: InFlight) -> None:
+        """A worker reports the request's KV sent to this engine. While the gateway cannot hear the engine (frozen,
+        restarting) its tokens could not reach the request, and the watchdog that ends the engine's requests has
+        already run: the request ends now, as those did."""
+        if self.state != "ready":
+            message, code = self.outage
+            self.registry.deliver_ending(request.request_id, FinishReason.ERROR, message, code)
 
     async def run(self) -> None:
         await stay_connected(self._connect, self._session, self._refused)
@@ -145,7 +171,11 @@ class EngineClient:
         self.last_error = f"the decode engine sent nothing for {self.heartbeat_timeout_s:g} s (frozen or wedged)"
         log.error("%s is unresponsive: %s", self.name, self.last_error)
         self.state = "unresponsive"
-        self._end_requests("the decode engine stopped responding; retry shortly", "engine_unresponsive")
+        self.outage = ("the decode engine stopped responding; retry shortly", "engine_unresponsive")
+        # every request bound for it, not only those decoding: one a worker is prefilling would hand its KV to the
+        # frozen engine (a large handoff blocks the worker's send for as long as the engine is stopped), and one
+        # still queued for it would follow
+        self._end_requests(*self.outage, RequestStatus.WAITING)
 
     def _lost(self) -> None:
         if not self.closing and self.state != "unresponsive":
@@ -154,9 +184,14 @@ class EngineClient:
         if self.writer is not None:
             self.writer.close()  # a frozen engine's socket is let go, not left open
         self.writer, self.stats = None, None
-        self._end_requests("the decode engine went away (it is restarting); retry shortly", "engine_unavailable")
+        if self.state == "down":
+            self.outage = ("the decode engine went away (it is restarting); retry shortly", "engine_unavailable")
+        # those in prefill are failed by their worker, whose handoff finds the engine gone
+        self._end_requests("the decode engine went away (it is restarting); retry shortly", "engine_unavailable",
+                           RequestStatus.HANDED_OFF)
 
-    def _end_requests(self, message: str, code: str) -> None:
+    def _end_requests(self, message: str, code: str, since: RequestStatus) -> None:
+        """End this engine's requests from status `since` on (not those already ended)."""
         for request in list(self.registry.requests.values()):
-            if request.status in (RequestStatus.HANDED_OFF, RequestStatus.DECODING) and self.owns(request):
+            if since <= request.status <= RequestStatus.DECODING and self.owns(request):
                 self.registry.deliver_ending(request.request_id, FinishReason.ERROR, message, code)

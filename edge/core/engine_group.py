@@ -38,8 +38,8 @@ class EngineGroup:
         self.yield_to: int | None = None
         self.speculation = True
         self.num_affinity_hits = 0  # choices where a remembered prefix beat the least loaded engine
-        for name, client in clients.items():
-            client.owns = lambda request, name=name: request.engine == name
+        for client in clients.values():  # each owns only the requests chosen for it (EngineClient.owns)
+            client.sole = False
 
     def num_requests(self, engine: str) -> int:
         """Requests sent to it (in prefill for it, handed off, decoding) that have not ended."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from contracts.events import EngineStats
+
 if TYPE_CHECKING:
-    from contracts.events import EngineStats
     from edge.core.engine_client import EngineClient
+
+EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # an engine's stats before it has sent any
 
 
 class EngineLink(Protocol):

@@ -6,65 +6,40 @@ Every accepted request is in the InFlightRegistry until it reaches exactly one t
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from contracts.events import EngineStats, FinishReason, TokenEvent
+from contracts.events import EngineStats, TokenEvent
 from contracts.handoff import SamplingParams
-from contracts.messages import ChatMessage, EmbedDone, PrefillDone, PrefillFailed, PrefillJob, PromptLogprobs, Recompute
+from contracts.messages import ChatMessage, EmbedDone, PrefillFailed, PrefillJob, Recompute
 from contracts.tasks import spawn
-from edge.api.errors import decode_error, policy_error, prefill_error
+from edge.api.errors import policy_error
 from edge.api.openai_request import ApiError, GenerateRequest
 from edge.config import ServeConfig
 from edge.core.affinity import prefix_key
 from edge.core.cache_salt import CacheSalter
 from edge.core.engine_client import EngineClient
-from edge.core.engine_link import EngineLink
+from edge.core.engine_link import EMPTY_STATS, EngineLink
 from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
 from edge.core.metrics import Metrics
 from edge.core.prefill_pool import PrefillPool, QueueFullError, UnsendableJobError
+from edge.core.request_events import RequestEvents
 from edge.core.request_record import RequestRecord, ended_record
+from edge.core.run import Run, bearer_key, route_of, tenant_of
 from edge.core.slo import SloControl
-from edge.observe.gauges import EMPTY_STATS, refresh_gauges
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection, RequestFacts
 from policies.quota import key_id
 from policies.signals import TTFTWindow, box_signals
 from policies.slo import HEADER as SLO_HEADER
 
 log = logging.getLogger("edge.core.gateway")
-# how long a request that ended before its worker's PrefillDone arrived waits for it (milliseconds, normally)
-PREFILL_REPORT_WAIT_S = 1.0
 POOLED_KINDS = {"embedding": "embed", "rerank": "rank"}  # request kinds a worker answers alone -> PrefillJob.task
-
-
-@dataclass
-class Run:
-    """An accepted request as its handler sees it."""
-    inflight: InFlight
-    request: GenerateRequest  # with the policy's decisions applied to its sampling
-    decision: Decision
-    deadline: float
-    key_id: str | None = None
-    tenant: str | None = None
-    client: str = ""
-    route: str = ""  # the HTTP route it came in by (/v1/chat/completions, /v1/responses, ...)
-    prompt_logprobs: PromptLogprobs | None = None  # the worker's scores of the prompt, when the request asked
-    cached_tokens: int = 0  # prompt tokens its worker took from the prompt cache (PrefillDone), for usage
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """Tell the client what the policy did to its request."""
-        headers = {"X-Request-Id": self.inflight.request_id, "X-Edge-Tier": self.decision.tier,
-                   "X-Edge-Class": self.decision.client_class}
-        if self.decision.notes:
-            headers["X-Edge-Degraded"] = "; ".join(self.decision.notes)
-        return headers
+_bearer = bearer_key  # its old name, until edge/http imports the new one
+__all__ = ["Gateway", "Run", "bearer_key", "key_id", "route_of"]
 
 
 class Gateway:
@@ -82,8 +57,7 @@ class Gateway:
         self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
         self.slo = SloControl(pool, metrics)  # objectives: deadlines, TTFT prediction, early refusal, attainment
         self.observers.append(self.slo.observe)
-        for client in engine.links().values() if engine is not None else ():  # (tests may pass none)
-            client.on_recompute = self.recompute
+        self.events = RequestEvents(config, engine, metrics, self.slo, self.ttft_window)
 
     @property
     def ready(self) -> bool:
@@ -101,7 +75,7 @@ class Gateway:
         if self.shutting_down:
             raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down",
                            headers={"Connection": "close", "Retry-After": "5"})
-        tenant = _tenant(http, self.enforcer.policy)
+        tenant = tenant_of(http, self.enforcer.policy)
         facts = RequestFacts(bearer_key(http), tenant, request.model, request.user_text,
                              request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"],
                              slo_ttft_ms=http.headers.get(SLO_HEADER))
@@ -122,7 +96,7 @@ class Gateway:
         """Whose cached work the request may reuse (edge.core.cache_salt): its prompts' KV, and the structured-output
         compiles the route checks its constraint against before admit."""
         policy = self.enforcer.policy
-        return self.salter.salt(policy.prefix_cache_scope, key_id(bearer_key(http)), _tenant(http, policy),
+        return self.salter.salt(policy.prefix_cache_scope, key_id(bearer_key(http)), tenant_of(http, policy),
                                 request.cache_salt, policy.prefix_cache_groups.get(bearer_key(http) or ""))
 
     def _queue(self, request: GenerateRequest, decision: Decision, salt: str) -> Run:
@@ -143,14 +117,14 @@ class Gateway:
         sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
         request = dataclasses.replace(request, sampling=sampling)
         prefix = {"chat": "chatcmpl-", "embedding": "embd-", "rerank": "rerank-"}.get(request.kind, "cmpl-")
-        inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt)
+        inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt, needs_engine=not pooled)
         messages = tuple(ChatMessage(m["role"], m["content"], m.get("tool_calls_json", ""), m.get("tool_call_id", ""))
                          for m in request.messages) if request.messages else None
         job = PrefillJob(inflight.request_id, SamplingParams(**sampling), priority, prompt=request.prompt,
                          deadline=slo.deadline, tpot_slo_ms=decision.tpot_slo_ms,
                          messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,
-                         max_total_tokens=self._context_tokens(), cache_salt=salt,
+                         max_total_tokens=self.events.context_tokens(), cache_salt=salt,
                          prompt_logprobs=-1 if request.prompt_logprobs is None else request.prompt_logprobs,
                          task=POOLED_KINDS.get(request.kind, "generate"),
                          embed_texts=request.embed_texts, embed_tokens=request.embed_tokens,
@@ -180,7 +154,7 @@ class Gateway:
             return
         job = PrefillJob(ask.request_id, dataclasses.replace(ask.sampling, n=1), ask.priority,
                          prompt_tokens=ask.tokens, max_prompt_tokens=len(ask.tokens), resume_index=ask.index,
-                         engine="" if client is self.engine else client.address,  # one engine: the workers' own
+                         engine=client.job_address(),  # one engine: the workers' own
                          cache_salt=inflight.cache_salt, deadline=self.slo.deadline_of(ask.request_id))
         try:
             self.pool.submit(job)
@@ -208,12 +182,7 @@ class Gateway:
         return ApiError(503, f"not available now ({', '.join(down)} restarting or unreachable); retry shortly",
                         error_type="server_error", code="unavailable", headers={"Retry-After": "2"})
 
-    def _context_tokens(self) -> int:
-        """What one request may hold in the decode engine: the model length, or the whole KV pool if smaller."""
-        pool = self.engine.stats.kv_capacity_tokens if self.engine.stats else self.config.max_model_len
-        return min(self.config.max_model_len, pool)
-
-    def _load(self) -> tuple[int, int, int]:
+    def load(self) -> tuple[int, int, int]:
         """(requests waiting for prefill or decode admission, KV blocks used, KV blocks total)."""
         stats = self.engine_stats
         waiting = self.registry.count(RequestStatus.WAITING) + self.registry.count(RequestStatus.PREFILLING)
@@ -225,7 +194,7 @@ class Gateway:
         return self.engine.stats or EMPTY_STATS
 
     def update_policy_signals(self) -> None:
-        waiting, used, total = self._load()
+        waiting, used, total = self.load()
         signals = {"kv_cache_usage": used / total if total else 0.0,
                    "waiting_requests": float(waiting),
                    "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
@@ -237,109 +206,12 @@ class Gateway:
             self.engine.speculation_changed(self.enforcer.speculation_allowed)
 
     async def next_event(self, run: Run) -> TokenEvent:
-        """The next engine event for this run. Prefill outcomes are absorbed; failures raise ApiError."""
-        while True:
-            remaining = run.deadline - time.monotonic()
-            try:
-                message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
-            except TimeoutError:
-                raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} s",
-                               error_type="server_error", code="timeout") from None
-            if isinstance(message, PrefillDone):
-                self._prefilled(run, message)
-                if not message.handed_off:  # max_tokens 0: the prompt was all there was to compute
-                    return self._token(run, TokenEvent.ending(run.inflight.request_id, FinishReason.LENGTH,
-                                                              num_prompt_tokens=message.num_prompt_tokens))
-            elif isinstance(message, PromptLogprobs):
-                run.prompt_logprobs = message
-            elif isinstance(message, PrefillFailed):
-                raise prefill_error(message, self._context_tokens(), "messages" if run.request.messages else "prompt")
-            else:
-                # handed_off_at is set when the worker's PrefillDone is taken in (_prefilled)
-                if message.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) \
-                        and run.inflight.handed_off_at is None:
-                    await self._await_prefill_report(run)
-                return self._token(run, message)
-
-    async def _await_prefill_report(self, run: Run) -> None:
-        """The engine sends the first token as the handoff lands, before the worker has reported the prefill, so
-        a short answer (max_tokens 1) can end before its PrefillDone arrives. Its usage (cached tokens) and the
-        prefill metrics come from that report: wait for it a moment rather than end the request without it."""
-        deadline = time.monotonic() + PREFILL_REPORT_WAIT_S
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                message = await asyncio.wait_for(run.inflight.events.get(), timeout=remaining)
-            except TimeoutError:
-                break
-            if isinstance(message, PrefillDone):
-                self._prefilled(run, message)
-                return
-            if isinstance(message, PromptLogprobs):
-                run.prompt_logprobs = message
-            elif isinstance(message, PrefillFailed):  # it handed off, then lost the engine: no report comes
-                return
-        log.warning("%s ended before its prefill worker reported the prefill (waited %.1f s); its usage and the "
-                    "prefill metrics lack that prefill", run.inflight.request_id, PREFILL_REPORT_WAIT_S)
+        """The next engine event for this run (edge.core.request_events); failures raise ApiError."""
+        return await self.events.next_event(run)
 
     async def embeddings(self, run: Run, param: str = "input") -> EmbedDone:
-        """The worker's answer to an embeddings (or rerank) request; failures raise ApiError, a too-long input
-        naming `param`, the field it came in."""
-        while True:
-            remaining = run.deadline - time.monotonic()
-            try:
-                message = await asyncio.wait_for(run.inflight.events.get(), timeout=max(0.0, remaining))
-            except TimeoutError:
-                raise ApiError(504, f"the request did not finish within {self.config.limits.request_timeout_s:.0f} "
-                                    f"s", error_type="server_error", code="timeout") from None
-            if isinstance(message, EmbedDone):
-                m = self.metrics
-                m.label(m.prompt_tokens).inc(sum(message.num_tokens))
-                return message
-            if isinstance(message, PrefillFailed):
-                raise prefill_error(message, 0, param)
-            if isinstance(message, TokenEvent):  # the gateway ends every request so (shutting down, an engine lost)
-                self._token(run, message)  # raises for an abort or a failure
-
-    def _prefilled(self, run: Run, done: PrefillDone) -> None:
-        self.slo.prefilled(run.inflight, done)  # the measured prefill rate the TTFT prediction uses
-        if done.resumed:  # a recompute of a preempted choice: the request's own prefill is counted already
-            return
-        inflight = run.inflight
-        inflight.advance(RequestStatus.HANDED_OFF)
-        # the engine sends the first token as the handoff lands, so it may overtake the worker's report
-        inflight.handed_off_at = min(time.perf_counter(), inflight.first_token_at or float("inf"))
-        m = self.metrics
-        if inflight.prefill_started_at is not None:
-            m.label(m.queue_time).observe(inflight.prefill_started_at - inflight.created)
-            m.label(m.prefill_time).observe(inflight.handed_off_at - inflight.prefill_started_at)
-        inflight.num_prompt_tokens = done.num_prompt_tokens
-        run.cached_tokens = done.cached_tokens
-        m.label(m.prompt_tokens).inc(done.num_prompt_tokens)
-        m.label(m.prefix_cache_queries, where="worker").inc(done.num_prompt_tokens)
-        m.label(m.prefix_cache_hits, where="worker").inc(done.cached_tokens)
-        m.label(m.handoff_bytes).observe(done.handoff_bytes)
-        m.label(m.handoff_seconds).observe(done.handoff_ms / 1e3)
-
-    def _token(self, run: Run, event: TokenEvent) -> TokenEvent:
-        now = time.perf_counter()
-        inflight, m = run.inflight, self.metrics
-        if event.token_ids:
-            if inflight.first_token_at is None:
-                inflight.first_token_at = now
-                m.label(m.ttft).observe(now - inflight.created)
-                self.ttft_window.add(now - inflight.created)
-                self.slo.first_token(inflight, now - inflight.created)
-            elif inflight.last_token_at is not None:
-                m.label(m.itl).observe(now - inflight.last_token_at)
-            inflight.last_token_at = now
-            m.label(m.generation_tokens).inc(len(event.token_ids))
-        inflight.advance(RequestStatus.DECODING)
-        if event.finish_reason is FinishReason.ERROR:
-            raise decode_error(event)
-        if event.finish_reason is FinishReason.ABORT:
-            raise ApiError(503, "the request was aborted by the server (shutting down or restarting)",
-                           error_type="server_error", code="aborted")
-        return event
+        """The worker's answer to an embeddings (or rerank) request; failures raise ApiError."""
+        return await self.events.embeddings(run, param)
 
     async def end(self, run: Run, status: RequestStatus, reason: str, usage: dict | None = None,
                   error: ApiError | None = None) -> None:
@@ -349,7 +221,9 @@ class Gateway:
         was = inflight.status
         if not inflight.advance(status):
             return
-        self._notify(ended_record(run, status, reason, usage or {}, error))
+        if was == RequestStatus.PREFILLING and not inflight.num_prompt_tokens and inflight.needs_engine:
+            self._abandoned_in_prefill(run)
+        self._notify(ended_record(inflight, run.facts, status, reason, usage or {}, error))
         self.enforcer.release(run.decision)
         if status is not RequestStatus.FINISHED:
             if was <= RequestStatus.PREFILLING:
@@ -367,6 +241,15 @@ class Gateway:
         log.info("request %s (priority %d) %s (%s) after %.2f s; %s", inflight.request_id, inflight.priority,
                  status.name.lower(), reason, time.perf_counter() - inflight.created,
                  inflight.ttft_breakdown() or "no first token")
+
+    def _abandoned_in_prefill(self, run: Run) -> None:
+        """It ended while a worker was computing its prompt (the client went away, a failure): that prompt was
+        worked on and counts (quotas, the record, /metrics) as a finished prefill's does. The worker reports the
+        count only when it is done, so it is the prompt's own when sent as tokens, else the estimate from its text
+        that the TTFT prediction uses (tokens per byte, learned from earlier prefills)."""
+        tokens, _ = self.slo.predictor.estimate_tokens(run.request)
+        run.inflight.num_prompt_tokens = max(1, round(tokens))
+        self.metrics.label(self.metrics.prompt_tokens).inc(run.inflight.num_prompt_tokens)
 
     def rejected(self, http: web.Request, err: ApiError, request: GenerateRequest | None) -> None:
         """A request refused before it was queued (bad input, auth, policy, load): observers hear of it too."""
@@ -387,8 +270,7 @@ class Gateway:
             prompt_text=request.user_text, route=route_of(http)))
 
     def _count_route(self, http: web.Request, status: str) -> None:
-        if self.metrics is not None:  # (tests may pass none)
-            self.metrics.label(self.metrics.api_requests, route=route_of(http), status=status).inc()
+        self.metrics.label(self.metrics.api_requests, route=route_of(http), status=status).inc()
 
     def _notify(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -396,30 +278,4 @@ class Gateway:
                 observer(record)
             except Exception:  # an observer's fault (a full disk for the audit log) must not fail the request
                 log.exception("request observer %r failed", observer)
-
-    def refresh_metrics(self) -> None:
-        """Bring /metrics up to date before a scrape (edge/observe/gauges.py)."""
-        refresh_gauges(self)
-
-
-def bearer_key(request: web.Request) -> str | None:
-    """The API key: 'Authorization: Bearer <key>', or Anthropic's 'x-api-key: <key>' (the same policy keys)."""
-    header = request.headers.get("Authorization", "")
-    if header.lower().startswith("bearer "):
-        return header[7:].strip()
-    return request.headers.get("x-api-key", "").strip() or None
-
-
-_bearer = bearer_key  # its old name, until edge/http imports the new one
-
-
-def _tenant(request: web.Request, policy) -> str | None:
-    """The policy's tenant header's value, when it names one."""
-    return request.headers.get(policy.tenant_header) if policy.tenant_header else None
-
-
-def route_of(request: web.Request) -> str:
-    """The route a request matched (its path pattern), for metrics and the audit log."""
-    canonical = getattr(getattr(request.match_info.route, "resource", None), "canonical", None)
-    return canonical if isinstance(canonical, str) else request.path[:200]
 

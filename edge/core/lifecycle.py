@@ -33,6 +33,7 @@ class InFlight:
     created: float = field(default_factory=time.perf_counter)
     worker: str = ""  # prefill worker holding it while PREFILLING
     engine: str = ""  # the decode engine chosen for it when it went to a worker (its KV goes there)
+    needs_engine: bool = True  # False for an embeddings or rerank request: a worker answers it alone
     prefix_key: bytes | None = None  # its prompt's leading text, hashed: requests sharing it go to one engine
     cache_salt: str = ""  # whose cached prompts it may reuse (edge.core.cache_salt); its recomputes keep it
     num_prompt_tokens: int = 0  # prefilled, as its worker reported: counted against a quota even if it ends early

@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import msgspec
@@ -86,7 +87,13 @@ class WorkerClient:
 
 class PrefillPool:
     def __init__(self, addresses: dict[str, str], registry: InFlightRegistry, queue_limit: int,
-                 secret: bytes = b"", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+                 secret: bytes = b"", heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, *,
+                 on_best_priority: Callable[[int | None], None] = lambda priority: None,
+                 on_backlog: Callable[[bool], None] = lambda backlog: None,
+                 on_stuck: Callable[[str], bool] = lambda name: False,
+                 choose_engine: Callable[[str], str | None] = lambda request_id: "",
+                 resolve: Callable[[str], Awaitable[str]] | None = None,
+                 connect_timeout_s: float | None = None) -> None:
         self.workers = {name: WorkerClient(name, address) for name, address in addresses.items()}
         self.registry = registry
         self.queue_limit = queue_limit
@@ -96,18 +103,18 @@ class PrefillPool:
         self.counter = itertools.count()
         self.tokens_per_s = 0.0
         self.closing = False  # set at shutdown: dropped connections are then expected
-        self.on_best_priority = lambda priority: None  # called with int | None on every change
-        self.on_backlog = lambda backlog: None  # called with a bool on every change (see _announce)
+        self.on_best_priority = on_best_priority  # called with int | None on every change
+        self.on_backlog = on_backlog  # called with a bool on every change (see _announce)
         self.backlog = False
-        self.on_stuck = lambda name: False  # kill a stuck worker (the supervisor); True if it will be restarted
+        self.on_stuck = on_stuck  # kill a stuck worker (the supervisor); True if it will be restarted
         self.best_priority: int | None = None
         # Ray mode (edge/launch/ray_*): where a worker listens now, asked before each connection, since a restarted
         # actor may be on another node; an address that does not answer within connect_timeout_s is asked for again
-        self.resolve = None  # async (name) -> address
-        self.connect_timeout_s: float | None = None
+        self.resolve = resolve  # async (name) -> address
+        self.connect_timeout_s = connect_timeout_s
         # the decode engine a job hands off to, chosen as a worker takes it (the engines' load then is what counts):
         # its address for the job ("": the worker's own), or None to keep the job queued (no engine can take it)
-        self.choose_engine = lambda request_id: ""
+        self.choose_engine = choose_engine
 
     @property
     def queue_length(self) -> int:

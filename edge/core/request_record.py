@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from edge.api.openai_request import ApiError
-from edge.core.lifecycle import RequestStatus
-
-if TYPE_CHECKING:
-    from edge.core.gateway import Run
+from edge.core.lifecycle import InFlight, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -43,9 +39,25 @@ class RequestRecord:
     route: str = ""  # the HTTP route (/v1/chat/completions, /v1/responses, /v1/messages, ...)
 
 
-def ended_record(run: Run, status: RequestStatus, reason: str, usage: dict, error: ApiError | None) -> RequestRecord:
+@dataclass(frozen=True)
+class RecordFacts:
+    """Who asked for what: the part of an accepted request's record known when it was admitted."""
+    key_id: str | None
+    client_class: str
+    tenant: str | None
+    model: str
+    kind: str
+    client: str
+    degradation: tuple[str, ...]
+    tier: str
+    prompt_text: str
+    route: str
+
+
+def ended_record(inflight: InFlight, facts: RecordFacts, status: RequestStatus, reason: str, usage: dict,
+                 error: ApiError | None) -> RequestRecord:
     """The record of an accepted request that has just reached its terminal `status`."""
-    inflight, now = run.inflight, time.perf_counter()
+    now = time.perf_counter()
     completion = usage.get("completion_tokens", 0)
     ttft = inflight.first_token_at - inflight.created if inflight.first_token_at is not None else None
     tpot = None
@@ -56,8 +68,8 @@ def ended_record(run: Run, status: RequestStatus, reason: str, usage: dict, erro
     marks = tuple((name, wall - (now - at)) for name, at in (
         ("created", inflight.created), ("prefill_started", inflight.prefill_started_at),
         ("handed_off", inflight.handed_off_at), ("first_token", inflight.first_token_at)) if at is not None)
-    return RequestRecord(wall, inflight.request_id, run.key_id, run.decision.client_class, run.tenant,
-                         run.request.model, run.request.kind, run.client, status.name.lower(), reason,
-                         http_status, max(usage.get("prompt_tokens", 0), inflight.num_prompt_tokens), completion,
-                         run.decision.notes, run.decision.tier, inflight.priority, ttft, tpot, now - inflight.created,
-                         run.request.user_text, marks, run.route)
+    return RequestRecord(wall, inflight.request_id, facts.key_id, facts.client_class, facts.tenant, facts.model,
+                         facts.kind, facts.client, status.name.lower(), reason, http_status,
+                         max(usage.get("prompt_tokens", 0), inflight.num_prompt_tokens), completion,
+                         facts.degradation, facts.tier, inflight.priority, ttft, tpot, now - inflight.created,
+                         facts.prompt_text, marks, facts.route)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 import ray
 
@@ -32,14 +33,14 @@ RETRY_S = 1.0  # between watches of an actor Ray cannot reach
 
 
 class RayPlacement:
-    def __init__(self, config: ServeConfig, secret: str) -> None:
+    def __init__(self, config: ServeConfig, secret: str, on_down: Callable[[str, str], None]) -> None:
         self.config = config
         self.secret = secret
         self.namespace = f"edge-{uuid.uuid4().hex[:8]}"  # two gateways on one cluster do not share actors
         self.engines = [f"decode-{i}" for i in range(config.decode_engines)]
         self.workers = [f"prefill-{i}" for i in range(config.prefill_workers)]
         self.hosts: dict[str, ray.actor.ActorHandle] = {}
-        self.on_down = lambda name, reason: None  # the gateway drops that connection
+        self.on_down = on_down  # (name, reason): the gateway drops that connection
 
     def connect(self) -> None:
         ray.init(address=self.config.ray, namespace=self.namespace, log_to_driver=True)

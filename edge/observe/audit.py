@@ -40,8 +40,10 @@ class RotatingFile:
         self._open()
 
     def _open(self) -> None:
-        # 0600: the lines name clients and may hold their prompts
+        # 0600: the lines name clients and may hold their prompts; O_CREAT's mode applies only to a new file, so
+        # one that was there before (made by hand, or by an older build) is set to it too
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)
         self.file = os.fdopen(fd, "ab")
         self.size = os.fstat(fd).st_size
 

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from contracts.events import EngineStats
+from edge.core.engine_link import EMPTY_STATS
 
 if TYPE_CHECKING:
     from edge.core.gateway import Gateway
-
-EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # an engine's stats before it has sent any
 
 
 def refresh_gauges(gateway: Gateway) -> None:
     m, stats = gateway.metrics, gateway.engine_stats
     m.label(m.prefill_queue).set(gateway.pool.queue_length)
     m.label(m.prefill_tps).set(gateway.pool.tokens_per_s)
-    waiting, used, total = gateway._load()
+    waiting, used, total = gateway.load()
     m.label(m.waiting).set(waiting)
     m.label(m.running).set(stats.num_running)
     m.label(m.kv_blocks_used).set(used)

@@ -1,8 +1,8 @@
 """The operator's status page: a sampler keeping the last 15 minutes of load in a ring buffer, windows of finished
 and refused requests heard from the gateway's observers, and the JSON the page (edge/http/static/status.html) polls.
 
-The numbers come from where /metrics reads them (Gateway.refresh_metrics): the engine's last stats, the prefill
-pool, the in-flight registry (Gateway._load) and the tier evaluator. docs/status.md describes every field.
+The numbers come from where /metrics reads them (edge.observe.gauges): the engine's last stats, the prefill pool,
+the in-flight registry (Gateway.load) and the tier evaluator. docs/status.md describes every field.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class StatusBoard:
 
     def sample(self) -> None:
         gateway, stats = self.gateway, self.gateway.engine_stats
-        waiting, used, total = gateway._load()
+        waiting, used, total = gateway.load()
         self._stamp_transitions()
         self.samples.append((round(self.clock(), 2), gateway.enforcer.evaluator.state.index, gateway.pool.queue_length,
                              waiting, stats.num_running, used, total, round(stats.tokens_per_s, 1),
@@ -91,7 +91,7 @@ class StatusBoard:
     def snapshot(self, since: float = 0.0) -> dict:
         """What the page shows now, and the samples taken after `since` (epoch seconds) for its charts."""
         gateway, stats, now = self.gateway, self.gateway.engine_stats, self.clock()
-        waiting, used, total = gateway._load()
+        waiting, used, total = gateway.load()
         self._stamp_transitions()
         return {
             "time": now, "model": gateway.model_name, "ready": gateway.ready, "shutting_down": gateway.shutting_down,

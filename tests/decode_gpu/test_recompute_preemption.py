@@ -173,9 +173,8 @@ def test_a_recompute_that_cannot_be_queued_ends_its_request_with_503_saying_why(
     registry = InFlightRegistry()
     engine = EngineClient("unix:/nowhere", registry, b"")
     gateway = Gateway(ServeConfig(), "m", FullPool(), engine, registry, Metrics("m"), PolicyEnforcer(Policy("test")))
-    assert engine.on_recompute == gateway.recompute
     registry.add(InFlight("r", priority=5, status=RequestStatus.DECODING))
-    engine.on_recompute(Recompute("r", 0, (1, 2, 3), SamplingParams(), 5), engine)
+    gateway.recompute(Recompute("r", 0, (1, 2, 3), SamplingParams(), 5), engine)  # edge.app wires it to the engine
     failed = registry.get("r").events.get_nowait()
     assert isinstance(failed, PrefillFailed) and failed.kind == "recompute_failed"
     error = prefill_error(failed)

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from fake_engine_link import FakeEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,9 @@ from edge.api.openai_request import ApiError, parse_request
 from edge.app import _enforcer
 from edge.config import ServeConfig
 from edge.core.gateway import Gateway, key_id
+from edge.core.lifecycle import InFlightRegistry
+from edge.core.metrics import Metrics
+from edge.core.prefill_pool import PrefillPool
 from edge.core.request_record import RequestRecord
 from edge.observe.audit import MAX_TEXT_CHARS, AuditLog, RotatingFile, _capped, quota_state_path
 from policies.enforcer import PolicyEnforcer, PolicyRejection, RequestFacts
@@ -191,6 +195,14 @@ def test_a_reopened_log_appends_and_counts_what_was_there(tmp_path):
     assert (tmp_path / "audit.log.1").read_bytes() == b"a" * 39 + b"\n" and path.read_bytes() == b"b" * 39 + b"\n"
 
 
+def test_an_audit_file_that_was_there_is_made_private_at_start(tmp_path):
+    path = tmp_path / "audit.log"
+    path.write_bytes(b"an older line\n")
+    path.chmod(0o644)  # made by hand, or by a build that let the umask decide
+    log = RotatingFile(str(path), 1 << 20, 1)
+    assert path.stat().st_mode & 0o777 == 0o600 and log.size == len(b"an older line\n")
+
+
 @pytest.mark.parametrize("where", ["missing/audit.log", "."])
 @pytest.mark.slow
 def test_an_audit_log_that_cannot_be_opened_stops_edge_serve(tmp_path, where, monkeypatch):
@@ -279,7 +291,9 @@ def test_december_resets_on_the_first_of_january():
 def test_the_quota_429_reaches_the_client_with_retry_after_and_is_logged(tmp_path):
     enforcer = enforcer_for()
     enforcer.count_tokens(record(prompt_tokens=100))
-    gateway = Gateway(ServeConfig(), MODEL, None, None, None, None, enforcer)
+    registry = InFlightRegistry()
+    gateway = Gateway(ServeConfig(), MODEL, PrefillPool({}, registry, 8), FakeEngine(), registry, Metrics(MODEL),
+                      enforcer)
     gateway.observers.append(AuditLog(str(tmp_path / "audit.log"), 1 << 20, 1, enforcer))
     http = make_mocked_request("POST", "/v1/chat/completions", headers={"Authorization": "Bearer k-team"})
     request = parse_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, "chat")

@@ -2,21 +2,27 @@
 queues them while it is not ready, and a too-long input names 'input'."""
 
 import asyncio
-import types
 
 import pytest
+from fake_engine_link import FakeEngine
 
 from contracts.handoff import SamplingParams
 from contracts.messages import PrefillFailed, PrefillJob
+from edge.api.openai_request import parse_request
+from edge.config import ServeConfig
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import InFlight, InFlightRegistry
+from edge.core.metrics import Metrics
 from edge.core.prefill_pool import PrefillPool
+from edge.core.run import Run
+from policies.enforcer import Decision, PolicyEnforcer
+from policies.schema import Policy
 
 
 def _pool_with_a_worker(engine_connected: bool) -> tuple[PrefillPool, InFlightRegistry, list]:
     registry = InFlightRegistry()
-    pool = PrefillPool({"w": "unix:/nonexistent"}, registry, queue_limit=8)
-    pool.choose_engine = lambda request_id: None  # no engine is ready
+    pool = PrefillPool({"w": "unix:/nonexistent"}, registry, queue_limit=8,
+                       choose_engine=lambda request_id: None)  # no engine is ready
     sent = []
 
     async def send(worker, frame):
@@ -43,19 +49,13 @@ def test_an_embeddings_job_goes_to_a_worker_while_no_engine_is_ready(engine_conn
     assert [entry.job.request_id for entry in pool.queue] == ["gen"]  # still waiting for an engine, in its place
 
 
-class _Pool:
-    def __init__(self, ready: int) -> None:
-        self.num_ready, self.workers, self.submitted = ready, {}, []
-        self.queue_length, self.tokens_per_s = 0, 0.0
-
-    def submit(self, job):
-        self.submitted.append(job)
-
-
 def _gateway(ready_workers: int, embedding_only: bool = False) -> Gateway:
-    gateway = Gateway.__new__(Gateway)
-    gateway.pool, gateway.registry = _Pool(ready_workers), InFlightRegistry()
-    gateway.engine = types.SimpleNamespace(state="connecting", stats=None)
+    registry = InFlightRegistry()
+    pool = PrefillPool({f"w{i}": "unix:/nonexistent" for i in range(ready_workers)}, registry, queue_limit=8)
+    for worker in pool.workers.values():
+        worker.state = "ready"
+    gateway = Gateway(ServeConfig(), "m", pool, FakeEngine(state="connecting"), registry, Metrics("m"),
+                      PolicyEnforcer(Policy("test")))
     gateway.embedding_only = embedding_only
     return gateway
 
@@ -70,10 +70,10 @@ def test_readiness_asks_for_an_engine_only_where_one_serves():
 def test_a_too_long_input_names_input():
     async def scenario():
         gateway = _gateway(1)
-        gateway.config = types.SimpleNamespace(limits=types.SimpleNamespace(request_timeout_s=5.0))
         inflight = InFlight("embd-1", 0)
         inflight.events.put_nowait(PrefillFailed("embd-1", "prompt_too_long", "an input has 900 tokens", 900, 512))
-        run = types.SimpleNamespace(inflight=inflight, deadline=float("inf"))
+        decision = Decision("default", 0, 0, None, 512, "", "normal", (), ("", ""))
+        run = Run(inflight, parse_request({"model": "m", "prompt": "x"}, "completion"), decision, float("inf"))
         with pytest.raises(Exception) as caught:
             await gateway.embeddings(run)
         return caught.value

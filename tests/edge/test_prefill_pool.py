@@ -11,9 +11,9 @@ from edge.core.prefill_pool import PrefillPool
 def test_best_priority_is_announced_on_every_change():
     async def scenario():
         registry = InFlightRegistry()
-        pool = PrefillPool({}, registry, queue_limit=8)  # no workers: everything stays queued
         heard = []
-        pool.on_best_priority = heard.append
+        # no workers: everything stays queued
+        pool = PrefillPool({}, registry, queue_limit=8, on_best_priority=heard.append)
         for request_id, priority in (("bg-1", 10), ("bg-2", 10), ("fg", 0)):
             registry.add(InFlight(request_id, priority))
             pool.submit(PrefillJob(request_id, SamplingParams(), priority))
@@ -29,10 +29,10 @@ def test_best_priority_is_announced_on_every_change():
 def test_a_backlog_is_announced_only_while_prompts_wait_for_a_busy_ready_worker():
     async def scenario():
         registry = InFlightRegistry()
-        pool = PrefillPool({"w": "unix:/nonexistent"}, registry, queue_limit=8)
-        pool.choose_engine = lambda request_id: None  # no engine can take a job: submitted jobs stay queued
         heard = []
-        pool.on_backlog = heard.append
+        # no engine can take a job: submitted jobs stay queued
+        pool = PrefillPool({"w": "unix:/nonexistent"}, registry, queue_limit=8, on_backlog=heard.append,
+                           choose_engine=lambda request_id: None)
         for request_id in ("a", "b"):
             registry.add(InFlight(request_id, 0))
         pool.submit(PrefillJob("a", SamplingParams(), 0))

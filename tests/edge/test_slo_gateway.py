@@ -18,6 +18,7 @@ from contracts.handoff import SamplingParams
 from contracts.messages import PrefillDone, PrefillJob, Recompute, Stats
 from edge.api.openai_request import ApiError, parse_request
 from edge.config import ServeConfig
+from edge.core.engine_client import EngineClient
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import InFlight, InFlightRegistry
 from edge.core.metrics import Metrics
@@ -135,7 +136,7 @@ def test_a_request_that_cannot_meet_its_objective_is_refused_at_once_with_retry_
 
 
 def test_the_predictors_recent_shortfall_is_allowed_for_and_fades():
-    from edge.core.slo import ERROR_WINDOW_S, MIN_ERRORS, Pending, TTFTPredictor
+    from edge.core.ttft_predictor import ERROR_WINDOW_S, MIN_ERRORS, Pending, TTFTPredictor
     now = [0.0]
     predictor = TTFTPredictor(None, clock=lambda: now[0])
     known = Pending("interactive", 1000, 0, 100.0, 0, predicted_s=0.2, raw_s=0.2, deadline=0.0)
@@ -289,14 +290,15 @@ def test_a_recompute_keeps_its_requests_deadline():
         gateway = make_gateway()
         run = admit(gateway, "k-int", tokens=10)
         ask = Recompute(run.inflight.request_id, 0, tuple(range(12)), SamplingParams(), 0)
-        gateway.recompute(ask, gateway.engine)
+        gateway.recompute(ask, EngineClient("unix:/nowhere", gateway.registry))  # the one engine asks
         return run, [e.job for e in gateway.pool.queue if e.job.resume_index == 0]
     run, (job,) = asyncio.run(scenario())
     assert job.deadline == pytest.approx(time.time() + 1.0, abs=0.5) and job.request_id == run.inflight.request_id
+    assert job.engine == ""  # the workers' own engine
 
 
 def test_the_learned_offset_fades_without_first_tokens():
-    from edge.core.slo import Offset
+    from edge.core.ttft_predictor import Offset
     offset = Offset(now=0.0)
     offset.value.value = 4.0  # a spike learned at t = 0
     assert offset.now(30.0) == pytest.approx(2.0)
@@ -304,7 +306,7 @@ def test_the_learned_offset_fades_without_first_tokens():
 
 
 def test_prefill_time_is_a_fixed_part_and_a_part_per_token():
-    from edge.core.slo import PrefillTime
+    from edge.core.ttft_predictor import PrefillTime
     line = PrefillTime()
     line.add(1000, 1.0)
     assert line.seconds(100) == pytest.approx(0.1)  # one size measured: a rate
@@ -333,7 +335,7 @@ def test_each_priority_learns_its_own_offset():
 
 
 def test_the_prefix_fresh_prompts_find_cached_is_not_predicted_as_work():
-    from edge.core.slo import TTFTPredictor
+    from edge.core.ttft_predictor import TTFTPredictor
     predictor = TTFTPredictor(None)
     predictor.prefilled(PrefillDone("a", 130, 100.0, 0, 5.0, cached_tokens=30), None)  # 100 computed in 100 ms
     predictor.prefilled(PrefillDone("b", 300, 50.0, 0, 5.0, cached_tokens=250), None)  # a preempted one, resumed
@@ -378,7 +380,7 @@ def test_the_tpot_check_allows_for_how_served_answers_ran_against_their_predicti
     median of (served - predicted) over the class's recent answers, once 20 of them ended."""
     import collections
 
-    from edge.core.slo import MIN_ERRORS
+    from edge.core.ttft_predictor import MIN_ERRORS
 
     async def scenario():
         gateway = make_gateway()

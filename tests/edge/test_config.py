@@ -3,7 +3,7 @@ expected; flags are checked the same way and named as flags; a good file and fla
 
 import pytest
 
-from edge.config import ConfigError, Limits, ServeConfig, load_config
+from edge.config import ConfigError, Limits, ServeConfig, load_config, open_without_authentication
 
 GOOD = """port = 9000
 policy = "policy.toml"
@@ -69,3 +69,17 @@ def test_a_missing_file_is_named(tmp_path):
         load_config(str(tmp_path / "absent.toml"), {})
     assert [(i.key, i.line) for i in info.value.issues] == [("(file)", None)]
     assert str(info.value).startswith(f"{tmp_path / 'absent.toml'}: (file): cannot read the file")
+
+
+@pytest.mark.parametrize("host,keys,ca,open_to", [
+    ("127.0.0.1", False, "", ""), ("localhost", False, "", ""), ("::1", False, "", ""),
+    ("0.0.0.0", True, "", ""), ("0.0.0.0", False, "ca.pem", ""),  # keys or client certificates authenticate
+    ("0.0.0.0", False, "", "0.0.0.0:8000"), ("10.1.2.3", False, "", "10.1.2.3:8000"), ("::", False, "", "[::]:8000"),
+    ("gateway.internal", False, "", "gateway.internal:8000"), ("", False, "", "every interface, port 8000"),
+])
+def test_an_open_bind_is_one_beyond_loopback_with_nothing_that_authenticates(host, keys, ca, open_to):
+    from policies.loader import parse_policy
+    text = 'version = 1\n[[keys]]\nkey = "sk-test"\nclass = "default"\n' if keys else "version = 1\n"
+    policy = parse_policy(text, "policy.toml")
+    assert bool(policy.keys) is keys
+    assert open_without_authentication(ServeConfig(host=host, ssl_ca_certs=ca), policy) == open_to

@@ -88,6 +88,8 @@ _KNOBS = (
     Knob("ssl_certfile", str, "", "PEM certificate: serve HTTPS (vLLM's flag names)", flag=True),
     Knob("ssl_keyfile", str, "", "the certificate's private key (PEM)", flag=True),
     Knob("ssl_ca_certs", str, "", "CA bundle: require client certificates it signed (mutual TLS)", flag=True),
+    Knob("allow_unauthenticated", bool, False, "serve on a non-loopback address with no API keys and no client "
+         "certificates: anyone who reaches the port may use the model (docs/security.md)", flag=True),
     Knob("audit_log", str, "", "file for one JSON line per request (docs/audit.md)", flag=True),
     Knob("audit_log_max_bytes", int, 100 << 20, "the audit log rotates past this size", ge=4096),
     Knob("audit_log_backups", int, 5, "rotated audit files kept", ge=0),

@@ -31,9 +31,6 @@ def main(argv=None) -> None:
     serve = commands.add_parser("serve", help="start the service")
     serve.add_argument("--config", help="TOML config file (see docs/config.md)")
     add_serve_flags(serve)
-    serve.add_argument(ALLOW_OPEN_FLAG, action="store_true",
-                       help="serve on a non-loopback address with no API keys and no client certificates: anyone "
-                            "who reaches the port may use the model (docs/security.md)")
     check = commands.add_parser("check-model", help="check a GGUF before serving it: support, sizes, fidelity")
     from edge.check_model.command import add_arguments  # the command's own flags live with it
     add_arguments(check)
@@ -41,7 +38,7 @@ def main(argv=None) -> None:
     if args.command == "check-model":
         from edge.check_model.command import run
         sys.exit(run(args))
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "allow_unauthenticated")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)
         policy = load_policy(policy_path(config))  # refuse a bad policy before starting anything
@@ -53,10 +50,11 @@ def main(argv=None) -> None:
     except (ConfigError, PolicyError, TLSError, UnsupportedModelError, GGUFError, FileNotFoundError) as err:
         sys.exit(f"edge: {err}")
     open_to = open_without_authentication(config, policy)
-    if open_to and not args.allow_unauthenticated:
+    if open_to and not config.allow_unauthenticated:
         sys.exit(f"edge: refusing to serve on {open_to} with no API keys in the policy ({policy.source}) and no "
                  f"client certificates (ssl_ca_certs): anyone who reaches the port could use the model. Add keys "
-                 f"(docs/policies.md), listen on 127.0.0.1, or pass {ALLOW_OPEN_FLAG} to serve it open on purpose "
+                 f"(docs/policies.md), listen on 127.0.0.1, or pass {ALLOW_OPEN_FLAG} (allow_unauthenticated = true "
+                 "in the config) to serve it open on purpose "
                  "(docs/security.md)")
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
     logging.getLogger("edge").info("gateway: config, policy and model checked %.1f s after the process started",

@@ -45,6 +45,7 @@ class ServeConfig:
     ssl_certfile: str = knob("ssl_certfile")
     ssl_keyfile: str = knob("ssl_keyfile")
     ssl_ca_certs: str = knob("ssl_ca_certs")
+    allow_unauthenticated: bool = knob("allow_unauthenticated")
     audit_log: str = knob("audit_log")
     audit_log_max_bytes: int = knob("audit_log_max_bytes")
     audit_log_backups: int = knob("audit_log_backups")

@@ -75,3 +75,16 @@ def test_the_commands_refuse_a_hostile_file_within_seconds(hostile_gguf, command
     assert done.returncode != 0 and took_s < 10.0, (took_s, done.stdout, done.stderr)
     assert LAYERS_MESSAGE in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_the_opt_in_is_a_config_key_too(capsys, monkeypatch, tmp_path):
+    import edge.app
+
+    def stop_here(config):
+        raise ValueError(f"stopped with allow_unauthenticated={config.allow_unauthenticated}")
+    monkeypatch.setattr(edge.app, "make_app", stop_here)
+    config = tmp_path / "serve.toml"
+    config.write_text('host = "0.0.0.0"\nport = 0\nallow_unauthenticated = true\n')
+    assert serve(capsys, "--config", config) == "edge: stopped with allow_unauthenticated=True"
+    config.write_text('host = "0.0.0.0"\nport = 0\nallow_unauthenticated = false\n')
+    assert serve(capsys, "--config", config).startswith("edge: refusing to serve on 0.0.0.0:0")

@@ -1,9 +1,10 @@
 """The model runner: the only owner of device tensors (model weights, the paged KV pool, the step inputs).
 
 It carries out a ScheduledStep in field order: `prepare` swaps out, imports handoffs, swaps in and
-copies on write, one sequence at a time, so that one sequence's bad bytes fail only that sequence; then
-`forward` runs one batched forward for every decoding sequence, returning their next-token logits
-(`verify` instead, when some sequences feed draft tokens too: speculative decoding).
+copies on write, one sequence at a time, so that one sequence's bad bytes fail only that sequence
+(memory_moves.py); then `forward` runs one batched forward for every decoding sequence, returning their
+next-token logits (`verify` instead, when some sequences feed draft tokens too: speculative decoding, whose
+start-up cost model times this runner's forward and verify, cost_probe.py).
 
 The forward is static: its inputs live in persistent buffers filled with one host-to-device copy
 (step_inputs.py), nothing in it reads back to the host, and on CUDA it replays a captured graph per
@@ -23,7 +24,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from contracts.cache import write_record
 from contracts.handoff import SamplingParams
 from contracts.identity import GGUFIdentity
 from decode_gpu.attention.backend import resolve_backend
@@ -32,15 +32,16 @@ from decode_gpu.attention.paged_batch import build_paged_batch
 from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.core.scheduler import ScheduledStep
 from decode_gpu.core.sequence import Sequence
-from decode_gpu.core.speculative import StepCosts, measurement_rows
+from decode_gpu.core.speculative import StepCosts
 from decode_gpu.core.step_times import ALONE, EVERY, HALVED, ThreadShare
-from decode_gpu.kv.importer import import_handoff
-from decode_gpu.kv.pool import KVPool, PoolShape, device_index
+from decode_gpu.kv.pool import KVPool, PoolShape
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
-from decode_gpu.model.plan_record import measurement_window as _window  # a module name of its own: tests replace it
 from decode_gpu.model.quantized_linear import QuantizedLinear
+from decode_gpu.runner import cost_probe
+from decode_gpu.runner.cost_probe import PROBE_BUDGET_S, Probe
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
+from decode_gpu.runner.memory_moves import MemoryMoves
 from decode_gpu.runner.step_inputs import StepInputs
 from decode_gpu.runner.weight_switch import WeightSwitch
 from sampling.sampler import sample_rows
@@ -48,17 +49,7 @@ from sampling.sampling_params import SamplingBatch, SamplingRow
 
 log = logging.getLogger(__name__)
 PROFILE_LOGPROBS = 20  # the profiling forward samples with this many top logprobs, OpenAI's maximum
-COST_CONTEXT = 256  # the context of the dummy sequences speculative decoding's cost model is measured on
-PROBE_BUDGET_S = 3.0  # the start-up probe of that cost model: rounds past this are left out
-
-
-@dataclass
-class _Probe:
-    """A dummy sequence for measuring a step (what forward and verify read of a Sequence)."""
-    seq_id: str
-    tokens: list[int]
-    num_cached: int
-    priority: int = 0
+_Probe = Probe  # the name bench/length_groups_bench.py imports from here
 
 
 @dataclass(frozen=True)
@@ -80,20 +71,6 @@ class RunnerConfig:
     deterministic: bool = False
     # draft tokens a sequence may feed per step: the profiling forward samples that many more rows
     num_speculative_tokens: int = 0
-
-
-class PagedKVWriter:
-    """KVWriter that lands an imported handoff directly in the sequence's pool blocks."""
-
-    def __init__(self, pool: KVPool, blocks: list[int], n_tokens: int, device: torch.device, start: int = 0) -> None:
-        """Rows written land at positions start..n_tokens-1 (the earlier ones are a cached prefix)."""
-        bs = pool.shape.block_size
-        positions = torch.arange(start, n_tokens)
-        self.slots = device_index((torch.tensor(blocks)[positions // bs] * bs + positions % bs), device)  # [n_tokens]
-        self.pool = pool
-
-    def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.pool.write(layer, self.slots, keys, values)
 
 
 class ModelRunner:
@@ -139,7 +116,7 @@ class ModelRunner:
                 for layer in model.model.layers:  # the decoder layers of every supported family (docs/models.md)
                     layer.register_forward_pre_hook(self._between_layers)
         self.weight_switch = self._weight_switch(model, capacity)
-        self.swap_space: dict[str, list[torch.Tensor]] = {}  # host copies of preempted sequences' blocks
+        self.moves = MemoryMoves(self.pool, identity, device)
         self._threads = _shared_threads(device, gate)
         # which thread count keeps a TPOT objective beside prefill, from the steps measured with each
         self.thread_share = ThreadShare() if self._threads else None
@@ -157,40 +134,19 @@ class ModelRunner:
         """Blocks sequences may own (the scratch block is not one of them)."""
         return self.pool.shape.num_blocks - 1
 
-    @torch.inference_mode()
+    @property
+    def swap_space(self) -> dict[str, list[torch.Tensor]]:
+        """Host copies of preempted sequences' blocks, by seq id."""
+        return self.moves.swap_space
+
     def prepare(self, step: ScheduledStep) -> list[tuple[str, str]]:
         """The step's memory moves; returns (seq id, why) for each sequence whose own move failed. Its
         blocks then hold garbage that no other sequence reads: the engine fails it and frees them."""
-        failed: list[tuple[str, str]] = []
-        for seq_id, blocks in step.swap_out:
-            _attempt(failed, seq_id, "swapping out its KV", self._swap_out, seq_id, blocks)
-        for seq, blocks in step.imports:
-            _attempt(failed, seq.seq_id, "importing its KV handoff", self._import, seq, blocks,
-                     step.cached_tokens.get(seq.seq_id, 0))
-        for seq_id, blocks in step.swap_in:
-            _attempt(failed, seq_id, "swapping in its KV", self._swap_in, seq_id, blocks)
-        for copy in step.copies:
-            self.pool.copy_blocks(copy.src, copy.dst)
-        return failed
+        return self.moves.prepare(step)
 
     def forget(self, seq_id: str) -> None:
         """Drop host swap space of an aborted or failed sequence."""
-        self.swap_space.pop(seq_id, None)
-
-    def _swap_out(self, seq_id: str, blocks: list[int]) -> None:
-        self.swap_space[seq_id] = self.pool.read_blocks(blocks)
-
-    def _import(self, seq: Sequence, blocks: list[int], cached: int) -> None:
-        """Write the handoff's KV after its first `cached` positions, which the pool holds already."""
-        writer = PagedKVWriter(self.pool, blocks, seq.handoff.n_tokens, self.device, start=cached)
-        import_handoff(seq.handoff, self.identity, writer, self.device, start=cached)
-
-    def _swap_in(self, seq_id: str, blocks: list[int]) -> None:
-        saved = self.swap_space.pop(seq_id)
-        # it left with the blocks holding its KV (Scheduler._holding_kv) and comes back with room for its next token
-        # too, which may be a block more
-        n = min(len(blocks), saved[0].shape[0])
-        self.pool.write_blocks(blocks[:n], [rows[:n] for rows in saved])
+        self.moves.forget(seq_id)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], block_tables: dict[str, list[int]]) -> torch.Tensor:
@@ -233,117 +189,17 @@ class ModelRunner:
         model, weights, device, threads and batch limits if there is one, else a probe (measure_step_costs) within
         about budget_s, recorded there when nothing else used the CPU through it (contracts/cpu_window.py).
         The engine corrects it by its real steps from then on (core.speculative.LiveCosts)."""
-        if record is not None and record.is_file():
-            try:
-                costs = StepCosts.from_json(record.read_text())
-                log.info("speculative decoding's cost model recorded by a quiet start (%s): %s", record,
-                         costs.describe())
-                return costs
-            except (ValueError, KeyError, TypeError) as err:
-                log.warning("ignoring the recorded cost model %s: %s", record, err)
-        window = _window()
-        costs = self.measure_step_costs(max_num_seqs, num_draft, reps, budget_s)
-        if record is not None and window.quiet():
-            write_record(record, costs.to_json())
-            log.info("recorded the cost model in %s (a quiet start): later starts reuse it", record)
-        elif record is not None:
-            log.info("speculation's cost model measured on a busy machine (%s): used, not recorded; a quiet start "
-                     "records one", window.describe())
-        return costs
+        return cost_probe.step_costs(self, max_num_seqs, num_draft, reps, budget_s, record)
 
     def cost_record_key(self, max_num_seqs: int, num_draft: int) -> str:
         """What a recorded cost model must match: weights, device, threads, batch limits."""
-        from decode_gpu.model.weight_quant import held_weight_dtype
-        held = held_weight_dtype(self.model).replace(" ", "_").replace("(", "").replace(")", "")
-        return (f"{self.device.type}-{held}-{self.forward_name}-t{torch.get_num_threads()}-s{max_num_seqs}-"
-                f"k{num_draft}-{self.pool.shape.storage}")
+        return cost_probe.cost_record_key(self, max_num_seqs, num_draft)
 
-    @torch.inference_mode()
     def measure_step_costs(self, max_num_seqs: int, num_draft: int, reps: int = 5,
                            budget_s: float = PROBE_BUDGET_S) -> StepCosts:
         """What a plain step and a verify step cost by rows fed (speculative decoding plans its drafts with it),
-        measured before any request: dummy sequences of COST_CONTEXT tokens (fewer when the pool is small) write
-        into the pool's blocks, which nothing holds yet; a verify of r rows feeds 1 + num_draft tokens per
-        sequence. Each point is the median of up to `reps` forwards after a warm-up, taken in rounds over every
-        point, so that a burst of other work on the machine (a prefill worker starting on the same cores) lands on
-        all of them alike rather than on a few; as many rounds as fit in budget_s (at least one)."""
-        bs = self.pool.shape.block_size
-        limit = max_num_seqs * (1 + num_draft)
-        per_seq = max(1, min(-(-(COST_CONTEXT + 1 + num_draft) // bs), self.num_blocks // max_num_seqs,
-                             self._max_blocks))
-        # within max_model_len too: the rotary table and the block tables end there
-        context = max(1, min(per_seq * bs, self.config.max_model_len) - 1 - num_draft)
-
-        def probes(n: int) -> tuple[list[_Probe], dict[str, list[int]]]:
-            seqs = [_Probe(str(i), [0] * (context + 1 + num_draft), context) for i in range(n)]
-            return seqs, {p.seq_id: [(i * per_seq + b) % self.num_blocks for b in range(per_seq)]
-                          for i, p in enumerate(seqs)}
-
-        def plain(rows: int):
-            seqs, tables = probes(rows)
-            return lambda: self.forward(seqs, tables)
-
-        def verify(rows: int, n: int | None = None):
-            """rows fed by n sequences (by default as few as can feed them), all but the last as many as can"""
-            seqs, tables = probes(n or -(-rows // (1 + num_draft)))
-            width = -(-rows // len(seqs))
-            drafts = [[0] * (width - 1) for _ in seqs]
-            drafts[-1] = drafts[-1][:rows - 1 - (len(seqs) - 1) * width]
-            return lambda: self.verify(seqs, tables, drafts)
-
-        started = time.perf_counter()
-        plain_rows, verify_rows = measurement_rows(max_num_seqs), [r for r in measurement_rows(limit) if r > 1]
-        # what a sequence more costs: 2 rows a sequence against 1 + num_draft, for the same rows
-        many = min(max_num_seqs, limit // 2)
-        few = -(-2 * many // (1 + num_draft))
-        # fewest rows first (what small batches plan with), the two kinds side by side: a budget spent early leaves
-        # out the largest counts, which the model extrapolates
-        keys = sorted([("plain", r) for r in plain_rows] + [("verify", r) for r in verify_rows], key=lambda k: k[1])
-        points = {key: plain(key[1]) if key[0] == "plain" else verify(key[1]) for key in keys}
-        if many > few:
-            points |= {("many", 2 * many): verify(2 * many, many), ("few", 2 * many): verify(2 * many)}
-        ms = self._median_ms(points, reps, budget_s)
-        seq_ms = max(0.0, (ms["many", 2 * many] - ms["few", 2 * many]) / (many - few)) \
-            if ("few", 2 * many) in ms else 0.0
-        plain_ms = tuple((r, ms["plain", r]) for r in plain_rows if ("plain", r) in ms)
-        verify_ms = tuple((r, ms["verify", r]) for r in verify_rows if ("verify", r) in ms)
-        if len(verify_ms) == 1:  # the budget spent early: past its one point, verify grows as the plain step does
-            (r0, ms0), shape = verify_ms[0], StepCosts(plain_ms, verify_ms)
-            verify_ms += ((2 * r0, ms0 * shape.plain_ms(2 * r0) / shape.plain_ms(r0)),)
-        costs = StepCosts(plain_ms, verify_ms, 1 + num_draft, seq_ms)
-        log.info("speculative decoding's cost model, ms by rows fed (context %d), measured in %.1f s: %s", context,
-                 time.perf_counter() - started, costs.describe())
-        return costs
-
-    def _median_ms(self, forwards: dict, reps: int, budget_s: float = float("inf"),
-                   needed: tuple[str, ...] = ("plain", "verify")) -> dict:
-        """The median ms of each forward over up to `reps` rounds that run every forward once, as many rounds as fit
-        in budget_s: what a step in a run of many costs (the best of them would be optimistic). In the first round
-        each forward is warmed up right before it is timed (packing, kernel selection, Triton's compiles), and the
-        round stops at the budget once one forward of each `needed` kind (a key's first element) is timed: those
-        not reached are left out of the answer, so a slow machine (a CPU hog) keeps the probe within the budget."""
-        times: dict = {key: [] for key in forwards}
-        began = time.perf_counter()
-        for rep in range(reps):
-            if rep and (time.perf_counter() - began) * (rep + 1) / rep > budget_s:
-                break  # another round would overrun the budget
-            for key, forward in forwards.items():
-                if rep == 0 and time.perf_counter() - began > budget_s and \
-                        {k[0] for k, t in times.items() if t} >= set(needed):
-                    break
-                if rep == 0:
-                    self._timed(forward)  # the warm-up
-                elif not times[key]:
-                    continue  # not reached in the first round
-                times[key].append(self._timed(forward))
-        return {key: sorted(t)[len(t) // 2] * 1e3 for key, t in times.items() if t}
-
-    def _timed(self, forward) -> float:
-        started = time.perf_counter()
-        forward()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - started
+        measured before any request (cost_probe.py)."""
+        return cost_probe.measure_step_costs(self, max_num_seqs, num_draft, reps, budget_s)
 
     def _before_forward(self, seqs: list[Sequence]) -> None:
         """Thread count (decode on the CPU next to llama.cpp prefill) and the priority the gate waits with."""
@@ -480,14 +336,6 @@ def _shared_threads(device: torch.device, gate: PriorityGate | None) -> tuple[in
     shared = max(1, alone // 2)
     log.info("decode on the CPU: %d threads, %d while a prompt is queued for or in prefill", alone, shared)
     return alone, shared
-
-
-def _attempt(failed: list[tuple[str, str]], seq_id: str, what: str, action, *args) -> None:
-    try:
-        action(*args)
-    except Exception as err:  # a bad payload or a failed copy of one sequence: that sequence fails, not the step
-        log.exception("request %s failed %s", seq_id, what)
-        failed.append((seq_id, f"{what} failed: {type(err).__name__}: {err}"))
 
 
 def _storage_name(dtype: torch.dtype) -> str:

@@ -22,7 +22,9 @@ from decode_gpu.model.loader import load_decode_model
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
 from decode_gpu.reference.dense_cache import DenseKVCache
 from decode_gpu.reference.dense_decoder import decode, prompt_cache, teacher_forced_logits
-from decode_gpu.runner.model_runner import ModelRunner, PagedKVWriter, RunnerConfig, _Probe
+from decode_gpu.runner.cost_probe import Probe
+from decode_gpu.runner.memory_moves import PagedKVWriter
+from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from tiny_gguf import ARCHS, GEMMA_WINDOW, prompts
 
 CPU = torch.device("cpu")
@@ -103,7 +105,7 @@ def test_native_logits_are_within_the_bound_of_transformers(family):
                                                        max_model_len=256), CPU)
     blocks = list(range(-(-(len(prompt) + len(fed)) // runner.pool.shape.block_size)))
     import_handoff(handoff, identity, PagedKVWriter(runner.pool, blocks, len(prompt), CPU), CPU)
-    probe = _Probe("t", [*prompt, *fed], len(prompt))
+    probe = Probe("t", [*prompt, *fed], len(prompt))
     got = runner.verify([probe], {"t": blocks}, [fed[1:]])  # [24, vocab]
     error = ((got - want).abs().amax(dim=-1) / want.abs().amax(dim=-1)).max().item()
     assert error < LOGIT_BOUND, (arch, error)

@@ -21,7 +21,9 @@ from decode_gpu.model.native_decoder import NativeDecoder
 from decode_gpu.model.serving_model import ServingModel, serving_model_from
 from decode_gpu.model.weight_quant import quantize_model
 from decode_gpu.reference.dense_decoder import prompt_cache
-from decode_gpu.runner.model_runner import ModelRunner, PagedKVWriter, RunnerConfig, _Probe
+from decode_gpu.runner.cost_probe import Probe
+from decode_gpu.runner.memory_moves import PagedKVWriter
+from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from tiny_gguf import ARCHS, prompts
 
 CPU = torch.device("cpu")
@@ -60,7 +62,7 @@ def _verify_logits(model, identity, handoff: KVHandoff, fed: list[int]) -> torch
     prompt = list(handoff.prompt_tokens)
     blocks = list(range(-(-(len(prompt) + len(fed)) // runner.pool.shape.block_size)))
     import_handoff(handoff, identity, PagedKVWriter(runner.pool, blocks, len(prompt), CPU), CPU)
-    return runner.verify([_Probe("t", [*prompt, *fed], len(prompt))], {"t": blocks}, [fed[1:]])
+    return runner.verify([Probe("t", [*prompt, *fed], len(prompt))], {"t": blocks}, [fed[1:]])
 
 
 def test_the_native_forward_on_the_serving_model_is_bit_for_bit_transformers_models(pair):

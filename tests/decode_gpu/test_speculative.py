@@ -474,14 +474,14 @@ class _Window:
 
 
 def test_the_start_up_probe_is_short_and_a_quiet_start_is_recorded_and_reused(tiny, tmp_path, monkeypatch):
-    from decode_gpu.runner import model_runner
+    from decode_gpu.runner import cost_probe
     model, identity = tiny[:2]
     runner = ModelRunner(model, identity, RunnerConfig(kv_cache_tokens=512, kv_storage="float32"), torch.device("cpu"))
     record = tmp_path / "costs.json"
-    monkeypatch.setattr(model_runner, "_window", lambda: _Window(quiet=False))
+    monkeypatch.setattr(cost_probe, "_window", lambda: _Window(quiet=False))
     runner.step_costs(4, 2, budget_s=0.0, record=record)  # the budget spent at once: the fewest rows only
     assert not record.exists()  # other work through the probe: not recorded
-    monkeypatch.setattr(model_runner, "_window", lambda: _Window(quiet=True))
+    monkeypatch.setattr(cost_probe, "_window", lambda: _Window(quiet=True))
     measured = runner.step_costs(4, 2, budget_s=0.0, record=record)
     assert record.exists()
     monkeypatch.setattr(runner, "measure_step_costs", lambda *a, **k: pytest.fail("measured again"))

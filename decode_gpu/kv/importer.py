@@ -24,7 +24,7 @@ class HandoffMismatchError(ValueError):
 
 class KVWriter(Protocol):
     """What a handoff is written through: `PagedKVWriter` (into a sequence's blocks of the paged pool,
-    decode_gpu/runner/model_runner.py) and the reference `DenseKVCache` implement it."""
+    decode_gpu/runner/memory_moves.py) and the reference `DenseKVCache` implement it."""
 
     def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys, values: [n_tokens, num_kv_heads, head_dim] in the Hugging Face layout, after RoPE."""

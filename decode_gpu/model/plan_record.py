@@ -118,5 +118,5 @@ def _describe(plan: WeightPlan) -> str:
 
 def measurement_window() -> CpuWindow:
     """Opened before a measurement whose result may be recorded; its quiet() says whether to record it (also what
-    speculation's probe asks before it records its cost model, runner/model_runner.py). Tests replace it."""
+    speculation's probe asks before it records its cost model, runner/cost_probe.py). Tests replace it."""
     return CpuWindow()

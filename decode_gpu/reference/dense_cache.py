@@ -1,7 +1,7 @@
 """The dense KV cache: one sequence's K/V as a transformers DynamicCache, written through the importer's
 `KVWriter` interface. The handoff tests, `edge check-model` and `bench.handoff_bench` import handoffs into it (the
 tests and check-model then run the reference decoder, dense_decoder.py, on its `cache`); serving writes into the
-paged pool instead (`PagedKVWriter` in decode_gpu/runner/model_runner.py).
+paged pool instead (`PagedKVWriter` in decode_gpu/runner/memory_moves.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 
 from contracts.grammar import GrammarBusyError, GrammarError, GrammarOwnerBusyError, GrammarTooComplexError
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0  # a child's imports and vocabulary, at most (a loaded machine); past it the child is killed
 POLL_S = 0.05  # how often a waiting caller looks at its cancel event
 QUEUE_PER_OWNER = KNOBS["grammar_compile_queue_per_key"].default
+WAIT_MARGIN_S = 0.5  # past the time limit, how long a caller still waits: a compile holding a child ends by its
+# limit, and this covers its kill, so the caller next in line gets that child rather than a 503
+USAGE_HALF_LIFE_S = 30.0  # how fast an owner's compiling is forgiven, for the order children are handed out in
 _ERRORS = {cls.code: cls for cls in (GrammarError, GrammarTooComplexError)}
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -50,14 +53,42 @@ class CompileCancelled(GrammarError):
     code = "cancelled"
 
 
-class _Turns:
-    """One owner's compiles: how many hold a child now, and the callers waiting their turn (first in line first)."""
+class _Ticket:
+    """One caller waiting for a child: its owner, its place in arrival order, and whether it was turned away to
+    make room for an owner with fewer callers waiting."""
+
+    __slots__ = ("evicted", "owner", "seq")
+
+    def __init__(self, owner: str | None, seq: int) -> None:
+        self.owner, self.seq, self.evicted = owner, seq, False
+
+
+class _Owner:
+    """One owner's callers: how many hold a child now, and those waiting (first in line first)."""
 
     __slots__ = ("running", "waiting")
 
     def __init__(self) -> None:
         self.running = 0
-        self.waiting: deque[object] = deque()  # a ticket per waiting caller
+        self.waiting: deque[_Ticket] = deque()
+
+
+class _Usage:
+    """Seconds of compiling per owner, halving every HALF_LIFE_S: who has compiled least lately goes first."""
+
+    def __init__(self, half_life_s: float = 30.0, owners: int = 4096) -> None:
+        self._half_life_s, self._owners = half_life_s, owners
+        self._spent: OrderedDict[str, tuple[float, float]] = OrderedDict()  # owner -> (seconds, as of when)
+
+    def of(self, owner: str | None, now: float) -> float:
+        spent, when = self._spent.get(owner, (0.0, now))
+        return spent * 0.5 ** ((now - when) / self._half_life_s)
+
+    def add(self, owner: str | None, seconds: float, now: float) -> None:
+        self._spent[owner] = (self.of(owner, now) + seconds, now)
+        self._spent.move_to_end(owner)
+        while len(self._spent) > self._owners:  # the owner unheard of longest is forgotten (it starts again at 0)
+            self._spent.popitem(last=False)
 
 
 class _Child:
@@ -112,12 +143,17 @@ class CompileProcesses:
     """workers: children kept (started on first use, replaced when killed). per_owner: children one owner may hold
     at once. vocabulary: "module:callable" that the child calls with vocabulary_arg to get an object with
     .tokenizer and .stop_token_ids (prefill_cpu.grammar:GGUFVocabulary), or None to check grammars alone.
-    max_waiting: callers waiting for a child at most, and callers waiting their owner's turn at most (all owners
-    together); past either a compile is refused at once (busy). queue_per_owner: callers of one owner waiting
-    their turn at most (grammar_compile_queue_per_key); past it, a 429 at once."""
+    max_waiting: callers waiting at most, all owners together; past it the owner with the most callers waiting
+    gives up its last one (busy) for an owner with fewer, else the compile is refused at once (busy).
+    queue_per_owner: callers of one owner waiting behind its running ones at most (grammar_compile_queue_per_key);
+    past it, a 429 at once.
+
+    A child that comes free goes to the caller first in its owner's line whose owner has compiled least lately
+    (seconds of compiling, halving every USAGE_HALF_LIFE_S), first come first served among equals: an owner
+    flooding the pool with slow compiles goes after one that sends a small schema now and then."""
 
     def __init__(self, workers: int = 2, per_owner: int = 1, vocabulary: str | None = None,
-                 vocabulary_arg: str = "", max_waiting: int = 32, queue_per_owner: int = QUEUE_PER_OWNER) -> None:
+                 vocabulary_arg: str = "", max_waiting: int = 64, queue_per_owner: int = QUEUE_PER_OWNER) -> None:
         self.workers, self.per_owner, self.max_waiting = workers, per_owner, max_waiting
         self.queue_per_owner = queue_per_owner
         self._argv = [sys.executable, "-m", "contracts.compile_processes"]
@@ -127,9 +163,10 @@ class CompileProcesses:
         self._idle: list[_Child] = []
         self._children = 0  # started or starting, busy or idle
         self._starting = 0
-        self._waiting = 0
-        self._queued = 0  # callers waiting their owner's turn, all owners
-        self._owners: dict[str, _Turns] = {}
+        self._tickets: list[_Ticket] = []  # every caller waiting for a child, all owners
+        self._seq = 0
+        self._owners: dict[str | None, _Owner] = {}
+        self._usage = _Usage(USAGE_HALF_LIFE_S)
         self._closed = False
         self._stopping = threading.Event()  # set by close(): compiles in progress stop at once
         self.killed = 0  # children killed at their limit or for a caller gone: for tests and logs
@@ -139,72 +176,112 @@ class CompileProcesses:
             cancelled: threading.Event | None = None) -> str:
         """Compile in a child: the grammar text (mode "grammar") or "" (mode "check"). GrammarError (or a
         subclass) when the constraint does not compile or passed the limit, GrammarBusyError when no child came
-        free within timeout_s, GrammarOwnerBusyError when the owner's queue is full or its turn did not come within
-        timeout_s, CompileCancelled. The waits (the owner's turn, then a free child) take timeout_s together; the
+        free within the wait, GrammarOwnerBusyError when the owner's queue is full or its own compiles ahead did
+        not end within the wait, CompileCancelled. The wait (the owner's turn, then a free child) takes at most
+        timeout_s + WAIT_MARGIN_S (a compile holding a child ends by its limit: the margin covers its kill); the
         compile has its own timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        if owner is not None:
-            self._wait_turn(owner, deadline, timeout_s, cancelled)
-        try:
-            child = self._take(deadline, cancelled)
-            return self._compile(child, kind, source, timeout_s, mode, cancelled)
-        finally:
-            if owner is not None:
-                with self._cond:
-                    self._owners[owner].running -= 1
-                    self._forget(owner)
-                    self._cond.notify_all()  # the owner's next in line goes now, not at its next poll
+        child = self._take(owner, time.monotonic() + timeout_s + WAIT_MARGIN_S, timeout_s, cancelled)
+        return self._compile(child, owner, kind, source, timeout_s, mode, cancelled)
 
-    def _wait_turn(self, owner: str, deadline: float, timeout_s: float, cancelled: threading.Event | None) -> None:
-        """Return holding one of the owner's `per_owner` shares, taken in the order the callers came."""
+    def _take(self, owner: str | None, deadline: float, timeout_s: float,
+              cancelled: threading.Event | None) -> _Child:
+        """A child, taken when it is this caller's turn (_next): the owner's share and the line are held under
+        the condition from the moment the child is taken until it is given back."""
         with self._cond:
             if self._closed:
                 raise GrammarBusyError("the server is shutting down")
-            turns = self._owners.setdefault(owner, _Turns())
-            if turns.running < self.per_owner and not turns.waiting:
-                turns.running += 1
-                return
-            self._refuse_queueing(turns)
-            ticket = object()
-            turns.waiting.append(ticket)
-            self._queued += 1
+            ticket = self._enter(owner)
             try:
-                while turns.running >= self.per_owner or turns.waiting[0] is not ticket:
-                    self._still_waiting(deadline, timeout_s, cancelled)
+                while not (self._idle and self._next() is ticket):
+                    self._still_waiting(ticket, deadline, timeout_s, cancelled)
+                    self._fill()
                     self._cond.wait(min(POLL_S, max(deadline - time.monotonic(), 0.001)))
-                turns.running += 1
+                self._owners[owner].running += 1
+                return self._idle.pop()
             finally:
-                turns.waiting.remove(ticket)
-                self._queued -= 1
+                if not ticket.evicted:  # (an evicted one was taken out of both lines already)
+                    self._tickets.remove(ticket)
+                    self._owners[owner].waiting.remove(ticket)
                 self._forget(owner)
                 self._cond.notify_all()  # the next in line may be first now
 
-    def _refuse_queueing(self, turns: _Turns) -> None:
-        if len(turns.waiting) >= self.queue_per_owner:
+    def _enter(self, owner: str | None) -> _Ticket:
+        """The caller's ticket, in its owner's line and the pool's (under the condition); refused when its owner's
+        queue is full (429) or every waiting place is taken by owners with as many callers waiting (503)."""
+        turns = self._owners.setdefault(owner, _Owner())
+        if owner is not None and (turns.running >= self.per_owner or turns.waiting) \
+                and len(turns.waiting) >= self.queue_per_owner:
+            self._forget(owner)
             raise GrammarOwnerBusyError(f"this client already has {turns.running} structured-output compile(s) "
                                         f"running and {len(turns.waiting)} waiting; retry when they end")
-        if self._queued >= self.max_waiting:
-            raise GrammarBusyError(f"{self._queued} structured-output compiles are waiting; retry shortly")
+        if len(self._tickets) >= self.max_waiting and not self._evict_for(turns):
+            self._forget(owner)
+            raise GrammarBusyError(f"{len(self._tickets)} structured-output compiles are waiting; retry shortly")
+        self._seq += 1
+        ticket = _Ticket(owner, self._seq)
+        turns.waiting.append(ticket)
+        self._tickets.append(ticket)
+        return ticket
 
-    def _still_waiting(self, deadline: float, timeout_s: float, cancelled: threading.Event | None) -> None:
-        """Raise if a caller waiting its owner's turn must stop: the server closing, its requester gone, its time."""
+    def _evict_for(self, turns: _Owner) -> bool:
+        """Turn away the last caller of the owner with the most waiting, if it has at least two more than this
+        owner (so that the waiting places are shared out between owners, and owners with one caller each do not
+        take each other's places); False when none has."""
+        longest = max(self._owners.values(), key=lambda other: len(other.waiting))
+        if len(longest.waiting) < len(turns.waiting) + 2:
+            return False
+        victim = longest.waiting.pop()
+        self._tickets.remove(victim)
+        victim.evicted = True
+        self._cond.notify_all()
+        return True
+
+    def _next(self) -> _Ticket | None:
+        """Whose turn it is (under the condition): of the callers that may take a child now (_ready), the one whose
+        owner compiled least lately; among equals the first come."""
+        now = time.monotonic()
+        return min(self._ready(), key=lambda t: (self._usage.of(t.owner, now), t.seq), default=None)
+
+    def _ready(self) -> list[_Ticket]:
+        """The callers first in their owner's line whose owner holds fewer than per_owner children, and every
+        caller without an owner (a prefill worker's or the engine's compiles: no share to keep)."""
+        ready: list[_Ticket] = []
+        for owner, turns in self._owners.items():
+            if owner is None:
+                ready.extend(turns.waiting)
+            elif turns.waiting and turns.running < self.per_owner:
+                ready.append(turns.waiting[0])
+        return ready
+
+    def _still_waiting(self, ticket: _Ticket, deadline: float, timeout_s: float,
+                       cancelled: threading.Event | None) -> None:
+        """Raise if a waiting caller must stop: the server closing, its requester gone, its place given to another
+        owner, its time (a child on its way extends it: a start is not the caller's wait)."""
         if self._closed:
             raise GrammarBusyError("the server is shutting down")
         if cancelled is not None and cancelled.is_set():
             raise CompileCancelled("the requester went away")
-        if time.monotonic() >= deadline:
+        if ticket.evicted:
+            raise GrammarBusyError(f"{self.max_waiting} structured-output compiles are waiting, and this client has "
+                                   "the most of them; retry shortly")
+        if time.monotonic() < deadline or self._starting:
+            return
+        turns = self._owners[ticket.owner]
+        if ticket.owner is not None and (turns.waiting[0] is not ticket or turns.running >= self.per_owner):
             raise GrammarOwnerBusyError(f"this client's structured-output compiles ahead of this one did not end "
                                         f"within the limit of {timeout_s:g} s; retry when they end")
+        raise GrammarBusyError("no structured-output compile process came free within the time limit; retry "
+                               "shortly")
 
-    def _forget(self, owner: str) -> None:
+    def _forget(self, owner: str | None) -> None:
         """Drop an owner with nothing running or waiting (under the condition)."""
         turns = self._owners.get(owner)
         if turns is not None and turns.running <= 0 and not turns.waiting:
             del self._owners[owner]
 
-    def _compile(self, child: _Child, kind: str, source: str, timeout_s: float, mode: str,
+    def _compile(self, child: _Child, owner: str | None, kind: str, source: str, timeout_s: float, mode: str,
                  cancelled: threading.Event | None) -> str:
-        keep, reason = False, "the compiler failed"
+        keep, reason, started = False, "the compiler failed", time.monotonic()
         with self._cond:
             self.compiles += 1
         try:
@@ -227,38 +304,20 @@ class CompileProcesses:
             log.warning("structured outputs: a compile process died on a %s constraint", kind)
             raise GrammarError(f"the {kind} constraint could not be compiled (the compiler failed)") from None
         finally:
-            self._give_back(child, keep, reason)
+            self._give_back(child, owner, keep, reason, time.monotonic() - started)
         if "error" in answer:
             raise _ERRORS.get(answer["error"], GrammarError)(answer["message"])
         return answer.get("grammar", "")
 
-    def _take(self, deadline: float, cancelled: threading.Event | None) -> _Child:
-        with self._cond:
-            if self._waiting >= self.max_waiting and not self._idle:
-                raise GrammarBusyError(f"{self._waiting} structured-output compiles are waiting; retry shortly")
-            self._waiting += 1
-            try:
-                while not self._idle:
-                    if self._closed:
-                        raise GrammarBusyError("the server is shutting down")
-                    if cancelled is not None and cancelled.is_set():
-                        raise CompileCancelled("the requester went away")
-                    self._fill()
-                    left = deadline - time.monotonic()
-                    if left <= 0 and self._starting:  # a child on its way: its start is not the caller's wait
-                        left = POLL_S
-                    elif left <= 0:
-                        raise GrammarBusyError("no structured-output compile process came free within the "
-                                               "time limit; retry shortly")
-                    self._cond.wait(min(POLL_S, left))
-                return self._idle.pop()
-            finally:
-                self._waiting -= 1
-
-    def _give_back(self, child: _Child, keep: bool, reason: str = "") -> None:
+    def _give_back(self, child: _Child, owner: str | None, keep: bool, reason: str, seconds: float) -> None:
+        """The child back to the pool (killed unless keep) and the owner's share with it, in one step: the next in
+        line (_next) sees both at once, so no other owner's caller can take the child in between."""
         if not keep:
             child.kill()
         with self._cond:
+            self._usage.add(owner, seconds, time.monotonic())
+            self._owners[owner].running -= 1
+            self._forget(owner)
             if keep and not self._closed:
                 self._idle.append(child)
             else:
@@ -312,8 +371,9 @@ class CompileProcesses:
         key's turn, processes stopped so far, compiles sent to a process so far (every key's; a request's miss
         counts one whatever other tenants sent: only compiles of its own cache salt answer it)."""
         with self._cond:
+            waiting = len(self._ready())
             return {"idle": len(self._idle), "compiling": self._children - self._starting - len(self._idle),
-                    "waiting": self._waiting, "queued": self._queued, "stopped": self.killed,
+                    "waiting": waiting, "queued": len(self._tickets) - waiting, "stopped": self.killed,
                     "compiles": self.compiles}
 
     def warm(self) -> None:

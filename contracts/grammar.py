@@ -23,6 +23,10 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SOURCE_CHARS = 256 * 1024
+# How deeply a JSON schema may nest arrays and objects (a flat object: 1). llguidance reads JSON with serde_json,
+# which stops at 128 levels, so no deeper schema could compile; checked without recursion before anything that
+# recurses (Python's json, the tool schemas' rewriting) runs, so a deep schema is a 400 naming its field.
+MAX_SCHEMA_DEPTH = 128
 
 
 def _default_timeout_s() -> float:
@@ -101,6 +105,28 @@ def grammar_text(kind: str, source: str) -> str:
         raise GrammarError(f"the {kind} constraint does not compile: {_short(err)}") from None
 
 
+def json_depth(value, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How deeply a parsed JSON value nests arrays and objects (a scalar: 0, {} or []: 1), found without recursion;
+    the walk stops at the first container deeper than limit (and returns its depth, limit + 1)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def check_schema_depth(schema, field: str) -> None:
+    """GrammarTooComplexError naming field when the schema nests deeper than MAX_SCHEMA_DEPTH."""
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise GrammarTooComplexError(f"{field} nests arrays and objects more than {MAX_SCHEMA_DEPTH} levels deep, "
+                                     "the most a JSON schema may")
+
+
 def build_grammar(kind: str, source: str, tokenizer=None) -> str:
     """The checked grammar text of a constraint; GrammarError naming the problem when it does not compile.
     With a tokenizer (llguidance.LLTokenizer), the checks that depend on the vocabulary run too."""
@@ -175,13 +201,27 @@ def _error(kind: str, message: str) -> GrammarError:
 
 
 def _choice_lark(source: str) -> str:
+    return "start: CHOICE\n" + choice_terminal("CHOICE", choices_of(source))
+
+
+def choices_of(source: str) -> list[str]:
+    """The strings of a choice constraint's source (a JSON array); GrammarError when it is not a non-empty list of
+    non-empty strings."""
     try:
         choices = json.loads(source)
     except ValueError:
         choices = None
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise GrammarError("a choice constraint must be a non-empty list of non-empty strings")
-    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return choices
+
+
+def choice_terminal(name: str, choices: list[str]) -> str:
+    """The Lark terminal `name` matching exactly one of the strings. One terminal, one lexeme: the lexer matches
+    the strings, and the parser sees a single item whatever their number. As a rule of alternatives (`start: "a" |
+    "b" | ...`) each string was an item of the parser's first row, and past max_items_in_row (2,000 strings) the
+    matcher erred on the first token."""
+    return f"{name}: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def _short(err) -> str:

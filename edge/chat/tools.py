@@ -18,6 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from contracts.grammar import GrammarError, check_schema_depth
 from edge.chat.reasoning import reasoning_rules
 from edge.chat.tool_formats import FORMATS, ChatFormat, ToolFormat, grammar, tools_grammar
 
@@ -100,6 +101,10 @@ def _tool(tool, param: str) -> dict:
     if not isinstance(description, str) or not isinstance(parameters, dict):
         raise ToolError(f"{param}.function: description must be a string and parameters a JSON schema object",
                         f"{param}.function")
+    try:  # before anything recursive (json.dumps below, the call schema's rewriting) meets it
+        check_schema_depth(parameters, f"{param}.function.parameters")
+    except GrammarError as err:
+        raise ToolError(str(err), f"{param}.function.parameters") from None
     try:  # the tool is rendered into the prompt, which travels as UTF-8: a lone surrogate cannot
         json.dumps([description, parameters], ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -178,24 +183,29 @@ def answer_constraint(structured: tuple[str, str] | None, spec: ToolSpec | None,
     thinking = chat is not None and bool(chat.reasoning)
     if not tools_on and (structured is None or not thinking):
         return structured
-    answer = constraint_rule(*structured) if structured is not None else None
+    answer, terminals = constraint_rule(*structured) if structured is not None else (None, "")
     rules = spec.rules(answer) if tools_on else f"answer_start: {answer}"
+    rules = "\n".join(x for x in (rules, terminals) if x)
     return "grammar", grammar(rules, reasoning_rules(chat.think_in_prompt) if thinking else "")
 
 
-def constraint_rule(kind: str, source: str) -> str:
-    """A structured-output constraint as one Lark rule body, to sit inside a larger grammar."""
-    from contracts.grammar import JSON_OPTIONS
+def constraint_rule(kind: str, source: str) -> tuple[str, str]:
+    """A structured-output constraint as one Lark rule body, to sit inside a larger grammar, and the terminals that
+    body names ("" or their definitions, to add to the grammar)."""
+    from contracts.grammar import JSON_OPTIONS, choice_terminal, choices_of
     if kind in ("json_schema", "json_object"):
         try:
             schema = json.loads(source) if kind == "json_schema" else {"type": "object"}
-        except ValueError:
+            check_schema_depth(schema, "the json_schema constraint")
+        except GrammarError as err:
+            raise ToolError(str(err), "response_format") from None
+        except (ValueError, RecursionError):
             raise ToolError("the json_schema constraint is not valid JSON", "response_format") from None
         schema = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
-        return "%json " + json.dumps(schema, ensure_ascii=False)
-    if kind == "choice":
-        return " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(source))
+        return "%json " + json.dumps(schema, ensure_ascii=False), ""
+    if kind == "choice":  # one lexeme, however many strings (contracts.grammar.choice_terminal)
+        return "ANSWER_CHOICE", choice_terminal("ANSWER_CHOICE", choices_of(source))
     if kind == "regex":
-        return "/" + re.sub(r"(?<!\\)/", r"\\/", source) + "/"
+        return "/" + re.sub(r"(?<!\\)/", r"\\/", source) + "/", ""
     raise ToolError(f"a {kind} constraint cannot be combined with tool calls or a reasoning model's thinking; use a "
                     "json_schema, regex or choice", "structured_outputs")

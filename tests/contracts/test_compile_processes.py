@@ -216,22 +216,31 @@ def test_another_key_does_not_wait_behind_a_keys_queue(bench):
 
 
 def test_the_queues_of_all_keys_together_are_bounded(bench):
-    """Many owners (client addresses without keys) cannot grow the waiting without bound: past max_waiting, a 503."""
-    b = bench(max_waiting=1)
+    """Many owners (client addresses without keys) cannot grow the waiting without bound: past max_waiting, an owner
+    with two fewer waiting than the longest queue takes its last place (that waiter: a 503), else it is the 503."""
+    b = bench(max_waiting=2)
     b.processes.warm()  # both processes up: no caller waits for one to start
     until(lambda: b.processes.state()["idle"] == 2)
     gates = [b.gate("a"), b.gate("b")]
     running = [b.run(gates[0], owner="key:a"), b.run(gates[1], owner="key:b")]
     until(lambda: b.started(gates[0]) and b.started(gates[1]))
-    waiting = b.run("a-second", owner="key:a")
+    waiting = [b.run("a-second", owner="key:a")]
     until(lambda: b.queued() == 1)
-    with pytest.raises(GrammarBusyError, match="1 structured-output compiles are waiting") as refused:
-        b.run("b-second", owner="key:b").result(20)
+    waiting.append(b.run("a-third", owner="key:a"))
+    until(lambda: b.queued() == 2)
+    with pytest.raises(GrammarBusyError, match="2 structured-output compiles are waiting") as refused:
+        b.run("a-fourth", owner="key:a").result(20)  # the longest queue is its own
     assert not isinstance(refused.value, GrammarOwnerBusyError)  # the server's load, not the client's: a 503
+    waiting.append(b.run("b-second", owner="key:b"))  # key a has two more waiting: its last gives way
+    with pytest.raises(GrammarBusyError, match="this client has the most of them"):
+        waiting[1].result(20)
+    with pytest.raises(GrammarBusyError, match="2 structured-output compiles are waiting"):
+        b.run("b-third", owner="key:b").result(20)  # one each now: nobody gives way
+    assert b.queued() == 2
     for gate in gates:
         b.release(gate)
     assert [future.result(20) for future in running] == [f"g:{gate}" for gate in gates]
-    assert waiting.result(20) == "g:a-second"
+    assert waiting[0].result(20) == "g:a-second" and waiting[2].result(20) == "g:b-second"
 
 
 def test_the_gateway_check_never_queues_a_cached_constraint_and_drops_a_cancelled_waiter(bench):
@@ -284,3 +293,46 @@ def test_the_gateway_answers_a_full_queue_with_a_429_and_takes_the_configured_qu
     assert (error.status, error.code, error.param) == (429, "structured_output_compiles_per_key", "guided_regex")
     assert error.headers == {"Retry-After": "1"} and "1 structured-output compile(s) running" in error.message
     assert b.lines()[-2:] == ["start waiting", "end waiting"] and "start refused" not in b.lines()
+
+
+def test_six_keys_flooding_slow_compiles_cannot_fail_a_seventh_keys_small_ones(bench):
+    """Issue 48: six keys keep both processes busy with slow compiles and fill every waiting place; a seventh key's
+    five small compiles, sent at once, take places from the longest queues (those waiters get a 503), then each
+    takes the next process that comes free (its key has compiled least lately) and all succeed."""
+    b = bench(queue_per_owner=8, max_waiting=40)  # 6 keys x 9 callers overfill it
+    callers = ThreadPoolExecutor(64)  # every flood caller blocks a thread while it waits
+
+    def run(source: str, owner: str, timeout_s: float = LONG_S) -> Future:
+        return callers.submit(b.processes.run, "regex", source, timeout_s, "grammar", owner)
+    floods = [f"key:flood{i}" for i in range(6)]
+    firsts = [b.gate(f"flood{i}-first") for i in range(6)]
+    first_runs = [run(gate, owner) for gate, owner in zip(firsts, floods)]
+    until(lambda: [b.release(g) for g in firsts if b.started(g)] and all(f.done() for f in first_runs))
+    assert [f.result() for f in first_runs] == [f"g:{gate}" for gate in firsts]  # every flood key has compiled
+    gates = [b.gate(f"flood{i}-{j}") for j in range(9) for i in range(6)]
+    flooding = [run(gate, floods[i % 6]) for i, gate in enumerate(gates)]
+    until(lambda: b.processes.state()["waiting"] + b.processes.state()["queued"] == b.processes.max_waiting
+          and sum(map(b.started, gates)) == 2 and sum(future.done() for future in flooding) == len(gates) - 42)
+    holding = [gate for gate in gates if b.started(gate)]
+    small = [run(f"small-{k}", "key:seventh", timeout_s=5.0) for k in range(5)]
+    until(lambda: len(b.processes._owners.get("key:seventh", _Nobody).waiting) == 5)
+    assert b.processes.state()["waiting"] + b.processes.state()["queued"] == b.processes.max_waiting
+    b.release(holding[0])  # one slow compile ends: its process goes to the seventh key, which keeps it
+    assert [future.result(20) for future in small] == [f"g:small-{k}" for k in range(5)]
+    lines = b.lines()
+    after = lines[lines.index(f"end {holding[0]}") + 1:]
+    assert after[:10] == [f"{step} small-{k}" for k in range(5) for step in ("start", "end")]
+    for gate in gates:
+        b.release(gate)
+    outcomes = []
+    for future in flooding:
+        try:
+            outcomes.append(future.result(20))
+        except GrammarBusyError:  # a flood's surplus: refused at once, or its place given to the seventh key
+            outcomes.append("busy")
+    assert outcomes.count("busy") == len(gates) - 42 + 5  # 2 ran, 40 waited, 5 of them gave way
+    callers.shutdown()
+
+
+class _Nobody:
+    waiting = ()

@@ -124,16 +124,18 @@ def q4_k_m_type(shape: LadderShape, name: str) -> str:
 def ladder_sizes(size: str, kind: str):
     """The rung's contracts.model_sizes.ModelSizes, projected without writing it: tensor data as llama.cpp's Q4_K_M
     rule or f16 lays it out (the header, a few MB of tokenizer, not counted)."""
-    from contracts.model_sizes import Matrix, ModelSizes
+    from contracts.model_sizes import REPACKED, Matrix, ModelSizes
     shape = SHAPES[size]
-    types, data = {}, 0
+    types, data, repacked = {}, 0, 0
     for name, dims, tensor_kind in shape.tensors():
         elements = int(np.prod(dims))
         if tensor_kind != "matrix":
             data += 4 * elements
             continue
         types[name] = "F16" if kind == "f16" else q4_k_m_type(shape, name)
-        data += 2 * elements if kind == "f16" else elements // 256 * BLOCK_BYTES[types[name]]
+        held = 2 * elements if kind == "f16" else elements // 256 * BLOCK_BYTES[types[name]]
+        data += held
+        repacked += held if types[name] in REPACKED and name != "token_embd.weight" else 0
     layers = [Matrix(*dims) for name, dims, k in shape.tensors() if k == "matrix" and name.startswith("blk.")]
     return ModelSizes(
         name=ladder_path(Path("."), size, kind).name, file_bytes=data, file_type=FILE_TYPES[kind],
@@ -142,7 +144,7 @@ def ladder_sizes(size: str, kind: str):
         embedding=Matrix(shape.n_vocab, shape.n_embd), head=None if shape.tied else Matrix(shape.n_vocab, shape.n_embd),
         layers=tuple(layers), vector_elements=sum(int(np.prod(d)) for _, d, k in shape.tensors() if k != "matrix"),
         layer_types=frozenset(t for n, t in types.items() if n.startswith("blk.")),
-        head_type=types["output.weight" if not shape.tied else "token_embd.weight"])
+        head_type=types["output.weight" if not shape.tied else "token_embd.weight"], repacked_bytes=repacked)
 
 
 def ladder_path(out: Path, size: str, kind: str) -> Path:

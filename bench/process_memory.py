@@ -41,6 +41,13 @@ def process_memory(pid: int) -> dict[str, int]:
             "mapped_model_pss": mapped_pss, "beyond_model_rss": full.rss - mapped_rss}
 
 
+def _name(process: psutil.Process) -> str:
+    """A child the health report does not name: its module (python -m X) and pid."""
+    cmdline = process.cmdline()
+    module = cmdline[cmdline.index("-m") + 1] if "-m" in cmdline[:-1] else process.name()
+    return f"{module} ({process.pid})"
+
+
 def measure(config: str, workdir: Path, settle_s: float, start_timeout_s: float) -> dict:
     server = ServerProcess(config, workdir)
     started = time.monotonic()
@@ -51,6 +58,9 @@ def measure(config: str, workdir: Path, settle_s: float, start_timeout_s: float)
         health = server.health()
         pids = {"gateway": server.process.pid}
         pids.update({name: p["pid"] for name, p in health.get("processes", {}).items() if p.get("pid")})
+        for child in psutil.Process(server.process.pid).children(recursive=True):  # e.g. grammar compile processes
+            if child.pid not in pids.values():
+                pids[_name(child)] = child.pid
         rows = {name: process_memory(pid) for name, pid in pids.items()}
         engine = (health.get("engine") or {}).get("memory")
     finally:

@@ -24,11 +24,14 @@ from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes
 
 MIB, GIB = 2**20, 2**30
 CPU_SHARE, CUDA_SHARE = 0.85, 0.90  # the default budget: this share of the RAM (CPU) or of the device's memory (CUDA)
-# idle RSS beyond weights, KV and buffers, embedded model, 2-core box (docs/sizes.md): a worker 118 MiB (Python,
-# llama-cpp-python, the tokenizer); the CPU engine 611 MiB (Python, torch, transformers' tokenizer, grammar tables,
-# the allocator's slack); the gateway 166 MiB. Rounded up: a larger vocabulary adds to each
-WORKER_RUNTIME = 150 * MIB
-ENGINE_RUNTIME = 700 * MIB
+# An idle process's RSS beyond its weights, KV and llama.cpp's buffers, on the embedded model after start-up
+# (docs/sizes.md, bench/process_memory.py): a worker 456 MiB beyond its mapped f16 copy, less its KV (135 MiB) and
+# compute buffer (49 MiB): 272 (Python, llama-cpp-python, the vocabulary for grammars, what its start-up probe's
+# freed models left in the allocator); the CPU engine 942 MiB less its weights (347): 595 (libraries 302 before the
+# model loaded, then the tokenizer, grammar tables, warm-up activations, allocator slack); the gateway 77 MiB and
+# its grammar compile process. Rounded up
+WORKER_RUNTIME = 280 * MIB
+ENGINE_RUNTIME = 600 * MIB
 GATEWAY_RUNTIME = 200 * MIB
 CUDA_CONTEXT = 600 * MIB  # on the device: the CUDA context, cuBLAS workspaces (not measured here: no GPU)
 KV_FLOOR_TOKENS = 8192  # the pool's floor: this, or 4 x max_model_len if more (never above every sequence's longest)
@@ -201,8 +204,9 @@ class _Planner:
         rows = config.max_num_seqs  # a step's logits, probabilities and sampling scratch, and its activations
         activations = rows * 4 * (4 * sizes.n_vocab + 4 * sizes.n_ff + 8 * sizes.n_embd)
         kv_cells = config.n_ctx + config.prefix_cache_tokens
-        worker_each = (WORKER_RUNTIME + kv_cells * sizes.handoff_kv_bytes(config.kv_type) + self._compute_buffer())
         given, on_device = copy is None, self.engine_at == "device"
+        worker_each = (WORKER_RUNTIME + kv_cells * sizes.handoff_kv_bytes(config.kv_type) + self._compute_buffer()
+                       + (sizes.repacked_bytes if given else 0))  # llama.cpp repacks the given file's Q4_K etc.
         parts = [*weights.parts(self.engine_at),
                  Part("engine runtime", ENGINE_RUNTIME + (0 if on_device else activations), "host",
                       "Python, torch, tokenizer" + ("" if on_device else ", a step's activations")),
@@ -212,7 +216,8 @@ class _Planner:
                  Part(f"prefill weights, {'the given GGUF' if given else copy + ' copy'}",
                       sizes.file_bytes if given else sizes.copy_bytes(copy), "host", "mmap'd: shared by the workers"),
                  Part(f"prefill workers x{workers}", workers * worker_each, "host",
-                      f"each: runtime, llama.cpp KV of {kv_cells} tokens ({config.kv_type}), compute buffer")]
+                      f"each: runtime, llama.cpp KV of {kv_cells} tokens ({config.kv_type}), compute buffer"
+                      + (", repacked matrices" if given and sizes.repacked_bytes else ""))]
         if on_device:
             parts.insert(len(weights.sets), Part("CUDA context, activations", CUDA_CONTEXT + activations, "device"))
         return [*parts, self._kv_part(self.kv_floor)]
@@ -222,9 +227,11 @@ class _Planner:
                     f"{self.pool_storage}, {self.per_token / 1024:.1f} KiB a token")
 
     def _compute_buffer(self) -> int:
-        """llama.cpp's compute buffer at n_batch: the output logits and the widest activations (f32)."""
+        """llama.cpp's compute buffer at n_batch (flash attention): a batch's f32 logits and two hidden rows, as it
+        reported for the embedded model (49.13 MiB) and the 1B ladder (129.25 MiB) at n_batch 256, plus its output
+        buffer."""
         sizes = self.sizes
-        return self.config.n_batch * 4 * (sizes.n_vocab + 3 * sizes.n_ff + 6 * sizes.n_embd)
+        return self.config.n_batch * 4 * (sizes.n_vocab + 2 * sizes.n_embd) + MIB
 
     def _left(self, parts: list[Part]) -> int:
         """What the pool's budget has left after `parts`."""

@@ -20,6 +20,10 @@ FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZED = ("int8", "int4", "q8_0")
 GGUF_EXACT_INT4 = {"Q4_0", "Q4_1", "Q4_K"}  # an int4 model's lm_head is int4 only if the GGUF's is one of these
 COPY_BYTES_PER_WEIGHT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
+# types llama.cpp's CPU backend repacks at load into its own (anonymous, per process) buffer (CPU_REPACK, x86 with
+# AVX2/AVX-512: q4_0_8x8, q4_K_8x8, iq4_nl_8x8): every layer matrix of these types, not the embedding (a row
+# lookup). Measured: the 1B ladder's Q4_K_M, 445.5 MiB repacked beside its 753.8 MiB mapping; Q4_1, Q8_0 and F16 none
+REPACKED = {"Q4_0", "Q4_K", "IQ4_NL"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class ModelSizes:
     vector_elements: int  # norms, biases, RoPE factors: held in the compute dtype
     layer_types: frozenset[str] = frozenset()  # GGUF storage types of the layer matrices
     head_type: str = ""  # of the output matrix (the embedding's when tied)
+    repacked_bytes: int = 0  # of the matrices llama.cpp repacks at load (REPACKED): a copy in each worker
 
     @property
     def n_params(self) -> int:
@@ -131,6 +136,8 @@ def sizes_from_header(header: GGUFHeader, file_bytes: int) -> ModelSizes:
     head = matrices.pop("output.weight", None)
     layers = tuple(Matrix(t.shape[1], t.shape[0]) for t in matrices.values())  # ggml's shape is [in, out]
     vectors = sum(t.n_elements for t in header.tensors if len(t.shape) != 2)
+    repacked = sum(t.n_bytes for t in [*matrices.values(), *([head] if head else [])]
+                   if t.tensor_type.name in REPACKED)
     file_type = value("general.file_type")
     n_ff = value(f"{arch}.feed_forward_length", 0)
     return ModelSizes(
@@ -142,4 +149,4 @@ def sizes_from_header(header: GGUFHeader, file_bytes: int) -> ModelSizes:
         embedding=Matrix(embedding.shape[1], embedding.shape[0]),
         head=None if head is None else Matrix(head.shape[1], head.shape[0]), layers=layers, vector_elements=vectors,
         layer_types=frozenset(t.tensor_type.name for t in matrices.values()),
-        head_type=(head or embedding).tensor_type.name)
+        head_type=(head or embedding).tensor_type.name, repacked_bytes=repacked)

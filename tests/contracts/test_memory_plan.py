@@ -1,0 +1,188 @@
+"""contracts/memory_plan.py and model_sizes.py: one budget per box, planned from the GGUF header before anything
+loads. The 1B, 3B and 8B are the size ladder's projections (bench/gguf_ladder.py, exact against llama.cpp's own
+Q4_K_M files in tests/checks/test_gguf_ladder.py); the 135M is the embedded model's header."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench.gguf_ladder import ladder_sizes
+from contracts.memory_plan import (
+    GIB,
+    MIB,
+    Machine,
+    MemoryRefused,
+    PlanConfig,
+    plan_memory,
+)
+from contracts.model_sizes import model_sizes
+
+CPU_BOX = Machine("cpu", 24 * GIB)
+
+
+@pytest.fixture(scope="module")
+def models(embedded_model_path) -> dict:
+    return {"135m": model_sizes(embedded_model_path), **{size: ladder_sizes(size, "q4_k_m") for size in ("1b", "3b", "8b")}}
+
+
+def _plan(sizes, budget_gib: float, machine: Machine = CPU_BOX, **config):
+    return plan_memory(sizes, machine, PlanConfig(memory_budget=int(budget_gib * GIB), **config))
+
+
+def test_engine_weight_bytes_are_what_check_model_reports_for_the_embedded_model(models) -> None:
+    # `edge check-model` sizes the engine's own layers on the meta device (docs/models.md's table, MiB)
+    sizes = models["135m"]
+    assert {dtype: round(sizes.decode_weight_bytes(dtype) / MIB, 1) for dtype in ("bfloat16", "int8", "int4")} == \
+        {"bfloat16": 256.6, "int8": 128.7, "int4": 90.4}
+    assert round(sizes.decode_weight_bytes("float32", "float32") / MIB, 1) == 513.1
+    assert sizes.n_params == 134_515_008  # "parameters 134.5 M"
+    # "KV per token: handoff f16 22.5 KiB, q8_0 12.0 KiB, q4_0 6.3 KiB; pool float32 45.0 ... int8 12.0, int4 7.0"
+    assert [round(sizes.handoff_kv_bytes(kv) / 1024, 1) for kv in ("f16", "q8_0", "q4_0")] == [22.5, 12.0, 6.3]
+    assert [round(sizes.pool_kv_bytes(s) / 1024, 1) for s in ("float32", "bfloat16", "int8", "int4")] == \
+        [45.0, 22.5, 12.0, 7.0]
+
+
+@pytest.mark.slow
+def test_engine_weight_bytes_match_the_engines_own_sizing(tmp_path) -> None:
+    """Against edge/check_model/sizes.py (the engine's quantizer on the meta device) on a Q4_K_M ladder rung: its
+    Q6_K head keeps an int4 model's lm_head int8, shared with the tied embedding. Within the RoPE buffers' bytes."""
+    from bench.gguf_ladder import build
+    from decode_gpu.kv.pool import bytes_per_token
+    from decode_gpu.model.weight_plan import gguf_weight_types
+    from edge.check_model.command import _meta_model
+    from edge.check_model.sizes import decode_weight_bytes
+    path = build(tmp_path, "tiny", ("q4_k_m",), check=False)["q4_k_m"]["path"]
+    engine = decode_weight_bytes(_meta_model(path), gguf_weight_types(path).head_int8)
+    sizes = model_sizes(path)
+    for dtype, held in engine.items():
+        compute = dtype if dtype in ("float32", "float16") else "bfloat16"
+        assert abs(sizes.decode_weight_bytes(dtype, compute) - held) <= 1024, dtype
+    for storage in ("float32", "bfloat16", "int8", "int4"):
+        assert sizes.pool_kv_bytes(storage) == bytes_per_token(sizes.n_layer, sizes.num_kv_heads, sizes.head_dim_k,
+                                                               storage)
+
+
+# (model, budget GiB) -> (weight_dtype told, both sets, float set allowed, prefill copy) or None: refused. Defaults:
+# one worker, max_model_len 4096 (KV floor 16384 tokens), swap 4 GiB (capped at the floor's bytes)
+EXPECTED = {
+    ("135m", 4): ("auto", True, True, "f16"), ("135m", 8): ("auto", True, True, "f16"),
+    ("135m", 16): ("auto", True, True, "f16"), ("135m", 24): ("auto", True, True, "f16"),
+    ("1b", 4): None, ("1b", 8): ("auto", False, True, "f16"),
+    ("1b", 16): ("auto", True, True, "f16"), ("1b", 24): ("auto", True, True, "f16"),
+    ("3b", 4): None, ("3b", 8): None, ("3b", 16): ("auto", False, True, "f16"), ("3b", 24): ("auto", True, True, "f16"),
+    ("8b", 4): None, ("8b", 8): None, ("8b", 16): None, ("8b", 24): ("auto", False, False, "q8_0"),
+}
+
+
+@pytest.mark.parametrize(("model", "budget"), list(EXPECTED))
+def test_the_planners_choices_on_a_cpu_box(models, model: str, budget: int) -> None:
+    expected = EXPECTED[(model, budget)]
+    if expected is None:
+        with pytest.raises(MemoryRefused):
+            _plan(models[model], budget)
+        return
+    plan = _plan(models[model], budget)
+    assert (plan.weight_dtype, plan.second_set, plan.float_set, plan.prefill_copy) == expected
+    assert plan.used("host") <= budget * GIB
+    assert 16384 <= plan.kv_cache_tokens <= 32 * 4096
+    assert plan.prefill_workers == 1
+    held = plan.part_bytes()
+    sets = [name for name in held if name.startswith("decode weights")]
+    assert len(sets) == (2 if plan.second_set else 1)
+    assert held[f"decode KV pool, {plan.kv_cache_tokens} tokens"] == plan.kv_cache_tokens * models[model].pool_kv_bytes(
+        "bfloat16")
+
+
+@pytest.mark.parametrize("budget", [8, 9, 10, 12, 16, 24])
+def test_the_pool_takes_what_is_left_up_to_every_sequence_at_its_longest(models, budget: int) -> None:
+    """The extras come first (a second weight set at 9 GiB leaves the pool less than one set does at 8): the pool is
+    what is left, whole tokens, unless every sequence at its longest fits."""
+    plan, per_token = _plan(models["1b"], budget), models["1b"].pool_kv_bytes("bfloat16")
+    if plan.kv_cache_tokens < 32 * 4096:
+        assert 0 <= budget * GIB - plan.used("host") < per_token
+        assert plan.reasons["kv_cache_tokens"] == f"{plan.kv_cache_tokens}: what is left"
+    else:
+        assert plan.used("host") < budget * GIB and "every sequence at its longest" in plan.reasons["kv_cache_tokens"]
+
+
+def test_a_refusal_names_every_part_and_the_budget(models) -> None:
+    with pytest.raises(MemoryRefused) as refused:
+        _plan(models["8b"], 16)
+    message = str(refused.value)
+    for part in ("decode weights, int8", "engine runtime", "swap space", "gateway runtime",
+                 "prefill weights, the given GGUF", "prefill workers x1", "decode KV pool, 16384 tokens"):
+        assert part in message
+    assert "ladder-8b-q4_k_m.gguf does not fit" in message and "budget host 16384 MiB" in message
+    int8 = models["8b"].decode_weight_bytes("int8")
+    assert f"decode weights, int8 {int8 / MIB:.0f} MiB (host)" in message
+
+
+def test_workers_that_do_not_fit_are_fewer_with_a_reason(models) -> None:
+    plan = _plan(models["1b"], 8, prefill_workers=8)
+    assert 1 <= plan.prefill_workers < 8
+    assert plan.reasons["prefill_workers"].startswith(f"{plan.prefill_workers} of the 8 configured")
+    assert plan.used("host") <= 8 * GIB
+
+
+def test_each_worker_holds_its_own_repacked_matrices_but_shares_the_mapped_file(models) -> None:
+    one, two = (_plan(models["1b"], 24, prefill_workers=n, prefill_weights="given").part_bytes() for n in (1, 2))
+    sizes = models["1b"]
+    assert one["prefill weights, the given GGUF"] == two["prefill weights, the given GGUF"] == sizes.file_bytes
+    assert two["prefill workers x2"] == 2 * one["prefill workers x1"]
+    assert one["prefill workers x1"] > sizes.repacked_bytes == 445.5 * MIB  # as llama.cpp reported for this file
+    copied = _plan(models["1b"], 24, prefill_workers=1, prefill_weights="f16").part_bytes()
+    assert copied["prefill workers x1"] == one["prefill workers x1"] - sizes.repacked_bytes  # f16 is not repacked
+
+
+def test_settings_asked_for_by_name_are_required(models) -> None:
+    fixed = _plan(models["1b"], 24, kv_cache_tokens=20000)
+    assert fixed.kv_cache_tokens == 20000 and fixed.reasons["kv_cache_tokens"].startswith("20000: kv_cache_tokens")
+    with pytest.raises(MemoryRefused, match="KV pool of 700000 tokens"):
+        _plan(models["1b"], 24, kv_cache_tokens=700_000)  # 21.4 GiB of pool
+    int4 = _plan(models["1b"], 8, weight_dtype="int4")
+    assert (int4.weight_dtype, int4.second_set, int4.float_set) == ("int4", False, False)
+    assert int4.part_bytes()["decode weights, int4"] == models["1b"].decode_weight_bytes("int4")
+    given = _plan(models["1b"], 24, prefill_weights="given")
+    assert given.prefill_copy is None and "prefill weights, the given GGUF" in given.part_bytes()
+    with pytest.raises(MemoryRefused, match="prefill weights, f16 copy"):
+        _plan(models["3b"], 10, prefill_weights="f16")
+    unconverted = dataclasses.replace(models["1b"], file_type=1)  # an f16 GGUF: no copy prefills faster
+    assert _plan(unconverted, 24).prefill_copy is None
+
+
+def test_auto_keeps_the_smaller_quantized_kind_before_refusing(models) -> None:
+    # between the room for int8 and for q8_0 (its 34-byte blocks): int8 alone, told as such
+    sizes = models["8b"]
+    roomy = _plan(sizes, 24)
+    needed = roomy.used("host") - roomy.part_bytes()[f"decode KV pool, {roomy.kv_cache_tokens} tokens"]
+    q8_0, int8 = sizes.decode_weight_bytes("q8_0"), sizes.decode_weight_bytes("int8")
+    budget = (needed - roomy.part_bytes()["prefill weights, q8_0 copy"] + sizes.file_bytes + sizes.repacked_bytes
+              + 16384 * sizes.pool_kv_bytes("bfloat16") - (q8_0 - int8) // 2)
+    plan = plan_memory(sizes, CPU_BOX, PlanConfig(memory_budget=budget))
+    assert (plan.weight_dtype, plan.float_set, plan.prefill_copy) == ("int8", False, None)
+    assert plan.part_bytes()["decode weights, int8"] == int8
+
+
+def test_on_cuda_the_weights_and_pool_are_on_the_device_and_the_rest_on_the_host(models) -> None:
+    box = Machine("cuda", host_bytes=32 * GIB, device_bytes=24 * GIB)
+    plan = plan_memory(models["8b"], box, PlanConfig())
+    assert plan.budgets == {"device": int(0.9 * 24 * GIB), "host": int(0.85 * 32 * GIB)}
+    where = {part.name: part.where for part in plan.parts}
+    assert where["decode weights, int4"] == where[f"decode KV pool, {plan.kv_cache_tokens} tokens"] == "device"
+    assert where["engine runtime"] == where["prefill workers x1"] == "host"
+    assert plan.weight_dtype == "auto" and not plan.second_set  # the GGUF's own quantization: int4, one set
+    assert plan.used("device") <= plan.budgets["device"] and plan.used("host") <= plan.budgets["host"]
+    with pytest.raises(MemoryRefused, match="device"):
+        plan_memory(models["8b"], Machine("cuda", 32 * GIB, 6 * GIB), PlanConfig())
+
+
+def test_describe_lists_every_part_the_totals_and_the_reasons(models) -> None:
+    plan = _plan(models["1b"], 8, prefill_workers=2)
+    table = plan.describe()
+    for part in plan.parts:
+        assert part.name in table and f"{part.bytes / MIB:.1f}" in table
+    assert f"of the {8 * 1024:.1f} MiB budget" in table
+    for decision, why in plan.reasons.items():
+        assert f"{decision}: {why}" in table

@@ -6,8 +6,10 @@ stopped; a process can, and its CPU comes back at once.
 at a time. No owner (an API key, or a client address without keys) holds more than `per_owner` children at once,
 so one key cannot fill the pool: its further compiles wait their turn in order, at most `queue_per_owner` of them
 and at most the time limit (past either, GrammarOwnerBusyError, a 429), so that an honest client sending
-structured requests in parallel is served, not refused. A caller whose turn came waits for a free child within
-what is left of the time limit (then GrammarBusyError, a 503). A waiter whose requester goes away (its cancel
+structured requests in parallel is served, not refused. A child that comes free goes to the owner that has
+compiled least lately (first come first served among equals), so one owner's flood of slow compiles cannot fail
+another owner's small one; a caller whose turn came waits for a free child within what is left of the time limit
+and a margin (then GrammarBusyError, a 503). A waiter whose requester goes away (its cancel
 event) leaves its queue within POLL_S; close() ends every waiter at once (busy: shutting down). The calls block
 their thread; the gateway makes them from a thread of their own (contracts.grammar_compile.GatewayCheck), never
 from its event loop.

@@ -103,7 +103,8 @@ _KNOBS = (
          "the request gets 400 structured_output_too_complex", ge=0.1, le=300),
     Knob("grammar_compile_queue_per_key", int, 8, "structured-output compiles of one API key (one client address "
          "without keys) that wait, in order, behind its running one; past them, or past grammar_compile_timeout_s "
-         "of waiting, 429 structured_output_compiles_per_key (0: a second concurrent compile is refused at once)",
+         "+ 0.5 s of waiting, 429 structured_output_compiles_per_key (0: a second concurrent compile is refused "
+         "at once)",
          ge=0, le=256),
     Knob("tool_call_parser", str, AUTO, "the format the model writes tool calls in (auto: from the GGUF's chat "
          "template, else hermes; docs/structured_outputs.md)",

@@ -10,6 +10,7 @@ from aiohttp import web
 from edge.api.fields import ApiError, show
 from edge.core.gateway import Gateway
 from edge.http.embeddings import model_facts
+from edge.observe.gauges import refresh_gauges
 from edge.state import GATEWAY, GRAMMAR_CHECKS, RELOADER, SUPERVISOR
 
 
@@ -91,5 +92,5 @@ def _policy_state(request: web.Request) -> dict:
 
 async def metrics(request: web.Request) -> web.Response:
     gateway: Gateway = request.app[GATEWAY]
-    gateway.refresh_metrics()
+    refresh_gauges(gateway)  # the values mirrored from the engines, the pool and the policy at each scrape
     return web.Response(body=gateway.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})

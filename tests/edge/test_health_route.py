@@ -50,3 +50,18 @@ def test_one_engine_has_no_table_and_an_embedding_model_no_engine():
     assert body["components"] == {"decode_engine": "connecting"} and "engines" not in body
     assert health(TwoEngines(), embedding_only=True)["components"] == {}
     assert health(TwoEngines())["structured_outputs"]["compiles"] == 0  # the app's grammar checks, none yet
+
+
+def test_metrics_answers_with_the_mirrored_gauges_and_the_route_counters():
+    async def scenario():
+        app = web.Application()
+        app[GATEWAY], _ = fake_gateway()
+        add_routes(app)
+        async with TestClient(TestServer(app)) as client:
+            refused = await client.post("/v1/responses", data=b"{")
+            response = await client.get("/metrics")
+            return refused.status, response.status, await response.text()
+    refused, status, text = asyncio.run(scenario())
+    assert (refused, status) == (400, 200)
+    assert 'edge:api_requests_total{model_name="m",route="/v1/responses",status="rejected"} 1.0' in text
+    assert "edge:kv_cache_blocks_used" in text and "edge:prefill_queue_length" in text

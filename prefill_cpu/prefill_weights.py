@@ -125,6 +125,9 @@ def _auto(identity: GGUFIdentity, folder: Path, threads: int, n_batch: int,
         log.info("prefill weights: %s, as measured at an earlier start (%s; delete it to measure again)",
                  decision.get("choice"), decision_file)
         return _chosen(identity, folder, decision)
+    if copy_kinds == ():  # nothing to measure; no record either, so a start with room measures as usual
+        log.info("prefill weights: the given file; the memory plan leaves no room for a copy")
+        return identity.path
     if decision and "stale" in decision:
         log.info("prefill weights: measuring again; a worker found the recorded measurement slowed (%s)",
                  decision["stale"])

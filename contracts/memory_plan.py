@@ -24,15 +24,16 @@ from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes
 
 MIB, GIB = 2**20, 2**30
 CPU_SHARE, CUDA_SHARE = 0.85, 0.90  # the default budget: this share of the RAM (CPU) or of the device's memory (CUDA)
-# An idle process's RSS beyond its weights, KV and llama.cpp's buffers, on the embedded model after start-up
-# (docs/sizes.md, bench/process_memory.py): a worker 456 MiB beyond its mapped f16 copy, less its KV (135 MiB) and
+# An idle process's RSS beyond its weights, KV and llama.cpp's buffers after start-up (docs/sizes.md,
+# bench/process_memory.py). Embedded model: a worker 456 MiB beyond its mapped f16 copy, less its KV (135 MiB) and
 # compute buffer (49 MiB): 272 (Python, llama-cpp-python, the vocabulary for grammars, what its start-up probe's
-# freed models left in the allocator); the CPU engine 942 MiB less its weights (347): 595 (libraries 302 before the
-# model loaded, then the tokenizer, grammar tables, warm-up activations, allocator slack); the gateway 77 MiB and
-# its grammar compile process. Rounded up
+# freed models left in the allocator; 1B ladder: 247); the CPU engine 942 MiB less its weights (347): 595 (libraries
+# 302 before the model loaded, then the tokenizer, grammar tables, warm-up activations, allocator slack; 1B ladder:
+# 725, of which a step's activations grow with the vocabulary); the gateway 78 MiB and its two grammar compile
+# processes, 124 MiB each (1B ladder)
 WORKER_RUNTIME = 280 * MIB
 ENGINE_RUNTIME = 600 * MIB
-GATEWAY_RUNTIME = 200 * MIB
+GATEWAY_RUNTIME = 350 * MIB
 CUDA_CONTEXT = 600 * MIB  # on the device: the CUDA context, cuBLAS workspaces (not measured here: no GPU)
 KV_FLOOR_TOKENS = 8192  # the pool's floor: this, or 4 x max_model_len if more (never above every sequence's longest)
 GGUF_INT8 = {"Q8_0", "Q8_1", "Q8_K"}  # weight_dtype auto on CUDA follows the GGUF (decode_gpu/model/weight_plan.py)
@@ -202,7 +203,7 @@ class _Planner:
     def _required(self, weights: WeightOption, workers: int, copy: str | None) -> list[Part]:
         config, sizes = self.config, self.sizes
         rows = config.max_num_seqs  # a step's logits, probabilities and sampling scratch, and its activations
-        activations = rows * 4 * (4 * sizes.n_vocab + 4 * sizes.n_ff + 8 * sizes.n_embd)
+        activations = rows * 4 * (8 * sizes.n_vocab + 4 * sizes.n_ff + 8 * sizes.n_embd)
         kv_cells = config.n_ctx + config.prefix_cache_tokens
         given, on_device = copy is None, self.engine_at == "device"
         worker_each = (WORKER_RUNTIME + kv_cells * sizes.handoff_kv_bytes(config.kv_type) + self._compute_buffer()
@@ -212,7 +213,7 @@ class _Planner:
                       "Python, torch, tokenizer" + ("" if on_device else ", a step's activations")),
                  Part("swap space (at most)", self.swap_bytes, "host",
                       "preempted sequences' KV: swap_space_gib or the pool's floor, the lesser"),
-                 Part("gateway runtime", GATEWAY_RUNTIME, "host"),
+                 Part("gateway runtime", GATEWAY_RUNTIME, "host", "and its grammar compile processes"),
                  Part(f"prefill weights, {'the given GGUF' if given else copy + ' copy'}",
                       sizes.file_bytes if given else sizes.copy_bytes(copy), "host", "mmap'd: shared by the workers"),
                  Part(f"prefill workers x{workers}", workers * worker_each, "host",

@@ -86,6 +86,8 @@ def auto_weight_plan(device: torch.device, types: GGUFWeightTypes, model: nn.Mod
         return within_memory(WeightPlan("float", "no model to measure"), "int8", float_set=float_set)
     kinds = cpu_kinds(types)
     plan = _measured_cpu_plan(model, max_batch, kinds, types.head_int8)
+    if second_set and float_set:  # the memory plan leaves every choice open (or there is none): as measured
+        return plan
     return within_memory(plan, kinds[0], second_set, float_set, types.head_int8)
 
 

@@ -25,7 +25,7 @@ from contracts.model_kind import model_kind
 from contracts.process_config import config_argv
 from contracts.startup_clock import since_start
 from contracts.tasks import spawn
-from edge.api.structured import close_structured_checks, warm_structured_checks
+from edge.api.structured import GrammarChecks
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
 from edge.core.engine_client import EngineClient
 from edge.core.gateway import Gateway
@@ -36,7 +36,7 @@ from edge.http.routes import add_routes
 from edge.http.tls import warn_if_expiring
 from edge.launch.launcher import Supervisor, engine_config, start_embedding_workers, worker_config
 from edge.observe.audit import AuditLog, quota_state_path
-from edge.state import CONFIG, GATEWAY, RELOADER, SUPERVISOR
+from edge.state import CONFIG, GATEWAY, GRAMMAR_CHECKS, RELOADER, SUPERVISOR
 from policies.enforcer import PolicyEnforcer
 from policies.loader import load_policy
 from policies.quota import TokenQuotas
@@ -241,6 +241,7 @@ def make_app(config: ServeConfig) -> web.Application:
     app.cleanup_ctx.append(_policy_loop)
     app.on_startup.append(_graceful_sigterm)
     app.on_shutdown.append(_drain)
+    app[GRAMMAR_CHECKS] = GrammarChecks()  # the gateway's structured-output compile processes, this app's own
     add_routes(app)
     return app
 
@@ -270,7 +271,7 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
             _add_engine_and_workers(supervisor, config, model_path, engine_address, worker_addresses, run_dir)
         watcher = spawn(supervisor.watch(), "the process supervisor", log)
         if not embedding_only:
-            warm_structured_checks(model_path)  # the gateway's compile processes load the vocabulary meanwhile
+            app[GRAMMAR_CHECKS].warm(model_path)  # the gateway's compile processes load the vocabulary meanwhile
         yield
         watcher.cancel()
         await supervisor.shutdown()
@@ -369,7 +370,7 @@ async def _drain(app: web.Application) -> None:
     end with an explicit abort in their stream (aiohttp waits for their handlers before cleanup)."""
     gateway = app[GATEWAY]
     gateway.shutting_down = True
-    close_structured_checks()  # a compile never holds the exit: its request ends now with a 503
+    app[GRAMMAR_CHECKS].close()  # a compile never holds the exit: its request ends now with a 503
     grace_s = app[CONFIG].limits.shutdown_grace_s
     log.info("shutting down: %d requests in flight, %.0f s to finish", len(gateway.registry.requests), grace_s)
     loop = asyncio.get_running_loop()

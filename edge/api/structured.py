@@ -91,19 +91,6 @@ def compile_owner(key_id: str | None, address: str | None) -> str:
     return f"key:{key_id}" if key_id else f"address:{address or ''}"
 
 
-# The process's checks until edge/app.py holds its own GrammarChecks under edge.state.GRAMMAR_CHECKS (add_routes
-# puts this one there when the app has none); warm and close at start and shutdown through these two.
-PROCESS_CHECKS = GrammarChecks()
-
-
-def warm_structured_checks(model_path: str | None) -> None:
-    PROCESS_CHECKS.warm(model_path)
-
-
-def close_structured_checks() -> None:
-    PROCESS_CHECKS.close()
-
-
 def structured_constraint(body: dict) -> tuple[str | None, tuple[str, str] | None]:
     """(the field it came from, (kind, source)) of a structured-output constraint, or (None, None). OpenAI's
     response_format, vLLM's guided_* fields and its structured_outputs object; at most one constraint. Whether

@@ -14,7 +14,6 @@ import uuid
 from aiohttp import web
 
 from contracts.events import EngineStats, TokenEvent
-from contracts.handoff import SamplingParams
 from contracts.messages import ChatMessage, EmbedDone, PrefillFailed, PrefillJob, Recompute
 from contracts.tasks import spawn
 from edge.api.errors import policy_error
@@ -38,7 +37,6 @@ from policies.slo import HEADER as SLO_HEADER
 
 log = logging.getLogger("edge.core.gateway")
 POOLED_KINDS = {"embedding": "embed", "rerank": "rank"}  # request kinds a worker answers alone -> PrefillJob.task
-_bearer = bearer_key  # its old name, until edge/http imports the new one
 __all__ = ["Gateway", "Run", "bearer_key", "key_id", "route_of"]
 
 
@@ -77,7 +75,7 @@ class Gateway:
                            headers={"Connection": "close", "Retry-After": "5"})
         tenant = tenant_of(http, self.enforcer.policy)
         facts = RequestFacts(bearer_key(http), tenant, request.model, request.user_text,
-                             request.sampling["max_tokens"], request.sampling["logprobs"], request.sampling["n"],
+                             request.sampling.max_tokens, request.sampling.logprobs, request.sampling.n,
                              slo_ttft_ms=http.headers.get(SLO_HEADER))
         try:
             decision = self.enforcer.decide(facts, {self.model_name})
@@ -108,19 +106,19 @@ class Gateway:
             raise ApiError(503, f"the decode engine's backlog is full ({stats.backlog_bytes >> 20} MiB of KV "
                                 f"handoffs waiting); retry shortly", error_type="server_error", code="engine_busy",
                            headers={"Retry-After": "2"})
-        if request.sampling["n"] > self.config.max_num_seqs:  # the engine runs a request's choices together
-            raise ApiError(400, f"n = {request.sampling['n']} choices, this server decodes at most "
+        if request.sampling.n > self.config.max_num_seqs:  # the engine runs a request's choices together
+            raise ApiError(400, f"n = {request.sampling.n} choices, this server decodes at most "
                                 f"{self.config.max_num_seqs} sequences together (max_num_seqs)", "n", "invalid_value")
         priority = request.priority if request.priority is not None else decision.priority
         # may refuse: 429 slo_unattainable
         decision, slo = self.slo.judge(decision, request, priority, self.enforcer, self.engine.stats)
-        sampling = {**request.sampling, "max_tokens": decision.max_tokens, "logprobs": decision.logprobs}
+        sampling = request.sampling.decided(decision.max_tokens, decision.logprobs)
         request = dataclasses.replace(request, sampling=sampling)
         prefix = {"chat": "chatcmpl-", "embedding": "embd-", "rerank": "rerank-"}.get(request.kind, "cmpl-")
         inflight = InFlight(prefix + uuid.uuid4().hex, priority, cache_salt=salt, needs_engine=not pooled)
         messages = tuple(ChatMessage(m["role"], m["content"], m.get("tool_calls_json", ""), m.get("tool_call_id", ""))
                          for m in request.messages) if request.messages else None
-        job = PrefillJob(inflight.request_id, SamplingParams(**sampling), priority, prompt=request.prompt,
+        job = PrefillJob(inflight.request_id, sampling.params(), priority, prompt=request.prompt,
                          deadline=slo.deadline, tpot_slo_ms=decision.tpot_slo_ms,
                          messages=messages, prompt_tokens=request.prompt_tokens,
                          max_prompt_tokens=decision.max_prompt_tokens, kv_type=decision.kv_type,

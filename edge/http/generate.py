@@ -5,7 +5,6 @@ the answer collected or streamed (edge.http.stream) and the request's one termin
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from aiohttp import web
 
@@ -17,7 +16,6 @@ from edge.api.completions import CompletionsApi
 from edge.api.messages import MessagesApi
 from edge.api.openai_request import ApiError, GenerateRequest
 from edge.api.responses import ResponsesApi
-from edge.api.sampling_request import SamplingRequest
 from edge.api.structured import check_structured, compile_owner
 from edge.core.gateway import Gateway, Run, bearer_key
 from edge.core.lifecycle import RequestStatus
@@ -82,7 +80,7 @@ async def _check_structured(request: web.Request, gateway: Gateway, parsed: Gene
 
 
 async def _answer(request: web.Request, gateway: Gateway, run: Run, api: ClientApi) -> web.StreamResponse:
-    completion = Completion(run.inflight.request_id, _typed(run.request), gateway.model_name)
+    completion = Completion(run.inflight.request_id, run.request, gateway.model_name)
     status, reason = RequestStatus.ABORTED, "abort"
     try:
         response = await (stream(request, gateway, run, completion, api) if run.request.stream
@@ -98,10 +96,3 @@ async def _answer(request: web.Request, gateway: Gateway, run: Run, api: ClientA
     finally:
         await asyncio.shield(gateway.end(run, status, reason, completion.usage, completion.error))
 
-
-def _typed(request: GenerateRequest) -> GenerateRequest:
-    """The admitted request with its sampling typed: Gateway._queue spreads it into a dict with the policy's decision
-    (max_tokens, logprobs) until it applies SamplingRequest.decided instead."""
-    if isinstance(request.sampling, SamplingRequest):
-        return request
-    return dataclasses.replace(request, sampling=SamplingRequest(**request.sampling))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from edge.api.structured import PROCESS_CHECKS
+from edge.api.structured import GrammarChecks
 from edge.http import embeddings, generate, health, status_page, tokenize
 from edge.http.count_tokens import count_tokens
 from edge.http.middleware import error_middleware
@@ -37,7 +37,12 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/status/logout", status_page.status_logout)
     app[SESSIONS] = StatusSessions()
     app[TOKENIZERS] = Tokenizers()
-    if GRAMMAR_CHECKS not in app:  # edge.app warms and closes the process's checks (edge.api.structured)
-        app[GRAMMAR_CHECKS] = PROCESS_CHECKS
+    if GRAMMAR_CHECKS not in app:  # edge.app gives its own and warms and closes it; an app without one gets one here
+        app[GRAMMAR_CHECKS] = GrammarChecks()
+        app.on_cleanup.append(lambda app: _closed(app[GRAMMAR_CHECKS]))
     app[STATUS] = board = StatusBoard(app[GATEWAY], app.get(SUPERVISOR), app.get(RELOADER))
     app.cleanup_ctx.append(board.running)
+
+
+async def _closed(checks: GrammarChecks) -> None:
+    checks.close()

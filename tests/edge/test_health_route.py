@@ -65,3 +65,19 @@ def test_metrics_answers_with_the_mirrored_gauges_and_the_route_counters():
     assert (refused, status) == (400, 200)
     assert 'edge:api_requests_total{model_name="m",route="/v1/responses",status="rejected"} 1.0' in text
     assert "edge:kv_cache_blocks_used" in text and "edge:prefill_queue_length" in text
+
+
+def test_each_app_holds_its_own_grammar_checks_and_its_drain_closes_them(tmp_path):
+    import edge.app
+    from edge.config import ServeConfig
+    from edge.state import GRAMMAR_CHECKS
+
+    first, second = (edge.app.make_app(ServeConfig(launch=False, run_dir=str(tmp_path))) for _ in range(2))
+    assert first[GRAMMAR_CHECKS] is not second[GRAMMAR_CHECKS]  # no process-wide checks shared between apps
+    first[GRAMMAR_CHECKS].check(None)  # a model's compile processes made (not started: nothing compiled yet)
+    asyncio.run(edge.app._drain(first))
+    assert first[GRAMMAR_CHECKS].checks == {} and second[GRAMMAR_CHECKS].checks == {}
+    fallback = web.Application()
+    fallback[GATEWAY], _ = fake_gateway()
+    add_routes(fallback)  # an app built without edge.app gets checks of its own
+    assert fallback[GRAMMAR_CHECKS] is not first[GRAMMAR_CHECKS] and fallback[GRAMMAR_CHECKS] is not None

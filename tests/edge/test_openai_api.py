@@ -137,10 +137,9 @@ def test_the_sampling_request_is_typed_frozen_and_has_every_field_the_worker_sam
     assert [f.name for f in dataclasses.fields(SamplingRequest)] == [f.name for f in dataclasses.fields(SamplingParams)]
     with pytest.raises(ValueError):
         sampling.params()  # the policy decides max_tokens first
-    # read by name as a mapping too, for the gateway until it reads the fields
-    assert (sampling["n"], sampling.get("temperature"), SamplingParams(**{**sampling, "max_tokens": 4}).n) == (2, 0.5, 2)
-    with pytest.raises(KeyError):
-        sampling["nope"]
+    params = sampling.decided(4, 3).params()  # the policy's decision applied, as the gateway does
+    assert isinstance(params, SamplingParams) and (params.n, params.temperature, params.max_tokens,
+                                                   params.logprobs) == (2, 0.5, 4, 3)
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -42,8 +42,9 @@ def main() -> None:
 
     from decode_gpu.attention import length_groups as grouping
     from decode_gpu.model.weight_quant import load_weights
+    from decode_gpu.runner.cost_probe import Probe
     from decode_gpu.runner.device import resolve_dtype
-    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig, _Probe
+    from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
     from prefill_cpu.embedded_model import embedded_model_path
     from prefill_cpu.prefiller import PrefillConfig, Prefiller
     cpu = torch.device("cpu")
@@ -62,7 +63,7 @@ def main() -> None:
             draft = DRAFT if name in VERIFY else 0
             seqs, tables, next_block = [], {}, 0
             for i, context in enumerate(contexts):  # each about to decode (and verify a draft) after `context` tokens
-                seqs.append(_Probe(str(i), [0] * (context + 1 + draft), context))
+                seqs.append(Probe(str(i), [0] * (context + 1 + draft), context))
                 n_blocks = -(-(context + 1 + draft) // bs)
                 tables[str(i)] = list(range(next_block, next_block + n_blocks))
                 next_block += n_blocks

@@ -38,7 +38,7 @@ from decode_gpu.kv.pool import KVPool, PoolShape
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
 from decode_gpu.model.quantized_linear import QuantizedLinear
 from decode_gpu.runner import cost_probe
-from decode_gpu.runner.cost_probe import PROBE_BUDGET_S, Probe
+from decode_gpu.runner.cost_probe import PROBE_BUDGET_S
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
 from decode_gpu.runner.memory_moves import MemoryMoves
@@ -49,7 +49,6 @@ from sampling.sampling_params import SamplingBatch, SamplingRow
 
 log = logging.getLogger(__name__)
 PROFILE_LOGPROBS = 20  # the profiling forward samples with this many top logprobs, OpenAI's maximum
-_Probe = Probe  # the name bench/length_groups_bench.py imports from here
 
 
 @dataclass(frozen=True)

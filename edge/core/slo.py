@@ -114,7 +114,7 @@ class SloControl:
             log.info("refused a request of class %r: %s", decision.client_class, refusal.message)
             raise refusal
         try:  # degrade
-            return enforcer.degrade_for_slo(decision, request.sampling.get("n", 1)), known
+            return enforcer.degrade_for_slo(decision, request.sampling.n), known
         except PolicyRejection as err:  # the heavier tier sheds its class
             self._refused(decision, "ttft" if ttft_late else "tpot")
             raise policy_error(err) from None

@@ -96,6 +96,12 @@ class MemoryPlan:
     def used(self, where: str) -> int:
         return sum(p.bytes for p in self.parts if p.where == where)
 
+    @property
+    def prefill_copy_kinds(self) -> tuple[str, ...]:
+        """The copies a worker's auto may measure (prefill_weights.prefill_weights_path's copy_kinds), best first: the
+        planned one and the smaller q8_0 beside an f16."""
+        return COPIES[COPIES.index(self.prefill_copy):] if self.prefill_copy in COPIES else ()
+
     def part_bytes(self) -> dict[str, int]:
         return {p.name: p.bytes for p in self.parts}
 

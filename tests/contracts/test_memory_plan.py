@@ -149,7 +149,9 @@ def test_settings_asked_for_by_name_are_required(models) -> None:
     with pytest.raises(MemoryRefused, match="prefill weights, f16 copy"):
         _plan(models["3b"], 10, prefill_weights="f16")
     unconverted = dataclasses.replace(models["1b"], file_type=1)  # an f16 GGUF: no copy prefills faster
-    assert _plan(unconverted, 24).prefill_copy is None
+    assert _plan(unconverted, 24).prefill_copy is None and _plan(unconverted, 24).prefill_copy_kinds == ()
+    assert _plan(models["1b"], 24).prefill_copy_kinds == ("f16", "q8_0")
+    assert _plan(models["8b"], 24).prefill_copy_kinds == ("q8_0",)
 
 
 def test_auto_keeps_the_smaller_quantized_kind_before_refusing(models) -> None:

@@ -15,7 +15,6 @@ every later token; its logprobs stay those of the model's raw distribution.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -29,6 +28,7 @@ from llama_cpp._internals import LlamaContext
 from contracts.handoff import FirstToken, KVHandoff, KVLayout, SamplingParams
 from contracts.identity import GGUFIdentity, read_gguf_identity
 from contracts.kv_dtypes import kv_dtype
+from prefill_cpu.disk_prefix import open_disk_tier, restore_prefix, seq_state_bytes
 from prefill_cpu.first_token import sample_first
 from prefill_cpu.grammar import FirstTokenGrammars
 from prefill_cpu.kv_rotation import rotations_from_log
@@ -68,6 +68,9 @@ class PrefillConfig:
     prefix_cache_entries: int = 8  # earlier prompts kept at most (one llama.cpp sequence each)
     weights: str = "given"  # what llama.cpp loads: given | f16 | bf16 | q8_0 | auto (prefill_cpu.prefill_weights)
     grammar_compile_timeout_s: float | None = None  # a structured output's compile, at most; None: the default
+    kv_disk_bytes: int = 0  # the prompt cache's disk tier (prefill_cpu.kv_disk_tier), at most; 0: none
+    kv_disk_dir: str = ""  # its root folder; "": under contracts.cache.cache_root()
+    worker_name: str = "prefill-0"  # the disk tier's folder is this worker's own
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class Prefiller:
                                "this llama-cpp-python is not the pinned 0.3.36")
         self.k_rotation, self.v_rotation = rotations
         self.cache = PrefixCache(list(range(1, 1 + cache_entries)), config.prefix_cache_tokens)
+        self.disk = open_disk_tier(self, flash_attn)  # None without kv_disk_bytes
         self._eog_ids = _eog_ids(self.llm._model.vocab)  # what min_tokens bans
         self.grammars = FirstTokenGrammars(self.llm._model.vocab, self._eog_ids, config.grammar_compile_timeout_s)
         self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
@@ -166,13 +170,16 @@ class Prefiller:
         """Another context on the same weights (not loaded again) with another KV type, e.g. the q4_0 a
         degradation tier asks for. Close it before this Prefiller, which owns the model."""
         flash_attn = None if kv_dtype(kv_type).quantized else self.config.flash_attn
-        return Prefiller(replace(self.config, kv_type=kv_type, flash_attn=flash_attn), model=self.llm)
+        # no disk tier of its own: degraded requests are rare, and the disk limit is one per worker
+        return Prefiller(replace(self.config, kv_type=kv_type, flash_attn=flash_attn, kv_disk_bytes=0), model=self.llm)
 
     def close(self) -> None:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
         self._context.close()
+        if self.disk is not None:
+            self.disk.close()  # writes what is queued
         if self._owns_model:
             self.llm.close()
 
@@ -203,22 +210,27 @@ class Prefiller:
         memory = llama_cpp.llama_get_memory(self.ctx)
         llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
         scored = PromptLogprobCollector(tokens, request.prompt_logprobs) if request.prompt_logprobs >= 0 else None
+        started = time.perf_counter()  # a prefix restored from the disk tier counts as prefill time
         # every position's logits are needed then, so no cached prefix stands in for computing them
-        cached = 0 if scored is not None else self._reuse_cached_prefix(memory, tokens, request.cache_salt)
+        cached, cached_logits = (0, None) if scored is not None else \
+            self._reuse_cached_prefix(memory, tokens, request.cache_salt)
         self._should_cancel = should_cancel
         self._priority = request.priority
         decoding = request.sampling.max_tokens > 0
         try:
-            started = time.perf_counter()
             self._decode_prompt(tokens, should_cancel, cached, scored)
             self._should_cancel = _never  # sampling and export are short; finish them
-            logits = self._prompt_logits(tokens, cached, request.cache_salt)
+            # those kept with the prompt when every cell came from a cache, else a copy of llama.cpp's
+            logits = cached_logits if cached_logits is not None else self._last_logits().copy()  # [vocab] float32
             # one per choice; the logits are read, not changed
             first = sample_first(logits, request.sampling, tokens, self._eog_ids, grammar) \
                 if decoding else []
             exported = time.perf_counter()
-            state = self._export_state() if decoding else None
+            raw = seq_state_bytes(self.ctx, SEQ) if decoding else None
+            state = self._parse_state(raw) if decoding else None
             self._remember(memory, tokens, request.cache_salt, logits)
+            if self.disk is not None and raw is not None:  # written by the tier's thread, after the handoff
+                self.disk.offer(tokens, request.cache_salt, raw, logits)
         except PrefillCancelledError:
             done = llama_cpp.llama_memory_seq_pos_max(memory, SEQ) + 1  # the chunks finished before the cancel
             self._remember(memory, tokens[:done], request.cache_salt)  # so the requeued prompt resumes from here
@@ -231,29 +243,35 @@ class Prefiller:
         return PrefillOutcome(handoff, prefill_s=exported - started, export_s=done - exported, cached_tokens=cached,
                               prompt_logprobs=scored)
 
-    def _reuse_cached_prefix(self, memory, tokens: list[int], salt: str) -> int:
-        """Share the cells of the longest cached prefix into SEQ; returns how many prompt tokens that covers.
-        The last prompt token is computed again, its logits give the first token, unless this very prompt is
-        cached with its last logits: then every cell is shared and nothing is computed, so a repeated prompt gets
-        the KV and logits its first computation gave (llama.cpp rounds a token computed alone otherwise than
-        inside a chunk, and the same seed's text would part between a miss and a hit)."""
+    def _reuse_cached_prefix(self, memory, tokens: list[int], salt: str) -> tuple[int, np.ndarray | None]:
+        """Share the cells of the longest cached prefix into SEQ: (how many prompt tokens that covers, the last
+        logits when it covers all). The last prompt token is computed again, its logits give the first token, unless
+        this very prompt is cached with its last logits: then every cell is shared and nothing is computed, so a
+        repeated prompt gets the KV and logits its first computation gave (llama.cpp rounds a token computed alone
+        otherwise than inside a chunk, and the same seed's text would part between a miss and a hit). A longer
+        prefix in the disk tier than in RAM is restored from it (prefill_cpu.disk_prefix)."""
         repeat = self.cache.repeat(tokens, salt)
         if repeat is not None:
-            seq_id, shared = repeat.seq_id, len(tokens)
-        else:
-            seq_id, shared = self.cache.match(tokens, salt)
-            shared = min(shared, len(tokens) - 1)
-        if seq_id is None or shared <= 0:
-            return 0
-        llama_cpp.llama_memory_seq_cp(memory, seq_id, SEQ, 0, shared)
-        return shared
+            self.cache.count(hit=True)
+            llama_cpp.llama_memory_seq_cp(memory, repeat.seq_id, SEQ, 0, len(tokens))
+            return len(tokens), repeat.last_logits
+        seq_id, shared = self.cache.match(tokens, salt)
+        shared = max(0, min(shared, len(tokens) - 1)) if seq_id is not None else 0
+        if self.disk is not None and (restored := restore_prefix(
+                self.ctx, self.disk, tokens, salt, SEQ, shared,
+                lambda: _free_sequences(memory, self.cache.clear()))) is not None:
+            self.cache.count(hit=False)
+            return restored
+        self.cache.count(hit=shared > 0)
+        if shared > 0:
+            llama_cpp.llama_memory_seq_cp(memory, seq_id, SEQ, 0, shared)
+        return shared, None
 
-    def _prompt_logits(self, tokens: list[int], cached: int, salt: str) -> np.ndarray:
-        """The last prompt token's logits: those kept with this prompt when all of it came from the cache, else
-        a copy of llama.cpp's (which the cache keeps with the prompt). # [vocab] float32"""
-        if cached == len(tokens):
-            return self.cache.repeat(tokens, salt).last_logits
-        return self._last_logits().copy()
+    def forget_salt(self, salt: str) -> int:
+        """Forget every cached prompt of this salt (an operator deleting a tenant's): its cells, and its disk tier's
+        files; returns how many files went. On the prefill thread, as every use of the context."""
+        _free_sequences(llama_cpp.llama_get_memory(self.ctx), self.cache.clear(salt))
+        return self.disk.delete_salt(salt) if self.disk is not None else 0
 
     def _remember(self, memory, tokens: list[int], salt: str, last_logits: np.ndarray | None = None) -> None:
         """Keep the prompt's cells (and, for a whole prompt, its last logits) in the prompt cache."""
@@ -318,14 +336,9 @@ class Prefiller:
             if not 0 <= token < n_vocab:
                 raise ValueError(f"logit_bias names token {token}, outside this model's vocabulary of {n_vocab}")
 
-    def _export_state(self) -> SeqKVState:
-        size = llama_cpp.llama_state_seq_get_size(self.ctx, SEQ)
-        buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, SEQ)
-        if written != size:
-            raise PrefillError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+    def _parse_state(self, raw: bytes) -> SeqKVState:
         ident = self.identity
-        return parse_seq_state(bytes(buf), ident.n_layer, ident.n_embd_k, ident.n_embd_v, ident.swa_layers)
+        return parse_seq_state(raw, ident.n_layer, ident.n_embd_k, ident.n_embd_v, ident.swa_layers)
 
     def _handoff(self, request: PrefillRequest, state: SeqKVState, first: list[FirstToken]) -> KVHandoff:
         ident = self.identity

@@ -33,6 +33,7 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self.entries: dict[int, CachedPrompt] = {}
         self._clock = itertools.count()
+        self.num_hits = self.num_misses = self.num_evictions = 0  # prompts that reused cells or not; entries dropped
 
     @property
     def enabled(self) -> bool:
@@ -79,16 +80,25 @@ class PrefixCache:
             oldest = min(self.entries.values(), key=lambda e: e.last_used).seq_id
             self._drop(oldest)
             evicted.append(oldest)
+            self.num_evictions += 1
         seq_id = self.free_ids.pop()
         self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock), salt, last_logits)
         return seq_id, evicted
 
-    def clear(self) -> list[int]:
-        """Forget every entry; returns their seq ids (whose cells the caller removes)."""
-        ids = list(self.entries)
+    def clear(self, salt: str | None = None) -> list[int]:
+        """Forget every entry (of this salt, given one); returns their seq ids (whose cells the caller removes)."""
+        ids = [seq_id for seq_id, e in self.entries.items() if salt is None or e.salt == salt]
         for seq_id in ids:
             self._drop(seq_id)
+        self.num_evictions += len(ids)
         return ids
+
+    def count(self, hit: bool) -> None:
+        """One prompt looked up: it reused cells of this cache, or not."""
+        if hit:
+            self.num_hits += 1
+        else:
+            self.num_misses += 1
 
     def _drop(self, seq_id: int) -> None:
         del self.entries[seq_id]

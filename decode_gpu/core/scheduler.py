@@ -11,10 +11,12 @@ The model runner receives one `ScheduledStep` per step and carries it out in fie
 
 from __future__ import annotations
 
+import collections
 import heapq
 import time
 from dataclasses import dataclass, field
 
+from decode_gpu.core import fair_share
 from decode_gpu.core.block_manager import BlockCopy, BlockManager, prefix_hashes
 from decode_gpu.core.sequence import SeqState, Sequence
 from decode_gpu.core.step_times import StepTimes
@@ -57,7 +59,10 @@ class Scheduler:
         self.config = config
         self.blocks = blocks
         self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap by rank: (priority, deadline, arrival)
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # KV in the pool; those in `paused` sit the step out
+        # running choices beyond their request's share of the batch (fair_share), as of the last step: they keep their
+        # blocks and decode again as other requests end
+        self.paused: set[str] = set()
         self.num_preemptions = 0
         self.max_swap_blocks = max_swap_blocks  # host swap space, in pool blocks; None: unbounded
         self.num_swapped_blocks = 0
@@ -84,13 +89,15 @@ class Scheduler:
         # running sequence is preempted (swapped out, or freed for a recompute); a strictly higher-priority waiter
         # may preempt lower ones. Within one priority the earliest deadline ranks first (Sequence.rank); a waiter
         # without a TPOT objective joins only while the batch stays within the tightest running objective's measured
-        # step time (batch_limit).
+        # step time (batch_limit). A request's choices (n > 1) count against its share of the batch when others
+        # want slots (fair_share): the choices beyond it are paused, keeping their blocks.
         self._time_last_step()
         step = ScheduledStep()
         self._swapped_this_step: set[str] = set()
         self._grow_running(step)
         self._admit_waiting(step)
-        step.decode = sorted(self.running.values(), key=lambda s: s.rank)
+        step.decode = fair_share.choose(list(self.running.values()), self.config.max_num_seqs)
+        self.paused = set(self.running) - {s.seq_id for s in step.decode}
         self._last_step = (self.clock(), len(step.decode))
         return step
 
@@ -154,6 +161,7 @@ class Scheduler:
         return self.blocks.blocks_for(seq.num_cached)
 
     def _remove(self, seq: Sequence, keep_names: bool = True) -> None:
+        self.paused.discard(seq.seq_id)
         if self.running.pop(seq.seq_id, None) is None:
             self.waiting = [(rank, s) for rank, s in self.waiting if s is not seq]
             heapq.heapify(self.waiting)
@@ -164,12 +172,22 @@ class Scheduler:
         self.num_swapped_blocks -= seq.num_swapped_blocks
         seq.num_swapped_blocks = 0
 
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt first: the worst-ranked paused one (it does not decode anyway), else at the
+        worst priority a choice of the request running the most of them (a plain request does not lose its one slot
+        to a request with n choices), else the worst-ranked."""
+        paused = [s for s in self.running.values() if s.seq_id in self.paused]
+        if paused:
+            return max(paused, key=lambda s: s.rank)
+        counts = collections.Counter(s.request_id for s in self.running.values())
+        return max(self.running.values(), key=lambda s: (s.priority, counts[s.request_id], s.rank))
+
     def _grow_running(self, step: ScheduledStep) -> None:
         for seq in sorted(self.running.values(), key=lambda s: s.rank):
             if seq.seq_id not in self.running:
                 continue  # swapped out earlier in this loop
             while not self.blocks.can_append(seq.seq_id, seq.num_cached + 1):
-                victim = max(self.running.values(), key=lambda s: s.rank)
+                victim = self._victim()
                 self._preempt_or_fail(victim, step)
                 if victim is seq:
                     break
@@ -179,6 +197,14 @@ class Scheduler:
 
     def _admit_waiting(self, step: ScheduledStep) -> None:
         import_budget = self.config.max_import_tokens
+        passed: list[tuple[tuple[int, float, int], Sequence]] = []  # over their request's share: behind the others
+        try:
+            self._admit_in_order(step, import_budget, passed)
+        finally:
+            for item in passed:
+                heapq.heappush(self.waiting, item)
+
+    def _admit_in_order(self, step: ScheduledStep, import_budget: int, passed: list) -> None:
         while self.waiting:
             seq = self.waiting[0][1]
             if seq.seq_id in self._swapped_this_step:
@@ -194,10 +220,13 @@ class Scheduler:
                 step.failed.append((seq, f"needs {need} KV positions for each of {1 + len(seq.forks)} choices, the "
                                          f"whole pool holds {self.blocks.num_blocks * self.blocks.block_size}"))
                 continue
-            fits = (self.blocks.can_allocate(need, hashes, extra_blocks=len(seq.forks))
-                    and len(self.running) + 1 + len(seq.forks) <= max(1 + len(seq.forks), self.batch_limit(seq)))
+            in_batch = self._fits_batch(seq)
+            if in_batch is None:  # its request holds its share and more: the waiters behind it go first
+                passed.append(heapq.heappop(self.waiting))
+                continue
+            fits = self.blocks.can_allocate(need, hashes, extra_blocks=len(seq.forks)) and in_batch
             if not fits:
-                if not self._make_room_for(seq, step):
+                if not self._make_room_for(seq, step, gains=in_batch):
                     return
                 continue
             if seq.state is SeqState.WAITING:
@@ -222,6 +251,7 @@ class Scheduler:
         for its tokens to be prefilled again; it waits outside the queue until that handoff comes back."""
         self.blocks.free(victim.seq_id)
         del self.running[victim.seq_id]
+        self.paused.discard(victim.seq_id)
         victim.state, victim.num_cached = SeqState.RECOMPUTING, 0
         step.recompute.append(victim)
         victim.num_preemptions += 1
@@ -257,13 +287,28 @@ class Scheduler:
             self.running[child.seq_id] = child
         seq.forks = []
 
-    def _make_room_for(self, seq: Sequence, step: ScheduledStep) -> bool:
-        """Preempt the worst running sequence if it has strictly lower priority than the waiter. With swap space
-        full (preemption by swap) the waiter waits instead: it loses time, nobody loses a request."""
+    def _fits_batch(self, seq: Sequence) -> bool | None:
+        """Whether the waiter (with its forks) may join the batch: within the batch limit, or, past it, when its
+        request gains a slot by its share (fair_share; the choices beyond the shares are then paused). False: it
+        waits, and so do the waiters behind it (a full batch); None: another choice of its request already holds its
+        share, so the waiters behind it may go first."""
+        choices, limit = 1 + len(seq.forks), self.batch_limit(seq)
+        if len(self.running) + choices <= max(choices, limit):
+            return True
+        if fair_share.gains_slot(self.running.values(), seq, limit):
+            return True
+        others = any(s.request_id == seq.request_id for s in self.running.values())
+        return None if others else False
+
+    def _make_room_for(self, seq: Sequence, step: ScheduledStep, gains: bool = False) -> bool:
+        """Preempt the worst running sequence if it has strictly lower priority than the waiter, or if it is paused
+        and the waiter gains a slot by its share (gains). With swap space full (preemption by swap) the waiter waits
+        instead: it loses time, nobody loses a request."""
         if not self.running:
             return False
-        victim = max(self.running.values(), key=lambda s: s.rank)
-        if victim.priority <= seq.priority or not self.can_swap_out(victim):
+        victim = self._victim()
+        outranked = victim.priority > seq.priority or gains and victim.seq_id in self.paused
+        if not outranked or not self.can_swap_out(victim):
             return False
         self._preempt(victim, step)
         return True
@@ -292,6 +337,7 @@ class Scheduler:
         self.num_swapped_blocks += len(blocks)
         self.blocks.free(victim.seq_id)
         del self.running[victim.seq_id]
+        self.paused.discard(victim.seq_id)
         victim.state = SeqState.SWAPPED
         self._swapped_this_step.add(victim.seq_id)
         victim.num_preemptions += 1

@@ -1,0 +1,118 @@
+"""Fair decode slots (issue 47): a request's n choices count against its share of the decode batch, so a request
+with n = 32 cannot hold a plain request out of the batch beyond one step; its extra choices are paused (they keep
+their blocks and decode again later), never failed. Scheduler level, no model."""
+
+import itertools
+
+from contracts.handoff import SamplingParams
+from decode_gpu.core import fair_share
+from decode_gpu.core.block_manager import BlockManager
+from decode_gpu.core.scheduler import Scheduler, SchedulerConfig
+from decode_gpu.core.sequence import SeqState, Sequence
+
+SAMPLING = SamplingParams(max_tokens=64)
+ARRIVALS = itertools.count()
+
+
+def request(request_id: str, n: int = 1, priority: int = 0, prompt_len: int = 6) -> Sequence:
+    """A handed-off request as admission makes it: each choice its own arrival (core/admission.py)."""
+    choices = [Sequence(request_id if i == 0 else f"{request_id}#{i}", priority, next(ARRIVALS), prompt_len=prompt_len,
+                        tokens=list(range(prompt_len + 1)), sampling=SAMPLING, request_id=request_id, index=i)
+               for i in range(n)]
+    choices[0].forks = choices[1:]
+    return choices[0]
+
+
+def decode_one(scheduler: Scheduler, swapped: list[str] | None = None) -> list[Sequence]:
+    """One step: every sequence scheduled to decode gets a token, as the engine would give it; the sequences
+    swapped out on the way are appended to `swapped`."""
+    step = scheduler.schedule()
+    for seq in step.decode:
+        seq.tokens.append(7)
+        seq.num_cached += 1
+    if swapped is not None:
+        swapped += [seq_id for seq_id, _ in step.swap_out]
+    return step.decode
+
+
+def scheduler(max_num_seqs: int = 8, num_blocks: int = 512) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs), BlockManager(num_blocks, block_size=4))
+
+
+def test_a_plain_request_decodes_at_the_next_step_beside_a_request_whose_choices_fill_the_batch():
+    s = scheduler(max_num_seqs=8)
+    s.add(request("big", n=8))
+    assert len(decode_one(s)) == 8  # alone, all of its choices decode
+    s.add(request("plain"))
+    decoded = decode_one(s)
+    assert "plain" in [seq.seq_id for seq in decoded] and len(decoded) == 8
+    assert sum(seq.request_id == "big" for seq in decoded) == 7
+    paused = [seq for seq in s.running.values() if seq.seq_id in s.paused]
+    assert len(paused) == 1 and paused[0].state is SeqState.RUNNING and paused[0].request_id == "big"
+    assert s.blocks.block_tables[paused[0].seq_id]  # paused, not preempted: its KV stays in the pool
+    assert not any(step_failed for step_failed in s.schedule().failed)
+
+
+def test_a_paused_choice_decodes_again_once_the_other_request_ends():
+    s = scheduler(max_num_seqs=4)
+    s.add(request("big", n=4))
+    decode_one(s)
+    s.add(request("plain"))
+    decode_one(s)
+    (paused,) = s.paused
+    before = s.running[paused].num_cached
+    s.finish(s.running["plain"], "stop")
+    assert paused in {seq.seq_id for seq in decode_one(s)}
+    assert s.running[paused].num_cached == before + 1 and not s.paused
+
+
+def test_four_big_requests_and_a_plain_one_share_the_batch_by_water_filling():
+    s = scheduler(max_num_seqs=32, num_blocks=4096)
+    for i in range(4):
+        s.add(request(f"big{i}", n=32))
+    s.add(request("plain"))
+    decoded = decode_one(s)
+    for _ in range(3):
+        decoded = decode_one(s)
+    per_request = {rid: sum(seq.request_id == rid for seq in decoded) for rid in ("big0", "big1", "big2", "big3")}
+    assert "plain" in {seq.seq_id for seq in decoded} and len(decoded) == 32
+    assert sorted(per_request.values()) == [7, 8, 8, 8]  # 31 slots over four requests: level 7, one left over
+
+
+def test_priorities_still_come_first_a_lower_priority_plain_request_waits():
+    s = scheduler(max_num_seqs=4)
+    s.add(request("vip", n=4, priority=0))
+    decode_one(s)
+    s.add(request("low", priority=5))
+    assert "low" not in {seq.seq_id for seq in decode_one(s)} and s.num_waiting == 1
+
+
+def test_plain_requests_beyond_the_batch_wait_as_before():
+    s = scheduler(max_num_seqs=2)
+    for rid in ("a", "b", "c"):
+        s.add(request(rid))
+    assert [seq.seq_id for seq in decode_one(s)] == ["a", "b"] and s.num_waiting == 1 and not s.paused
+
+
+def test_short_of_blocks_the_request_with_many_choices_gives_them_up_not_the_plain_one():
+    s = scheduler(max_num_seqs=4, num_blocks=12)
+    s.add(request("big", n=4, prompt_len=7))  # 2 blocks of prompt, a copy per fork: 5 blocks
+    decode_one(s)
+    s.add(request("plain", prompt_len=7))
+    decode_one(s)
+    (paused,) = s.paused
+    swapped = []
+    for _ in range(12):  # the decoding choices grow until the pool runs short
+        assert "plain" in {seq.seq_id for seq in decode_one(s, swapped)}
+    assert swapped[0] == paused and all(seq_id.startswith("big") for seq_id in swapped)  # paused first, then big's
+    assert s.running["plain"].num_cached == 7 + 12 + 1 and s.num_preemptions >= 2
+
+
+def test_water_fill_and_allot():
+    assert fair_share.water_fill([1, 32], 32) == [1, 31]
+    assert fair_share.water_fill([32, 32, 32, 32, 1], 32) == [8, 8, 8, 7, 1]
+    assert fair_share.water_fill([3, 2], 10) == [3, 2]
+    assert fair_share.water_fill([1, 1, 1], 2) == [1, 1, 0]  # in rank order when slots are fewer than requests
+    groups = [fair_share.Group("a", (0, 0.0, 0), 4), fair_share.Group("b", (1, 0.0, 1), 4),
+              fair_share.Group("c", (1, 0.0, 2), 1)]
+    assert fair_share.allot(groups, 6) == {"a": 4, "b": 1, "c": 1}

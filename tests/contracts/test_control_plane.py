@@ -34,7 +34,7 @@ def run(coro, timeout_s: float = 20.0):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-async def until(predicate, timeout_s: float = 10.0) -> None:
+async def until(predicate, timeout_s: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
@@ -219,21 +219,27 @@ def test_a_silent_worker_is_declared_stuck_and_its_job_moves_or_fails(tmp_path, 
 
 
 def test_heartbeats_keep_a_busy_worker_alive(tmp_path):
+    """Beats every 0.1 s for twice the heartbeat timeout: only the beats keep it alive. The timeout is 2 s, so that
+    a busy machine that runs this process late (both ends share its event loop) does not pass it between beats."""
+    timeout_s = 2.0
+
     async def beating(reader, writer, hello):
         await send_message(writer, WorkerStatus("w0", "fp", 4096, "q8_0", 49152))
-        for _ in range(10):
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + 2 * timeout_s
+        while loop.time() < ends:
             await send_message(writer, Heartbeat("r1"))
             await asyncio.sleep(0.1)
 
     async def scenario():
         async with Listener(tmp_path, beating) as peer:
             pool = PrefillPool({"w0": peer.address}, InFlightRegistry(), queue_limit=8, secret=SECRET,
-                               heartbeat_timeout_s=0.3)
+                               heartbeat_timeout_s=timeout_s)
             stuck = []
             pool.on_stuck = lambda name: stuck.append(name) or True
             task = asyncio.create_task(pool.run())
             await until(lambda: pool.num_ready == 1)
-            await until(lambda: pool.workers["w0"].state != "ready", timeout_s=5)  # ends when the script ends
+            await until(lambda: pool.workers["w0"].state != "ready")  # ends when the script ends
             task.cancel()
             return stuck
     assert run(scenario()) == []
@@ -254,11 +260,14 @@ def test_engine_stats_are_read_only_on_the_engine_thread():
     async def scenario():
         service = EngineService(engine, asyncio.get_running_loop())
         readers.clear()  # the constructor's first snapshot is taken before the engine thread exists
+        published = []  # what publish_stats sent: waited for, not slept for (a busy machine may run it late)
+        real_broadcast = service.gateways.broadcast
+        service.gateways.broadcast = lambda message: published.append(message) or real_broadcast(message)
         thread = threading.Thread(target=service.run_engine, name="engine", daemon=True)
         thread.start()
         await until(lambda: readers)
         publisher = asyncio.create_task(service.publish_stats())
-        await asyncio.sleep(0.6)  # one publishing interval
+        await until(lambda: len(published) >= 2)  # two publishing intervals
         publisher.cancel()
         service.stopping.set()
         await asyncio.to_thread(thread.join, 5)
@@ -278,11 +287,13 @@ def test_a_full_engine_is_a_503_and_a_broken_request_a_500(code, status):
 
 def test_a_worker_without_its_engine_gets_no_jobs_until_it_is_back(tmp_path):
     jobs = []
+    submitted = asyncio.Event()  # not a sleep alone: on a busy machine the job could come after the look
 
     async def engine_flaps(reader, writer, hello):
         await send_message(writer, WorkerStatus("w0", "fp", 4096, "q8_0", 49152, engine_connected=False))
         reading = asyncio.ensure_future(read_message(reader))
-        await asyncio.sleep(0.3)  # a job submitted now must stay queued
+        await submitted.wait()
+        await asyncio.sleep(0.3)  # the job submitted must stay queued
         jobs.append(reading.done())
         await send_message(writer, Heartbeat(engine_connected=True))
         jobs.append(await asyncio.wait_for(reading, 5))
@@ -296,6 +307,7 @@ def test_a_worker_without_its_engine_gets_no_jobs_until_it_is_back(tmp_path):
             await until(lambda: pool.num_ready == 1)
             registry.add(InFlight("r1", 0))
             pool.submit(_job("r1"))
+            submitted.set()
             await until(lambda: len(jobs) == 2)
             task.cancel()
     run(scenario())

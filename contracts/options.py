@@ -138,6 +138,9 @@ _KNOBS = (
          "fidelity; docs/decode.md)", choices=(AUTO, "float32", "float16", "bfloat16", "int8", "int4"), flag=True),
     Knob("kv_cache_tokens", int, None, "decode KV pool size in tokens (0 or unset: 16384 on the CPU, what "
          "gpu_memory_utilization leaves on CUDA)", ge=0, flag=True),
+    Knob("memory_budget", int, 0, "bytes the processes of edge serve may hold together, planned before anything "
+         "loads (docs/sizes.md); a model that cannot fit is refused at start (0: 85% of the RAM on a CPU, 90% of the "
+         "device's memory on CUDA)", ge=0, flag=True, metavar="BYTES"),
     Knob("gpu_memory_utilization", float, 0.9, "on CUDA without kv_cache_tokens: the engine's share of total GPU "
          "memory", gt=0, le=1),
     Knob("enforce_eager", bool, False, "no CUDA graphs in the decode step (slower; for debugging a GPU problem)",

@@ -63,6 +63,9 @@ class EngineProcessConfig:
     control_tls_ca: str = knob("control_tls_ca")
     allow_plaintext_control: bool = knob("allow_plaintext_control")
     control_handshake_timeout_s: float = knob("control_handshake_timeout_s")
+    weight_second_set: bool = wiring("weight_dtype auto may hold the float set beside the quantized one (the memory "
+                                     "plan, contracts/memory_plan.py)", True)
+    weight_float_set: bool = wiring("weight_dtype auto may hold float weights at all (the memory plan)", True)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class WorkerProcessConfig:
     control_tls_ca: str = knob("control_tls_ca")
     allow_plaintext_control: bool = knob("allow_plaintext_control")
     control_handshake_timeout_s: float = knob("control_handshake_timeout_s")
+    prefill_copy_kinds: tuple[str, ...] | None = wiring("the copies prefill_weights auto may measure, best first, "
+                                                        "as the memory plan leaves room (None: auto's own rule)", None)
 
 
 Config = TypeVar("Config", EngineProcessConfig, WorkerProcessConfig)

@@ -14,9 +14,11 @@ from aiohttp.web_runner import GracefulExit
 from contracts.gguf_check import check_gguf
 from contracts.gguf_header import GGUFError
 from contracts.identity import UnsupportedModelError, check_supported
+from contracts.memory_plan import MemoryPlan, MemoryRefused
 from contracts.model_kind import model_kind
 from contracts.options import KNOBS
 from contracts.startup_clock import since_start
+from edge.check_model.memory import NoDeviceMemory, machine, planned_config, serve_plan
 from edge.config import ConfigError, load_config, open_without_authentication, policy_path
 from edge.http.tls import TLSError, server_context
 from policies.loader import PolicyError, load_policy
@@ -45,9 +47,15 @@ def main(argv=None) -> None:
         ssl_context = server_context(config)  # ... and bad TLS files, before the model loads
         model = config.model or embedded_model_path()
         check_gguf(model)  # ... and a corrupt or hostile model file, before any process reads it
-        if not model_kind(model).embedding:  # an embedding model is served without a handoff (no engine)
+        embedding = model_kind(model).embedding
+        if not embedding:  # an embedding model is served without a handoff (no engine)
             check_supported(model)  # ... and a model family the handoff cannot carry
-    except (ConfigError, PolicyError, TLSError, UnsupportedModelError, GGUFError, FileNotFoundError) as err:
+        # ... and a model that cannot fit the box's memory; the plan's decisions go to the processes
+        plan = _plan(config, model) if config.launch and not config.ray and not embedding else None
+        if plan is not None:
+            config = plan[1]
+    except (ConfigError, PolicyError, TLSError, UnsupportedModelError, GGUFError, FileNotFoundError,
+            MemoryRefused, NoDeviceMemory) as err:
         sys.exit(f"edge: {err}")
     open_to = open_without_authentication(config, policy)
     if open_to and not config.allow_unauthenticated:
@@ -59,6 +67,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s")
     logging.getLogger("edge").info("gateway: config, policy and model checked %.1f s after the process started",
                                    since_start())
+    if plan is not None:
+        logging.getLogger("edge").info("memory plan (memory_budget %d; docs/sizes.md):\n%s", config.memory_budget,
+                                       plan[0].describe())
     if open_to:
         logging.getLogger("edge").warning("OPEN SERVICE: listening on %s with NO AUTHENTICATION (no API keys, no "
                                           "client certificates; %s given): anyone who reaches this port can use the "
@@ -79,6 +90,13 @@ def main(argv=None) -> None:
                 print=lambda msg: logging.getLogger("edge").info(msg.strip()))
     if supervisor is not None and supervisor.start_failure:
         sys.exit(f"edge: the start failed: {supervisor.start_failure}")
+
+
+def _plan(config, model: str) -> tuple[MemoryPlan, object]:
+    """The memory plan of this start, and the config with its decisions (MemoryRefused: it cannot fit)."""
+    box = machine(config.device)
+    plan = serve_plan(config, model, box)
+    return plan, planned_config(config, plan, box)
 
 
 def _supervise_start(app: web.Application, config):

@@ -24,6 +24,11 @@ class ConfigError(FileError):
     """A config file (or flag) that cannot be used; the message names the file, line and key."""
 
 
+def planned(default):
+    """A ServeConfig field the memory plan sets at start: no key of the file, no flag."""
+    return field(default=default, metadata={"planned": True})
+
+
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = knob("max_body_bytes")
@@ -63,6 +68,7 @@ class ServeConfig:
     prefix_cache_tokens: int = knob("prefix_cache_tokens")
     kv_storage: str = knob("kv_storage")
     kv_cache_tokens: int | None = knob("kv_cache_tokens")
+    memory_budget: int = knob("memory_budget")
     gpu_memory_utilization: float = knob("gpu_memory_utilization")
     enforce_eager: bool = knob("enforce_eager")
     decode_forward: str = knob("decode_forward")
@@ -100,6 +106,11 @@ class ServeConfig:
     policy: str = knob("policy")
     limits: Limits = field(default_factory=Limits)
     log_level: str = knob("log_level")
+    # set by the memory plan at start (edge/check_model/memory.py), not by the file or a flag; the launcher copies them
+    # by name into the process configs
+    weight_second_set: bool = planned(True)  # the engine may hold the float set beside the quantized one
+    weight_float_set: bool = planned(True)  # the engine may hold float weights at all
+    prefill_copy_kinds: tuple[str, ...] | None = planned(None)  # the copies prefill_weights auto may measure
 
 
 PATH_KEYS = ("model", "policy", "audit_log", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "control_secret_file",
@@ -109,7 +120,8 @@ PATH_KEYS = ("model", "policy", "audit_log", "ssl_certfile", "ssl_keyfile", "ssl
 def _file_model(cls, **extra):
     """A pydantic model with the dataclass's keys and defaults, and its knobs' choices and bounds."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: _file_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.name not in extra}
+    fields = {f.name: _file_field(f, hints[f.name]) for f in dataclasses.fields(cls)
+              if f.name not in extra and not f.metadata.get("planned")}
     return create_model(f"{cls.__name__}File", __base__=Strict, **fields, **extra)
 
 

@@ -46,7 +46,8 @@ def outside_bounds(name: str) -> list:
 def test_every_serve_key_is_a_knob_with_its_default():
     for cls in (ServeConfig, Limits):
         for f in dataclasses.fields(cls):
-            if f.name != "limits":  # the [limits] table, itself a dataclass of knobs
+            # the [limits] table is itself a dataclass of knobs; the memory plan's fields are set at start, no keys
+            if f.name != "limits" and not f.metadata.get("planned"):
                 assert f.metadata.get("knob") == f.name, f"{cls.__name__}.{f.name} reads no knob"
                 assert f.default == KNOBS[f.name].default
 

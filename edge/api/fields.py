@@ -6,6 +6,8 @@ import math
 
 from aiohttp import web
 
+MAX_CACHE_SALT_CHARS = 256
+
 
 class ApiError(Exception):
     """An error answered to the client with an OpenAI-style body."""
@@ -77,3 +79,17 @@ def get_number(body: dict, name: str, low: float, high: float, default: float, o
         bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
         raise ApiError(400, f"{name!r} must be in {bound}, got {value}", name, "invalid_value")
     return value
+
+
+def cache_salt(body: dict) -> str:
+    """The client's own cache salt (vLLM's field), on every generation API."""
+    salt = checked_text(get_field(body, "cache_salt", str, default=""), "cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"'cache_salt' may hold at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+                       "cache_salt", "invalid_value")
+    return salt
+
+
+def priority(body: dict) -> int | None:
+    """The request's priority (None: the API key's default), on every API."""
+    return get_int(body, "priority", -1_000_000, 1_000_000, default=None)

@@ -1,6 +1,7 @@
-"""POST /v1/messages (Anthropic Messages) and POST /v1/messages/count_tokens: the body becomes a chat completions
-request, the answer (edge.api.completion) becomes a message and Anthropic's stream events, and every error answers in
-Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the same HTTP status as on chat."""
+"""POST /v1/messages (Anthropic Messages) and POST /v1/messages/count_tokens: the body is read by its own parser
+(edge.api.messages_request), the answer (edge.api.completion) becomes a message and Anthropic's stream events, and
+every error answers in Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the same HTTP status
+as on chat."""
 
 from __future__ import annotations
 
@@ -10,21 +11,15 @@ from aiohttp import web
 
 from edge.api.client_api import ClientApi, StreamWriter, sse_event
 from edge.api.completion import ChoiceDelta, Completion
-from edge.api.fields import get_field, get_number, nested_string, show
-from edge.api.openai_request import ApiError, GenerateRequest, parse_request
+from edge.api.fields import ApiError
+from edge.api.generate_request import GenerateRequest
+from edge.api.messages_request import parse_messages
 
-ROLES = {"user", "assistant"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
                413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
                504: "timeout_error"}
-PASSED = ("priority", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "cache_salt",
-          "stream", "top_p", "top_k")
-PARAMS = {"max_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages",
-          "response_format": "output_config.format"}
-# an earlier turn's thinking: left out of the prompt, as templates do
-IGNORED_BLOCKS = {"thinking", "redacted_thinking"}
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -41,11 +36,7 @@ class MessagesApi(ClientApi):
     route = "/v1/messages"
 
     def parse(self, body, vocab_size: int | None, chat=None) -> GenerateRequest:
-        translated = chat_body(body, count_only=False)
-        try:
-            return parse_request(translated, "chat", vocab_size=vocab_size, chat=chat)
-        except ApiError as err:
-            raise _renamed(err) from None
+        return parse_messages(body, vocab_size, chat)
 
     def error(self, err: ApiError) -> web.Response:
         return error_response(err)
@@ -63,167 +54,6 @@ class MessagesApi(ClientApi):
 
     def writer(self, completion: Completion) -> StreamWriter:
         return MessagesStream(completion)
-
-
-def chat_body(body, count_only: bool) -> dict:
-    """The chat completions body an Anthropic Messages body asks for. count_only: count_tokens's body, which has
-    no max_tokens."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    if not count_only:
-        max_tokens = get_field(body, "max_tokens", int, required=True)
-        if max_tokens < 1:
-            raise ApiError(400, f"'max_tokens' must be at least 1, got {show(max_tokens)}", "max_tokens",
-                           "invalid_value")
-    get_number(body, "temperature", 0.0, 1.0, default=1.0)  # Anthropic's range, narrower than chat's
-    chat = {"model": body.get("model"), "messages": _messages(body)}
-    chat.update({name: body[name] for name in PASSED if name in body})
-    for name in ("max_tokens", "temperature"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    if body.get("stop_sequences") is not None:
-        chat["stop"] = body["stop_sequences"]
-    if (fmt := _output_format(body)) is not None:
-        chat["response_format"] = fmt
-    if (tools := _tools(body)) is not None:
-        chat["tools"] = tools
-        choice, parallel = _tool_choice(body.get("tool_choice"), [t["function"]["name"] for t in tools])
-        chat["tool_choice"], chat["parallel_tool_calls"] = choice, parallel
-    elif body.get("tool_choice") not in (None, {"type": "none"}, {"type": "auto"}):
-        raise ApiError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
-    return chat
-
-
-def _messages(body: dict) -> list[dict]:
-    out = []
-    system = body.get("system")
-    if system is not None:
-        out.append({"role": "system", "content": _text(system, "system")})
-    messages = get_field(body, "messages", list, required=True)
-    if not messages:
-        raise ApiError(400, "'messages' must hold at least one message", "messages", "invalid_value")
-    for i, message in enumerate(messages):
-        param = f"messages[{i}]"
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
-            raise ApiError(400, f"{param}.role must be user or assistant", f"{param}.role", "invalid_value")
-        content = message.get("content")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise ApiError(400, f"{param}.content must be a string or a list of content blocks", f"{param}.content",
-                           "invalid_type")
-        out.extend(_blocks(role, content, f"{param}.content"))
-    return out
-
-
-def _blocks(role: str, blocks: list, param: str) -> list[dict]:
-    """One Anthropic message's blocks as chat messages: tool results become tool messages (before the turn's
-    text, where Anthropic puts them), an assistant's tool uses its tool calls."""
-    texts, calls, results = [], [], []
-    allowed = {"text", "tool_result"} if role == "user" else {"text", "tool_use"}
-    for j, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        where = f"{param}[{j}]"
-        if kind in IGNORED_BLOCKS and role == "assistant":
-            continue
-        if kind not in allowed:
-            raise ApiError(400, f"{where}: a {role} message's blocks may be {' or '.join(sorted(allowed))} here, not "
-                                f"{show(kind)} (this server serves a text-only model)", where, "unsupported_parameter")
-        if kind == "text":
-            texts.append(nested_string(block, "text", where))
-        elif kind == "tool_use":
-            arguments = block.get("input", {})
-            if not isinstance(arguments, dict):
-                raise ApiError(400, f"{where}.input must be an object", f"{where}.input", "invalid_type")
-            calls.append({"type": "function", "id": block.get("id") or "",
-                          "function": {"name": nested_string(block, "name", where),
-                                       "arguments": json.dumps(arguments, ensure_ascii=False)}})
-        else:
-            content = block.get("content", "")
-            text = _text(content, f"{where}.content")
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
-                            "content": f"Error: {text}" if block.get("is_error") else text})
-    text = "".join(texts)
-    if role == "assistant":
-        return [{"role": "assistant", "content": text or None, "tool_calls": calls}] if calls or text else []
-    return results + ([{"role": "user", "content": text}] if texts or not results else [])
-
-
-def _text(content, param: str) -> str:
-    """A string or a list of text blocks, joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                         and isinstance(b.get("text"), str) for b in content):
-        return "".join(b["text"] for b in content)
-    raise ApiError(400, f"{param} must be a string or a list of text blocks ({{\"type\": \"text\", \"text\": ...}})",
-                   param, "invalid_type")
-
-
-def _tools(body: dict) -> list | None:
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list):
-        raise ApiError(400, "'tools' must be a list of tools", "tools", "invalid_type")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise ApiError(400, f"tools[{i}]: only custom tools (name, description, input_schema) are supported, "
-                                f"not {show(kind)} (server tools need services this server does not run)",
-                           f"tools[{i}]", "unsupported_parameter")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise ApiError(400, f"tools[{i}].input_schema must be a JSON schema object", f"tools[{i}].input_schema",
-                           "invalid_value")
-        function = {"name": tool.get("name"), "parameters": schema}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _tool_choice(choice, names: list[str]) -> tuple[str | dict, bool]:
-    """(chat tool_choice, parallel_tool_calls) from Anthropic's {"type": auto|any|tool|none}."""
-    if choice is None:
-        return "auto", True
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use", False))
-    if kind in ("auto", "none"):
-        return kind, parallel
-    if kind == "any":
-        return "required", parallel
-    if kind == "tool" and choice.get("name") in names:
-        return {"type": "function", "function": {"name": choice["name"]}}, parallel
-    raise ApiError(400, "tool_choice must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} or "
-                        "{\"type\": \"tool\", \"name\": ...} naming one of the tools", "tool_choice", "invalid_value")
-
-
-def _output_format(body: dict) -> dict | None:
-    """output_config.format (Anthropic's structured outputs): a JSON schema the answer must fit."""
-    config = get_field(body, "output_config", dict, default=None)
-    fmt = (config or {}).get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise ApiError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                       "output_config.format", "invalid_value")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
-
-
-def _renamed(err: ApiError) -> ApiError:
-    param = err.param or ""
-    for ours, theirs in PARAMS.items():
-        if param == ours or param.startswith(ours + "["):
-            message = err.message.replace(f"'{ours}'", f"'{theirs}'")
-            return ApiError(err.status, message, theirs + param[len(ours):], err.code, err.error_type, err.headers)
-    if param.startswith("tools[") and ".function" in param:  # the chat tool this Anthropic tool became
-        return ApiError(err.status, err.message.replace(".function", ""), param.replace(".function", ""),
-                        err.code, err.error_type, err.headers)
-    return err
 
 
 def message_id(completion: Completion) -> str:
@@ -333,10 +163,7 @@ class MessagesStream(StreamWriter):
 
 def parse_count(body, chat=None) -> GenerateRequest:
     """POST /v1/messages/count_tokens's body (no max_tokens, no stream) as the request chat sees it."""
-    try:
-        return parse_request(_counted_body(body), "chat", vocab_size=None, chat=chat)
-    except ApiError as err:
-        raise _renamed(err) from None
+    return parse_messages(body, None, chat, count_only=True)
 
 
 def worker_messages(request: GenerateRequest) -> list[dict]:
@@ -345,8 +172,3 @@ def worker_messages(request: GenerateRequest) -> list[dict]:
     return [{"role": m["role"], "content": m["content"], "tool_calls": m.get("tool_calls_json", ""),
              "tool_call_id": m.get("tool_call_id", "")} for m in request.messages]
 
-
-def _counted_body(body) -> dict:
-    chat = chat_body(body, count_only=True)
-    chat.pop("stream", None)
-    return chat

@@ -1,8 +1,7 @@
-"""POST /v1/responses (OpenAI Responses), stateless: the body becomes a chat completions request, and the answer
-(edge.api.completion) becomes a response object and the Responses stream's semantic events.
-
-Nothing is stored: `store: true`, `previous_response_id` and the other stored-state fields are refused with a
-400 that says so, and the client sends the whole conversation as `input` items each time."""
+"""POST /v1/responses (OpenAI Responses): the body is read by its own parser (edge.api.responses_request), and the
+answer (edge.api.completion) becomes a response object and the Responses stream's semantic events. A response is
+kept (edge.api.response_store) unless the body says `store: false`, so that a later request may continue it with
+`previous_response_id`."""
 
 from __future__ import annotations
 
@@ -11,32 +10,22 @@ import time
 
 from edge.api.client_api import ClientApi, StreamWriter, sse_event
 from edge.api.completion import ChoiceDelta, Completion
-from edge.api.fields import get_field, nested_string, show
-from edge.api.openai_request import ApiError, GenerateRequest, parse_request
+from edge.api.fields import ApiError
+from edge.api.generate_request import GenerateRequest
+from edge.api.responses_request import parse_responses
 
-ROLES = {"user", "system", "developer", "assistant"}
-TEXT_PARTS = {"input_text", "output_text", "text"}
-# fields of stored state or hosted features this stateless server cannot honour: (field, value it may have)
-REFUSED = {"previous_response_id": None, "conversation": None, "background": False, "prompt": None,
-           "truncation": "disabled"}
-# our chat extensions a Responses client may send as extra body fields, passed through unchanged
-PASSED = ("priority", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "stop", "cache_salt", "parallel_tool_calls", "stream")
-PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# the request's fields that an error after parsing (the policy's, a prefill worker's) names, as Responses names them
+AFTER_PARSE = {"messages": "input", "max_tokens": "max_output_tokens"}
 
 
 class ResponsesApi(ClientApi):
     route = "/v1/responses"
 
     def parse(self, body, vocab_size: int | None, chat=None) -> GenerateRequest:
-        translated = chat_body(body)
-        try:
-            return parse_request(translated, "chat", vocab_size=vocab_size, chat=chat)
-        except ApiError as err:  # name the Responses field, not the chat field it became
-            raise _renamed(err) from None
+        return parse_responses(body, vocab_size, chat)
 
     def error(self, err: ApiError):
-        return _renamed(err).response()  # failures after parsing too (an over-long prompt names the input)
+        return _renamed(err).response()
 
     def body(self, completion: Completion) -> dict:
         message, _ = completion.message(completion.choices[0])
@@ -54,140 +43,13 @@ class ResponsesApi(ClientApi):
         return ResponsesStream(completion)
 
 
-def chat_body(body) -> dict:
-    """The chat completions body a Responses body asks for; refusals name the Responses field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    if body.get("store"):
-        raise ApiError(400, "store: true is not supported: this server keeps no responses (send store: false, or "
-                            "leave it out, and send the whole conversation as input)", "store", "unsupported_parameter")
-    for name, neutral in REFUSED.items():
-        if body.get(name, neutral) not in (neutral, None):
-            why = ("this server keeps no responses or conversations; send the earlier turns as input items"
-                   if name in ("previous_response_id", "conversation") else "it is not supported by this server")
-            raise ApiError(400, f"{name}={show(body[name])}: {why}", name, "unsupported_parameter")
-    if body.get("top_logprobs"):
-        raise ApiError(400, "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
-                       "top_logprobs", "unsupported_parameter")
-    chat = {"model": body.get("model"), "messages": _messages(body)}
-    chat.update({name: body[name] for name in PASSED if name in body})
-    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
-        if body.get(theirs) is not None:
-            chat[ours] = body[theirs]
-    if (tools := _tools(body)) is not None:
-        chat["tools"] = tools
-    if (choice := _tool_choice(body.get("tool_choice"))) is not None:
-        chat["tool_choice"] = choice
-    if (fmt := _text_format(body)) is not None:
-        chat["response_format"] = fmt
-    return chat
-
-
-def _messages(body: dict) -> list[dict]:
-    instructions = get_field(body, "instructions", str, default=None)
-    messages = [{"role": "system", "content": instructions}] if instructions else []
-    items = body.get("input")
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise ApiError(400, "'input' must be a string or a non-empty list of input items", "input",
-                       "missing_required_parameter" if items is None else "invalid_type")
-    for i, item in enumerate(items):
-        param = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise ApiError(400, f"{param}.role must be one of {sorted(ROLES)}", f"{param}.role", "invalid_value")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
-        elif kind == "function_call":
-            call = {"type": "function", "id": item.get("call_id") or "",
-                    "function": {"name": nested_string(item, "name", param),
-                                 "arguments": nested_string(item, "arguments", param)}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # consecutive calls are one assistant turn
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id") or "",
-                             "content": output if isinstance(output, str) else _text(output, f"{param}.output")})
-        elif kind == "reasoning":
-            continue  # an earlier turn's reasoning: templates leave it out of the prompt, and so does this server
-        else:
-            raise ApiError(400, f"{param}.type {show(kind)} is not supported here (message, function_call, "
-                                f"function_call_output or reasoning)", f"{param}.type", "unsupported_parameter")
-    return messages
-
-
-def _text(content, param: str):
-    """A message's content: a string or text parts (input_text, output_text); other parts are refused."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{param} must be a string or a list of input_text parts", param, "invalid_type")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"{param}[{j}]: only text parts ({{\"type\": \"input_text\", \"text\": ...}}) are "
-                                f"supported, got type {show(kind)} (this server serves a text-only model)",
-                           f"{param}[{j}]", "unsupported_parameter")
-        parts.append({"type": "text", "text": part["text"]})
-    return parts
-
-
-def _tools(body: dict) -> list | None:
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list):
-        raise ApiError(400, "'tools' must be a list of function tools", "tools", "invalid_type")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise ApiError(400, f"tools[{i}]: only function tools are supported, not {show(kind)} (hosted tools "
-                                f"need services this server does not run)", f"tools[{i}]", "unsupported_parameter")
-        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _tool_choice(choice):
-    if choice is None or isinstance(choice, str):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise ApiError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
-                   "tool_choice", "invalid_value")
-
-
-def _text_format(body: dict) -> dict | None:
-    text = get_field(body, "text", dict, default=None)
-    fmt = (text or {}).get("format")
-    if fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise ApiError(400, "text.format.schema must be a JSON schema object", "text.format", "invalid_value")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"]}}
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    raise ApiError(400, f"text.format.type must be text, json_object or json_schema, not {show(kind)}",
-                   "text.format", "invalid_value")
-
-
 def _renamed(err: ApiError) -> ApiError:
-    param = err.param or ""
-    for ours, theirs in PARAMS.items():
-        if param == ours or param.startswith(ours + "["):
-            message = err.message.replace(f"'{ours}'", f"'{theirs}'").replace(ours, theirs, 1)
-            return ApiError(err.status, message, theirs + param[len(ours):], err.code, err.error_type, err.headers)
-    return err
-
+    """An error after parsing (an over-long prompt, the policy's token limit) names the Responses field."""
+    theirs = AFTER_PARSE.get(err.param or "")
+    if theirs is None:
+        return err
+    return ApiError(err.status, err.message.replace(f"'{err.param}'", f"'{theirs}'"), theirs, err.code,
+                    err.error_type, err.headers)
 
 def response_id(completion: Completion) -> str:
     return "resp_" + completion.request_id.split("-", 1)[-1]
@@ -227,7 +89,7 @@ def _usage(completion: Completion) -> dict:
 
 def _format_echo(request: GenerateRequest) -> dict:
     structured = request.sampling.structured
-    if request.structured_param == "response_format" and structured is not None:
+    if request.structured_param == "text.format" and structured is not None:
         kind, source = structured
         if kind == "json_schema":
             return {"type": "json_schema", "name": "output", "schema": json.loads(source), "strict": True}

@@ -107,7 +107,8 @@ def structured_constraint(body: dict) -> tuple[str | None, tuple[str, str] | Non
             if not isinstance(schema, dict):
                 raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
                                "response_format", "invalid_value")
-            found.append(("response_format", ("json_schema", json.dumps(schema))))
+            found.append(("response_format", json_schema(schema, "response_format.json_schema.schema",
+                                                         "response_format")))
         elif kind != "text":
             raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not "
                                 f"{show(kind)}", "response_format", "invalid_value")
@@ -123,13 +124,24 @@ def structured_constraint(body: dict) -> tuple[str | None, tuple[str, str] | Non
     return found[0] if found else (None, None)
 
 
+def json_schema(schema: dict, field: str, param: str | None = None) -> tuple[str, str]:
+    """A schema object as a json_schema constraint. Its depth is checked before json.dumps, which recurses: a schema
+    nested past contracts.grammar.MAX_SCHEMA_DEPTH is a 400 naming field (param: the error's field, if another)."""
+    from contracts.grammar import GrammarError, check_schema_depth
+    try:
+        check_schema_depth(schema, field)
+    except GrammarError as err:
+        raise ApiError(400, str(err), param or field, err.code) from None
+    return "json_schema", json.dumps(schema)
+
+
 def _guided(param: str, value) -> tuple[str, str]:
     kind = param.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
     if kind == "json":
         if isinstance(value, str):
             return "json_schema", value
         if isinstance(value, dict):
-            return "json_schema", json.dumps(value)
+            return json_schema(value, param)
         raise ApiError(400, f"{param} must be a JSON schema (an object or its JSON text)", param, "invalid_type")
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):

@@ -71,8 +71,6 @@ def structured_outputs(schema: str) -> tuple:
 FIELDS = [tools_chat, tools_responses, tools_messages, tools_count_tokens, response_format, guided_json,
           guided_json_text, structured_outputs]
 TOOLS = [tools_chat, tools_responses, tools_messages, tools_count_tokens]
-# edge/api/structured.py dumps these schemas with json.dumps (recursive) before any depth check: the fix is theirs
-DUMPED_BEFORE_A_CHECK = [response_format, guided_json, structured_outputs]
 
 
 def names(field: str, err: ApiError) -> bool:
@@ -135,14 +133,70 @@ def parsed_or_refused(gap: int, body: str, parse, field: str) -> None:
         assert names(field, err) or err.param is None and "nest" in err.message, (err.param, err.message)
 
 
-DEEP_FIELDS = [pytest.param(field_of, id=field_of.__name__, marks=[pytest.mark.xfail(
-    strict=True, reason="edge/api/structured.py must check the schema's depth (contracts.grammar.check_schema_depth) "
-    "before its json.dumps")] if field_of in DUMPED_BEFORE_A_CHECK else []) for field_of in FIELDS]
-
-
-@pytest.mark.parametrize("field_of", DEEP_FIELDS)
+@pytest.mark.parametrize("field_of", FIELDS, ids=lambda f: f.__name__)
 def test_no_depth_up_to_the_recursion_limit_fails_below_the_bodys_own_parse(field_of):
     limit = sys.getrecursionlimit()
     for frames, gap in ((0, 0), (0, 40), (100, 200)):
         for depth in range(MAX_SCHEMA_DEPTH + 1, limit + 5):
             at_stack_depth(frames, parsed_or_refused, gap, *field_of(schema_text(depth)))
+
+
+def text_format(schema: str) -> tuple:
+    body = '{"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": SCHEMA}}}'
+    return body.replace("SCHEMA", schema), lambda b: ResponsesApi().parse(b, None), "text.format"
+
+
+def output_config(schema: str) -> tuple:
+    body = '{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], ' \
+           '"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}'
+    return body.replace("SCHEMA", schema), lambda b: MessagesApi().parse(b, None), "output_config.format"
+
+
+@pytest.mark.parametrize("field_of", [text_format, output_config], ids=lambda f: f.__name__)
+def test_the_other_apis_schemas_are_checked_before_json_dumps(field_of):
+    test_every_depth_to_one_past_the_limit_is_accepted_or_a_400_naming_the_field(field_of)
+    test_no_depth_up_to_the_recursion_limit_fails_below_the_bodys_own_parse(field_of)
+
+
+def nested_arguments(depth: int) -> str:
+    """JSON arguments nesting arrays `depth` deep inside an object: {"a": [[...[1]...]]}."""
+    return '{"a": ' + "[" * (depth - 1) + "1" + "]" * (depth - 1) + "}"
+
+
+def chat_arguments(arguments: str) -> tuple:
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]}
+    return json.dumps(body), lambda b: parse_request(b, "chat"), "messages[1].tool_calls[0].function.arguments"
+
+
+def responses_arguments(arguments: str) -> tuple:
+    body = {"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments}]}
+    return json.dumps(body), lambda b: ResponsesApi().parse(b, None), "input[0].arguments"
+
+
+def messages_input(arguments: str) -> tuple:
+    body = '{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", ' \
+           '"content": [{"type": "tool_use", "id": "t", "name": "f", "input": ARGS}]}]}'
+    return body.replace("ARGS", arguments), lambda b: MessagesApi().parse(b, None), "messages[1].content[0].input"
+
+
+@pytest.mark.parametrize("field_of", [chat_arguments, responses_arguments, messages_input],
+                         ids=lambda f: f.__name__)
+def test_earlier_call_arguments_nested_past_the_limit_are_a_400_naming_them(field_of):
+    """Arguments ~950 deep pass json.loads (the body's, or the arguments text's) but not the json.dumps that writes
+    them into the prompt: refused at parsing, never a RecursionError later (a 500)."""
+    body, parse, field = field_of(nested_arguments(3))
+    assert parse(json.loads(body)).messages  # shallow arguments pass
+    body, parse, field = field_of(nested_arguments(MAX_SCHEMA_DEPTH))
+    parse(json.loads(body))  # at the limit (the object counts one level)
+    for depth in (MAX_SCHEMA_DEPTH + 1, 950):
+        body, parse, field = field_of(nested_arguments(depth))
+        with pytest.raises(ApiError) as refused:
+            parse(json.loads(body))
+        assert refused.value.status == 400 and refused.value.param == field and "nested too deeply" in \
+            refused.value.message
+    for frames, gap in ((0, 0), (100, 200)):
+        for depth in range(MAX_SCHEMA_DEPTH + 1, sys.getrecursionlimit() + 5, 7):
+            at_stack_depth(frames, parsed_or_refused, gap, *field_of(nested_arguments(depth)))

@@ -7,9 +7,10 @@ import pytest
 from aiohttp import web
 
 from contracts.process_config import CONFIG_FLAG, EngineProcessConfig, WorkerProcessConfig, decode_config
+from edge.api.structured import GrammarChecks
 from edge.app import _processes
 from edge.config import ServeConfig, is_local_address, load_config, worker_kv_type
-from edge.state import CONFIG, SUPERVISOR
+from edge.state import CONFIG, GRAMMAR_CHECKS, SUPERVISOR
 
 
 @pytest.mark.parametrize("address,local", [
@@ -33,6 +34,17 @@ def test_auto_is_the_default_and_resolves_per_topology():
 def test_an_explicit_kv_type_is_kept_on_every_topology(kv_type):
     config = ServeConfig(kv_type=kv_type)
     assert {worker_kv_type(config, a) for a in ("unix:/e.sock", "tcp://10.0.0.5:9100")} == {kv_type}
+
+
+class RecordingChecks(GrammarChecks):
+    """The app's compile processes, warmed for the model at launch (here only recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.warmed: list[str | None] = []
+
+    def warm(self, model_path: str | None) -> None:
+        self.warmed.append(model_path)
 
 
 class RecordingSupervisor:
@@ -59,10 +71,12 @@ def test_launched_workers_get_the_resolved_kv_type(kv_type, engine_address, expe
     async def launch() -> dict[str, list[str]]:
         app = web.Application()
         app[CONFIG], app[SUPERVISOR] = ServeConfig(kv_type=kv_type), RecordingSupervisor()
+        app[GRAMMAR_CHECKS] = checks = RecordingChecks()
         context = _processes("model.gguf", engine_address, {"prefill-0": "unix:/a", "prefill-1": "unix:/b"},
                              "/tmp/edge-t")(app)
         await anext(context)
         await context.aclose()
+        assert checks.warmed == ["model.gguf"]  # the app's own checks load the model's vocabulary meanwhile
         return app[SUPERVISOR].added
 
     added = asyncio.run(launch())

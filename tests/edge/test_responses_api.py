@@ -75,8 +75,8 @@ def test_tool_choice_and_text_format_are_translated():
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "store": True}, "store"),
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "store": "yes"}, "store"),
+    ({"input": "x", "previous_response_id": 5}, "previous_response_id"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "truncation": "auto"}, "truncation"),

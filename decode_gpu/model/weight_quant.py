@@ -26,7 +26,15 @@ from decode_gpu.model.native_decoder import DETERMINISTIC_ROWS
 from decode_gpu.model.packed_linear import PackedLinear, pack_linears, replace_module
 from decode_gpu.model.plan_record import cpu_weight_plan
 from decode_gpu.model.quantized_linear import QuantizedLinear
-from decode_gpu.model.weight_plan import GGUFWeightTypes, WeightPlan, auto_weight_plan, gguf_weight_types, layer_class
+from decode_gpu.model.weight_plan import (
+    GGUFWeightTypes,
+    WeightPlan,
+    auto_weight_plan,
+    cpu_kinds,
+    gguf_weight_types,
+    layer_class,
+    within_memory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +149,13 @@ def held_weight_dtype(model: nn.Module) -> str:
 
 
 def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtype: str, max_batch: int,
-                 fixed_precision: bool = False, serving: bool = False) -> tuple[nn.Module, WeightReport]:
+                 fixed_precision: bool = False, serving: bool = False, second_set: bool = True,
+                 float_set: bool = True) -> tuple[nn.Module, WeightReport]:
     """The decode model on `device` with its weights as `weight_dtype` says (WEIGHT_DTYPES). A model to be quantized
     is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there.
     fixed_precision (deterministic decoding): one precision for every batch size (_one_precision). serving: the
-    serving model the native forward reads, not transformers' (loader)."""
+    serving model the native forward reads, not transformers' (loader). second_set, float_set: what the memory plan
+    leaves auto room for (weight_plan.within_memory: the float set beside the quantized one, float weights at all)."""
     from decode_gpu.model.fused_projections import fuse_projections
     from decode_gpu.model.loader import load_decode_model, own_memory
     if weight_dtype not in WEIGHT_DTYPES:
@@ -156,13 +166,15 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     plan = WeightPlan(weight_dtype if weight_dtype in QUANTIZED_WEIGHTS else "float", "configured",
                       head_int8=types.head_int8)
     if weight_dtype == "auto" and device.type == "cuda":
-        plan = auto_weight_plan(device, types)
+        plan = auto_weight_plan(device, types, float_set=float_set)
     measure = weight_dtype == "auto" and device.type == "cpu"
     on_cpu = plan.weight_dtype != "float" or measure
     model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype, serving=serving)
     fuse_projections(model)  # before packing and quantizing, which then see the stacked layers
     if measure:  # a quiet start's recorded plan, else a measurement (recorded if the machine was quiet)
         plan = cpu_weight_plan(identity, types, model, dtype, max_batch)
+        # a recorded plan bypasses auto_weight_plan: the memory plan's limits apply to it here, as to a measured one
+        plan = within_memory(plan, cpu_kinds(types)[0], second_set, float_set, types.head_int8)
         if fixed_precision and plan.float_above is not None:
             plan = _one_precision(plan)
     if plan.weight_dtype == "float":

@@ -110,7 +110,8 @@ def test_a_grammar_past_llguidances_size_limit_is_too_complex():
     started = time.perf_counter()
     with pytest.raises(GrammarTooComplexError) as caught:
         build_grammar("json_schema", json.dumps(schema))
-    assert time.perf_counter() - started < 2.0 and caught.value.code == "structured_output_too_complex"
+    # 0.02 s on the dev machine; 10 s leaves a busy machine room and still catches a compile that multiplies out
+    assert time.perf_counter() - started < 10.0 and caught.value.code == "structured_output_too_complex"
 
 
 class Gate:
@@ -201,15 +202,22 @@ def test_a_slow_compile_is_killed_at_the_limit_and_remembered_while_others_go_on
     asyncio.run(check_structured(request({"type": "object"}), 5.0))  # both processes started
     error, slow_s, other_s = asyncio.run(scenario())
     assert (error.status, error.code) == (400, "structured_output_too_complex")
-    assert "stopped" in error.message and processes.killed == 1
-    assert 0.1 <= slow_s < 1.0 and other_s < 0.5, (slow_s, other_s)
+    assert "stopped" in error.message and processes.killed == 1  # killed at its limit, not let run to its end
+    # Bounds for a busy machine, which runs both the compiles and this test late: the kill and its refusal well
+    # before a compile left to its end on such a machine; the other compile never waits for a process to start.
+    # (That one key's compiles never hold up another's is proven exactly, with gated compiles, by
+    # test_compile_processes.py.)
+    assert 0.1 <= slow_s < 5.0 and other_s < 5.0, (slow_s, other_s)
+    compiles = processes.state()["compiles"]
     started = time.perf_counter()  # the same constraint again: refused at once, no process taken
     again = asyncio.run(refused(explosive(), timeout_s=0.1))
-    assert again.code == "structured_output_too_complex" and time.perf_counter() - started < 0.1
+    assert again.code == "structured_output_too_complex" and processes.state()["compiles"] == compiles
+    assert time.perf_counter() - started < 5.0 and processes.killed == 1
 
 
-async def until(condition, timeout_s: float = 10.0) -> None:
-    """Await a condition of the compile processes (polled: they have no event to await); fail past timeout_s."""
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Await a condition of the compile processes (polled: they have no event to await); fail past timeout_s (only
+    how long a failing test takes: generous, for a loaded machine)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "the condition never held"
@@ -229,15 +237,19 @@ def test_a_client_that_goes_away_leaves_its_keys_queue_or_stops_its_compile_and_
         waiting = asyncio.ensure_future(check_structured(request(explosive(4, 8)), 5.0, owner="key:a"))
         await until(lambda: processes.state()["queued"] == 1)
         assert processes.state()["idle"] == 1  # the waiting compile of key a holds no process
+        compiles = processes.state()["compiles"]
         waiting.cancel()  # its client left: it leaves the queue, never compiled
-        await until(lambda: processes.state()["queued"] == 0, 0.5)
-        assert processes.state()["compiling"] == 1 and processes.killed == 0
+        await until(lambda: processes.state()["queued"] == 0)
+        # left while key a's first still compiles (not when its turn came), and never compiled: told by state, not
+        # by a deadline that a busy machine could pass
+        assert not leaving.done() and processes.state()["compiling"] == 1 and processes.killed == 0
+        assert processes.state()["compiles"] == compiles
         leaving.cancel()  # the client left: its process is killed at once
         started = time.perf_counter()
-        await until(lambda: processes.killed == 1)
+        await until(lambda: processes.killed == 1)  # a compile left to run would end by itself: never killed
         return time.perf_counter() - started
     asyncio.run(check_structured(request({"type": "object"}), 5.0))
-    assert asyncio.run(scenario()) < 0.5
+    assert asyncio.run(scenario()) < 5.0  # at once; its 5 s limit would kill it only later
     # another key still compiles, and neither cancelled constraint is remembered as anything
     asyncio.run(check_structured(request({"type": "object", "properties": {"b": {"type": "string"}}}), 5.0,
                                  owner="key:b"))
@@ -277,8 +289,19 @@ def test_closing_stops_a_compile_in_progress_at_once():
     """What SIGTERM does in the gateway: a compile running when the processes close ends now, busy (a 503)."""
     processes = CompileProcesses(workers=1)
     processes.run("regex", "[0-9]+", 5.0)  # the process is up
-    threading.Timer(0.2, processes.close).start()
-    started = time.perf_counter()
+    closed_at = []
+
+    def close_while_compiling() -> None:  # not after a fixed delay: a busy machine may start the compile late
+        deadline = time.monotonic() + 30.0
+        while processes.state()["compiling"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        closed_at.append(time.perf_counter())
+        processes.close()
+    closer = threading.Thread(target=close_while_compiling, daemon=True)
+    closer.start()
+    # a limit of 30 s: a compile left to end by itself is too complex, not busy; one left to its limit takes 30 s
     with pytest.raises(GrammarBusyError, match="shutting down"):
-        processes.run("json_schema", json.dumps(explosive()), 5.0)
-    assert time.perf_counter() - started < 0.6 and processes.state()["stopped"] == 1
+        processes.run("json_schema", json.dumps(explosive()), 30.0)
+    ended_s = time.perf_counter() - closed_at[0]
+    closer.join(5)
+    assert ended_s < 10.0 and processes.state()["stopped"] == 1

@@ -49,7 +49,17 @@ def decode_error(event: TokenEvent) -> ApiError:
     return ApiError(500, f"decoding failed: {event.error}", error_type="server_error", code="decode_failed")
 
 
+def model_not_found(name: str, available: list[str]) -> ApiError:
+    """A model this server does not serve, or that the policy lets no one use: 404 on every route, as OpenAI answers
+    (its SDK raises NotFoundError; Anthropic's shape says not_found_error)."""
+    shown = repr(name) if len(name) <= 60 else repr(name[:57] + "...")
+    return ApiError(404, f"the model {shown} does not exist here; available: {', '.join(available) or 'none'}",
+                    "model", "model_not_found")
+
+
 def policy_error(err: PolicyRejection) -> ApiError:
+    if err.code == "model_not_found":  # the policy's 400 (policies.enforcer): a 404 as on every other route
+        return ApiError(404, err.message, err.param, err.code)
     error_type = {401: "authentication_error", 403: "content_policy_violation", 429: "rate_limit_error",
                   503: "server_error"}.get(err.status, "invalid_request_error")
     headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else {}

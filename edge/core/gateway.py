@@ -16,7 +16,7 @@ from aiohttp import web
 from contracts.events import EngineStats, TokenEvent
 from contracts.messages import ChatMessage, EmbedDone, PrefillFailed, PrefillJob, Recompute
 from contracts.tasks import spawn
-from edge.api.errors import policy_error
+from edge.api.errors import model_not_found, policy_error
 from edge.api.openai_request import ApiError, GenerateRequest
 from edge.config import ServeConfig
 from edge.core.affinity import prefix_key
@@ -66,6 +66,13 @@ class Gateway:
         if self.enforcer.auth_required and bearer_key(request) not in self.enforcer.policy.keys:
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                            error_type="authentication_error", code="invalid_api_key")
+
+    def check_model(self, name: str) -> None:
+        """A 404 (model_not_found) unless the model is served here and the policy's allowed_models admit it."""
+        allowed = self.enforcer.policy.filters.allowed_models
+        available = [self.model_name] if not allowed or self.model_name in allowed else []
+        if name not in available:
+            raise model_not_found(name, available)
 
     def admit(self, http: web.Request, request: GenerateRequest) -> Run:
         """The policy decides (auth, class, filters, limits, degradation), then the prompt is queued.

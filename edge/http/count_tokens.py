@@ -7,7 +7,6 @@ import asyncio
 
 from aiohttp import web
 
-from edge.api.fields import show
 from edge.api.messages import error_response, parse_count, worker_messages
 from edge.api.openai_request import ApiError, GenerateRequest
 from edge.core.gateway import Gateway
@@ -35,9 +34,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 async def prompt_tokens(tokenizers: Tokenizers, gateway: Gateway, parsed: GenerateRequest) -> int:
     """The tokens of the request's prompt, from the gateway's tokenizer of the served GGUF (the one /tokenize uses)."""
     from prefill_cpu.prompt_renderer import BadPromptError
-    if parsed.model != gateway.model_name:
-        raise ApiError(404, f"the model {show(parsed.model)} is not served here (this server serves "
-                            f"{gateway.model_name})", "model", "model_not_found")
+    gateway.check_model(parsed.model)
     tokenizer = tokenizers.get(model_path(gateway), "count tokens")
     try:
         return len(await asyncio.to_thread(tokenizer.chat, worker_messages(parsed), parsed.template_tools))

@@ -130,6 +130,7 @@ async def embeddings(request: web.Request) -> web.Response:
     try:
         gateway.check_key(request)
         parsed = parse_embeddings(await read_json(request, gateway), gateway.pool.vocab_size)
+        gateway.check_model(parsed.request.model)
         status = gateway.pool.embedding
         if status is not None and status.pooling == "rank":
             raise ApiError(400, f"{gateway.model_name} is a reranker (a rank head scores query and document pairs): "
@@ -233,6 +234,8 @@ async def rerank(request: web.Request) -> web.Response:
     try:
         gateway.check_key(request)
         body = await read_json(request, gateway)
+        if isinstance(body, dict) and isinstance(body.get("model"), str):  # an unknown model first: 404
+            gateway.check_model(body["model"])
         status = gateway.pool.embedding
         pooling = status.pooling if status is not None else "unknown"
         if pooling != "rank":

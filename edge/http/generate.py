@@ -60,6 +60,7 @@ async def generate(request: web.Request, api: ClientApi, body: dict | None = Non
         if bodies is not None:  # one request per prompt
             return await serve_batch(bodies, lambda one: generate(request, api, one))
         parsed = api.parse(body, gateway.pool.vocab_size, await chat_format(gateway) if api.chat else None)
+        gateway.check_model(parsed.model)  # before a structured output's compile
         await _check_structured(request, gateway, parsed)
         run = gateway.admit(request, parsed)
     except ApiError as err:

@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from edge.api.fields import ApiError, show
+from edge.api.fields import ApiError
 from edge.core.gateway import Gateway
 from edge.http.embeddings import model_facts
 from edge.observe.gauges import refresh_gauges
@@ -29,9 +29,7 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model_id"]
     try:
         gateway.check_key(request)
-        if name != gateway.model_name:
-            raise ApiError(404, f"the model {show(name)} does not exist here (this server serves "
-                                f"{gateway.model_name})", "model", "model_not_found")
+        gateway.check_model(name)
     except ApiError as err:
         return err.response()
     return web.json_response(_model_card(name, gateway))

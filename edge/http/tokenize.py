@@ -33,9 +33,7 @@ def _checked_model(body, gateway: Gateway) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = checked_text(get_field(body, "model", str, default=gateway.model_name), "model")
-    if model != gateway.model_name:
-        raise ApiError(404, f"the model {show(model)} is not served here (this server serves {gateway.model_name})",
-                       "model", "model_not_found")
+    gateway.check_model(model)
 
 
 async def tokenize(request: web.Request) -> web.Response:

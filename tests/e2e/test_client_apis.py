@@ -96,6 +96,14 @@ def test_responses_function_tool(oai):
     assert refused.value.body["param"] == "previous_response_id"
 
 
+def test_an_unknown_model_is_not_found_on_both_apis(oai, claude):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude.messages.create(model="claude-nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="gpt-nope", input="hi", max_output_tokens=4)
+
+
 def test_anthropic_create_and_stream_with_a_tool(claude):
     tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}]
     message = claude.messages.create(model=MODEL, max_tokens=40, extra_body={"temperature": 0}, tools=tools,

@@ -72,6 +72,9 @@ def test_models_retrieve_and_an_unknown_id_is_a_404_in_openais_shape(server, cli
     assert error["code"] == "model_not_found" and "gpt-4o" in error["message"] and MODEL in error["message"]
     raw = httpx.get(server.base + "/v1/models/org/some-model", timeout=30)  # an id with a slash reaches the route
     assert raw.status_code == 404 and raw.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as caught:  # a generation with an unknown model: 404 too
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert caught.value.body["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])

@@ -158,7 +158,7 @@ def test_stop_strings_end_the_answer(client):
 BAD_INPUTS = [
     ("malformed json", dict(raw=b"{not json"), 400, "invalid_json"),
     ("body not an object", dict(body=[1, 2]), 400, None),
-    ("unknown model", dict(body={"model": "gpt-9", "prompt": "hi"}), 400, "model_not_found"),
+    ("unknown model", dict(body={"model": "gpt-9", "prompt": "hi"}), 404, "model_not_found"),
     ("missing prompt", dict(body={"model": MODEL}), 400, "missing_required_parameter"),
     ("wrong type max_tokens", dict(body={"model": MODEL, "prompt": "hi", "max_tokens": "ten"}), 400, "invalid_type"),
     ("max_tokens too big", dict(body={"model": MODEL, "prompt": "hi", "max_tokens": 100000}), 400, "invalid_value"),

@@ -124,6 +124,10 @@ _KNOBS = (
     Knob("n_ctx", int, 4096, "longest prompt a prefill worker can hold", ge=1),
     Knob("n_batch", int, 256, "prompt tokens per llama.cpp call", ge=1),
     Knob("prefix_cache_tokens", int, 2048, "per worker: KV of recent prompts kept for reuse; 0 = off", ge=0),
+    Knob("kv_disk_bytes", int, 0, "per worker: the prompt cache's disk tier, prompts' KV kept in files past "
+         "evictions and restarts (least recently used deleted first); 0 = off", ge=0),
+    Knob("kv_disk_dir", str, "", "the disk tier's root folder (one 0700 folder per model, KV type and worker "
+         "inside); \"\": kv/ under the cache dir (EDGE_LLM_CACHE, else ~/.cache/edge-llm)"),
     Knob("worker_heartbeat_timeout_s", float, 5.0, "a prefill worker silent this long is declared stuck", gt=1),
     Knob("engine_heartbeat_timeout_s", float, 5.0, "a decode engine silent this long (its stats come every 0.5 s) is "
          "declared unresponsive: its requests end with a 503", gt=1),

@@ -84,6 +84,8 @@ class WorkerProcessConfig:
     extra_kv_types: tuple[str, ...] | None = knob("extra_kv_types")
     prefill_weights: str = knob("prefill_weights")
     prefix_cache_tokens: int = knob("prefix_cache_tokens")
+    kv_disk_bytes: int = knob("kv_disk_bytes")
+    kv_disk_dir: str = knob("kv_disk_dir")
     log_level: str = knob("log_level")
     control_tls_certfile: str = knob("control_tls_certfile")
     control_tls_keyfile: str = knob("control_tls_keyfile")

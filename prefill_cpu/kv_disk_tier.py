@@ -108,6 +108,7 @@ class KVDiskTier:
                                       "dropped_writes"), 0)
         self._queue: queue.Queue[_Offer | None] = queue.Queue()
         self._queued_bytes = 0
+        self._closed = False
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.folder, 0o700)
         self._scan()
@@ -176,7 +177,7 @@ class KVDiskTier:
             header = EntryHeader(self.facts, salt, len(tokens), last_logits is not None, len(state))
             offer = _Offer(name, header, tokens, last_logits, state, self._epochs.get(salt, 0))
             full = self._queued_bytes and self._queued_bytes + offer.size > self.max_queue_bytes
-            if full or offer.size > self.max_bytes:
+            if full or offer.size > self.max_bytes or self._closed:
                 self._counts["dropped_writes"] += 1
                 return False
             self._queued_bytes += offer.size
@@ -205,8 +206,11 @@ class KVDiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
-        self._queue.put(None)
+        """Write what is queued, then stop the writer (once; later offers are dropped)."""
+        with self._lock:
+            closed, self._closed = self._closed, True
+        if not closed:
+            self._queue.put(None)
         self._writer.join()
 
     # --- the writer thread ---------------------------------------------------------------------------------------

@@ -16,12 +16,13 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from contracts.framing import send_message
 from contracts.grammar import GrammarError
 from contracts.handoff import encode_handoff
 from contracts.messages import Handoff, PrefillDone, PrefillFailed, PrefillJob, PromptLogprobs, WorkerStatus
+from prefill_cpu.disk_prefix import describe_tiers
 from prefill_cpu.embedder import Embedder
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
 from prefill_cpu.job_server import JobServer
@@ -29,6 +30,7 @@ from prefill_cpu.prefiller import PrefillCancelledError, Prefiller, PrefillReque
 from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
 
 log = logging.getLogger(__name__)
+TIERS_LOG_INTERVAL_S = 60.0
 
 
 class PrefillWorker(JobServer):
@@ -54,6 +56,36 @@ class PrefillWorker(JobServer):
     @property
     def vocab_size(self) -> int:
         return self.prefiller.vocab_size
+
+    def cache_tiers(self) -> dict:
+        """The prompt cache's counts per tier (RAM: llama.cpp cells; disk: prefill_cpu.kv_disk_tier), for the
+        gateway's status once WorkerStatus or Heartbeat carries them; plain numbers, read on any thread."""
+        ram = self.prefiller.cache
+        tiers = {"ram": {"hits": ram.num_hits, "misses": ram.num_misses, "entries": len(ram.entries),
+                         "tokens": ram.num_tokens, "evictions": ram.num_evictions}}
+        if self.prefiller.disk is not None:
+            tiers["disk"] = asdict(self.prefiller.disk.stats())
+        return tiers
+
+    async def log_cache_tiers(self, every_s: float = TIERS_LOG_INTERVAL_S) -> None:
+        """A line of the prompt cache's counts every minute in which they changed."""
+        last = None
+        while True:
+            await asyncio.sleep(every_s)
+            if (now := self.cache_tiers()) != last:
+                log.info("%s", describe_tiers(self.prefiller))
+                last = now
+
+    async def forget_salt(self, salt: str) -> int:
+        """Forget a cache salt's (tenant's) prompts: its cells in the prompt cache and its disk tier's files; how
+        many files went. Between jobs, on the llama.cpp thread (the context is that thread's)."""
+        async with self.lock:
+            return await asyncio.get_running_loop().run_in_executor(self.thread, self.prefiller.forget_salt, salt)
+
+    async def close_disk_tier(self) -> None:
+        """At shutdown: the disk tier writes what it has queued (bounded by its queue's bytes)."""
+        if self.prefiller.disk is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.prefiller.disk.close)
 
     async def _answer(self, job: PrefillJob, writer: asyncio.StreamWriter) -> PrefillDone | PrefillFailed:
         rid = job.request_id

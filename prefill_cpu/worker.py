@@ -48,7 +48,9 @@ async def serve(config: WorkerProcessConfig) -> None:
         return
     prefiller = Prefiller(PrefillConfig(config.model, n_ctx=config.n_ctx, n_batch=config.n_batch,
                                         n_threads=config.threads_per_worker, kv_type=config.kv_type,
-                                        prefix_cache_tokens=config.prefix_cache_tokens, weights=config.prefill_weights))
+                                        prefix_cache_tokens=config.prefix_cache_tokens, weights=config.prefill_weights,
+                                        kv_disk_bytes=config.kv_disk_bytes, kv_disk_dir=config.kv_disk_dir,
+                                        worker_name=config.name))
     extra = prepare_extra_contexts(prefiller, extra_kv_types(config))
     if config.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
         share = CpuShare(config.cpu_share_file)
@@ -69,9 +71,12 @@ async def serve(config: WorkerProcessConfig) -> None:
     log.info("prefill worker %s ready on %s, %.1f s after the process started", config.name, config.listen,
              since_start())
     stopping = spawn(stop.wait(), "waiting for a stop signal", log)
+    tiers = spawn(worker.log_cache_tiers(), "the prompt cache's counts", log)
     await asyncio.wait([stopping, link], return_when=asyncio.FIRST_COMPLETED)
+    tiers.cancel()
     server.close()
     worker.links.close()
+    await worker.close_disk_tier()  # what the disk tier has queued is written
     if not stop.is_set():  # the link never ends on its own; it failed (spawn logged why)
         sys.exit(1)
     link.cancel()

@@ -2,6 +2,7 @@
 restored from its file and gets the KV and first tokens its first prefill gave; a file that is corrupt, of another
 model or KV type, or another tenant's is a miss that computes the prompt, never wrong KV."""
 
+import asyncio
 import shutil
 
 import numpy as np
@@ -10,7 +11,9 @@ import pytest
 import prefill_cpu.prefiller as prefiller_module
 from contracts.handoff import SamplingParams
 from contracts.identity import read_gguf_identity
+from prefill_cpu.disk_prefix import describe_tiers
 from prefill_cpu.kv_disk_tier import kv_disk_folder
+from prefill_cpu.prefill_worker import PrefillWorker
 from prefill_cpu.prefiller import PrefillConfig, Prefiller, PrefillRequest
 
 pytestmark = pytest.mark.slow  # llama.cpp contexts on tiny GGUFs, a few seconds
@@ -134,10 +137,16 @@ def test_another_tenants_entry_is_a_miss_and_a_tenant_can_be_forgotten(tiny_gguf
     run(before, OTHER, salt="b")
     finished(before)
     after = Prefiller(config(model, tmp_path, entries=2))
+    worker = PrefillWorker(after, "prefill-0", None)
     assert run(after, DOC, salt="b").cached_tokens == 0  # tenant a's prompt, asked by tenant b
-    assert after.forget_salt("a") == 1
+    assert asyncio.run(worker.forget_salt("a")) == 1
     assert run(after, DOC, salt="a").cached_tokens == 0  # forgotten, on disk and in RAM
     assert run(after, OTHER, salt="b").cached_tokens == len(OTHER)
+    tiers = worker.cache_tiers()
+    assert tiers["disk"]["hits"] == 1 and tiers["disk"]["misses"] == 2 and tiers["ram"]["misses"] == 3
+    assert "disk: 1 hits (60 tokens), 2 misses" in describe_tiers(after)
+    asyncio.run(worker.close_disk_tier())
+    assert not after.disk.offer(DOC + (9,), "a", b"state", None)  # closed: dropped, never queued
     finished(after)
 
 

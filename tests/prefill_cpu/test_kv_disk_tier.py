@@ -179,3 +179,15 @@ def test_an_extending_prompt_replaces_its_prefix_and_a_salt_can_be_deleted(tmp_p
     assert t.find(DOC, "a") is None and t.find(DOC + 1000, "a") is None
     assert [p.name for p in tmp_path.iterdir()] == [entry_name("b", DOC[:40])]
     t.close()
+
+
+def test_the_knobs_reach_each_workers_config():
+    from contracts.process_config import WorkerProcessConfig, decode_config, encode_config
+    from edge.config import ServeConfig
+    from edge.launch.launcher import worker_config
+
+    worker = worker_config(ServeConfig(kv_disk_bytes=1 << 30, kv_disk_dir="/srv/kv"), "m.gguf", "prefill-1",
+                           "unix:/w.sock", "", "f16", 2)
+    assert (worker.kv_disk_bytes, worker.kv_disk_dir) == (1 << 30, "/srv/kv")
+    assert decode_config(WorkerProcessConfig, encode_config(worker)) == worker
+    assert WorkerProcessConfig(model="m.gguf", listen="unix:/w.sock").kv_disk_bytes == 0  # off by default

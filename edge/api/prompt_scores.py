@@ -19,7 +19,7 @@ def with_prompt(scores: PromptLogprobs, top_k: int, generated: dict) -> dict:
     the generated tokens'. generated: the same lists for the output (edge.api.openai_bodies.completion_logprobs)."""
     tokens = list(scores.pieces)
     token_logprobs = [None] + [e.logprob for e in scores.entries]
-    top = [None] + [{t.token: t.logprob for t in e.top[:top_k]} for e in scores.entries]
+    top = [None] + [_top(e, top_k) for e in scores.entries]
     offsets, offset = [], 0
     for piece in tokens:
         offsets.append(offset)
@@ -28,6 +28,14 @@ def with_prompt(scores: PromptLogprobs, top_k: int, generated: dict) -> dict:
             "token_logprobs": token_logprobs + generated["token_logprobs"],
             "top_logprobs": top + generated["top_logprobs"],
             "text_offset": offsets + [offset + o for o in generated["text_offset"]]}
+
+
+def _top(entry, top_k: int) -> dict:
+    """A prompt position's top_logprobs: the top k and the prompt's own token always (as vLLM; at k 0 the token
+    alone), as a generated token's are (edge.api.openai_bodies)."""
+    top = {t.token: t.logprob for t in entry.top[:top_k]}
+    top.setdefault(entry.token, entry.logprob)
+    return top
 
 
 def vllm_prompt_logprobs(scores: PromptLogprobs, top_k: int) -> list[dict | None]:

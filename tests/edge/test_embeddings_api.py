@@ -67,7 +67,10 @@ def test_echo_puts_the_prompt_first_with_a_null():
     merged = with_prompt(SCORES, 1, generated)
     assert merged["tokens"] == ["Hello", " big", " world", "!"]
     assert merged["token_logprobs"] == [None, -2.0, -0.25, -1.0]
-    assert merged["top_logprobs"] == [None, {" the": -0.5}, {" world": -0.25}, {"!": -1.0}]
+    # the prompt's own token beside the top k (" big" is not the likeliest), as vLLM answers
+    assert merged["top_logprobs"] == [None, {" the": -0.5, " big": -2.0}, {" world": -0.25}, {"!": -1.0}]
+    alone = with_prompt(SCORES, 0, generated)["top_logprobs"]  # logprobs 0: the token alone
+    assert alone[:3] == [None, {" big": -2.0}, {" world": -0.25}]
     assert merged["text_offset"] == [0, 5, 9, 15]
     assert echo_text(None, SCORES) == "Hello big world" and echo_text("as sent", SCORES) == "as sent"
 

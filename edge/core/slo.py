@@ -72,8 +72,8 @@ class SloControl:
     """The gateway's objectives: Gateway calls judge, queued, prefilled and first_token; observe is one of its
     request observers."""
 
-    def __init__(self, pool: PrefillPool, metrics: Metrics, clock=time.monotonic) -> None:
-        self.predictor = TTFTPredictor(pool, clock)
+    def __init__(self, pool: PrefillPool, metrics: Metrics, clock=time.monotonic, threads: int | None = None) -> None:
+        self.predictor = TTFTPredictor(pool, clock, threads)  # threads: each worker's (the prefill line's record)
         self.metrics = SloMetrics(metrics)
         self.clock = clock
         self.pending: dict[str, Pending] = {}  # request id -> what is known of it, from queued to its end
@@ -92,7 +92,7 @@ class SloControl:
             decision = dataclasses.replace(decision, ttft_slo_ms=0, tpot_slo_ms=0, on_slo_miss="serve")
         tokens, text_bytes = self.predictor.estimate_tokens(request)
         due = deadline(decision.ttft_slo_ms)
-        predicted = self.predictor.predict(priority, due, tokens, self.pending)
+        predicted = self.predictor.predict(priority, due, tokens, self.pending, engine)
         known = Pending(decision.client_class, decision.ttft_slo_ms, decision.tpot_slo_ms, tokens, text_bytes,
                         *(predicted[:2] if predicted else (None, None)), due, priority)
         # nothing ahead at its rank: the request would start at once, and a refusal could not make it any faster
@@ -128,7 +128,13 @@ class SloControl:
         return known.deadline if known is not None else 0.0
 
     def prefilled(self, inflight: InFlight, done: PrefillDone) -> None:
-        self.predictor.prefilled(done, None if done.resumed else self.pending.get(inflight.request_id))
+        """A prefill's report: the predictor's line alone or beside decoding (another request of ours decoding as it
+        ended: on a CPU-only box decode then had half of the worker's threads)."""
+        known = self.pending.get(inflight.request_id)
+        if known is not None:
+            known.prefilled = True
+        beside = any(p.decoding for rid, p in self.pending.items() if rid != inflight.request_id)
+        self.predictor.prefilled(done, None if done.resumed else known, beside)
 
     def first_token(self, inflight: InFlight, ttft_s: float) -> None:
         known = self.pending.get(inflight.request_id)

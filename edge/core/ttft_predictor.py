@@ -11,9 +11,12 @@ import math
 import time
 from dataclasses import dataclass
 
+from contracts.events import EngineStats
 from contracts.messages import PrefillDone
 from edge.api.openai_request import GenerateRequest
-from edge.core.lifecycle import InFlight
+from edge.core import prefill_line
+from edge.core.lifecycle import InFlight, RequestStatus
+from edge.core.prefill_line import Line, Recorded
 from edge.core.prefill_pool import PrefillPool
 
 BYTES_PER_TOKEN = 4.0  # a prompt's text per token before any prefill was measured
@@ -24,6 +27,10 @@ OFFSET_HALF_LIFE_S = 30.0  # the learned offset fades without new first tokens (
 ERROR_QUANTILE = 0.9
 ERROR_WINDOW_S = 60.0
 MIN_ERRORS = 20
+SEED_TOKENS = (32, 256)  # a recorded line enters the fit as two prompts of these sizes
+# a prefill beside CPU decoding, before one was measured: the worker gives decode half its threads
+# (contracts/cpu_share.py), and both share the memory bandwidth
+BESIDE_CPU_DECODE = 2.0
 
 
 def recent_errors(errors: collections.deque[tuple[float, float]] | None, now: float) -> list[float]:
@@ -59,6 +66,7 @@ class Pending:
     deadline: float  # epoch seconds (PrefillJob.deadline); 0.0: no TTFT objective
     priority: int = 0
     decoding: bool = False  # its first token came: the engine's stats count it
+    prefilled: bool = False  # its worker reported its prefill done (PrefillDone)
     tpot_predicted_ms: float | None = None  # the step ms predicted at admission (predict_tpot), if any
 
 
@@ -71,6 +79,12 @@ class PrefillTime:
     def __init__(self, weight: float = 0.1) -> None:
         self.weight = weight
         self.sums = [0.0] * 5  # weighted count, tokens, seconds, tokens², tokens x seconds
+        self.num_measured = 0  # real prefills added (a seeded line is none)
+
+    def seed(self, line: Line) -> None:
+        """Start from a recorded line, weighing as one prefill: two points on it, a short and a long prompt."""
+        points = [(t, line.seconds(t)) for t in (SEED_TOKENS[0], SEED_TOKENS[1])]
+        self.sums = [sum(0.5 * v for v in values) for values in zip(*((1.0, t, s, t * t, t * s) for t, s in points))]
 
     @property
     def measured(self) -> bool:
@@ -78,6 +92,7 @@ class PrefillTime:
 
     def add(self, tokens: float, seconds: float) -> None:
         keep = 1 - self.weight if self.measured else 0.0
+        self.num_measured += 1
         self.sums = [keep * old + new for old, new in zip(self.sums, (1.0, tokens, seconds, tokens ** 2,
                                                                       tokens * seconds))]
 
@@ -96,6 +111,9 @@ class PrefillTime:
     def seconds(self, tokens: float) -> float:
         fixed, per_token = self.line()
         return fixed + per_token * tokens
+
+    def as_line(self) -> Line:
+        return Line(*self.line())
 
 
 class Offset:
@@ -116,9 +134,12 @@ class Offset:
 
 
 class TTFTPredictor:
-    def __init__(self, pool: PrefillPool, clock=time.monotonic) -> None:
+    def __init__(self, pool: PrefillPool | None, clock=time.monotonic, threads: int | None = None,
+                 cache_dir=None) -> None:
         self.pool, self.clock = pool, clock
-        self.prefill = PrefillTime()  # one worker's seconds by prompt tokens computed (prompt-cache hits not)
+        # one worker's seconds by prompt tokens computed (prompt-cache hits not): alone, and beside decoding (on a
+        # CPU-only box decode takes half of a worker's threads while it has sequences)
+        self.prefill, self.beside = PrefillTime(), PrefillTime()
         # prompt tokens a fresh prompt finds in the worker's prompt cache (a shared prefix: the chat template's)
         self.cached_tokens = Ewma()
         self.handoff_s = Ewma()
@@ -129,6 +150,11 @@ class TTFTPredictor:
         self.tokens_per_byte = Ewma(value=1 / BYTES_PER_TOKEN)
         # per priority: (when, first token's TTFT - its prediction) of the last ERROR_WINDOW_S
         self.errors: dict[int, collections.deque[tuple[float, float]]] = {}
+        # the record of an earlier run with these settings (edge.core.prefill_line): read when the first worker is
+        # ready, written while serving
+        self.threads, self.cache_dir = threads, cache_dir
+        self.settings: dict | None = None
+        self.recorded_at: float | None = None  # when this run last wrote the record (clock)
 
     def estimate_tokens(self, request: GenerateRequest) -> tuple[float, int]:
         if request.prompt_tokens is not None:
@@ -136,31 +162,73 @@ class TTFTPredictor:
         text_bytes = len(request.user_text.encode("utf-8", "surrogatepass"))
         return text_bytes * self.tokens_per_byte.value, text_bytes
 
-    def predict(self, priority: int, deadline_at: float, tokens: float, pending: dict[str, Pending]
-                ) -> tuple[float, float, float] | None:
+    def predict(self, priority: int, deadline_at: float, tokens: float, pending: dict[str, Pending],
+                engine: EngineStats | None = None) -> tuple[float, float, float] | None:
         """(predicted TTFT, the same without the learned offset, prompt tokens ahead) of a request about to be
-        queued with this priority and deadline; None while no prefill was measured or no worker is ready."""
+        queued with this priority and deadline; None while no prefill line is known or no worker is ready.
+
+        In the order the queue serves (priority, deadline, arrival), ahead of it: what is left of the prefills under
+        way that it cannot preempt, the prompts queued at its rank or better, and those admitted but not queued yet
+        (pending), shared by the ready workers; then its own. Every prefill after the first, and the first too when
+        the engine decodes now, runs beside decoding (the requests ahead will decode by then), at that line."""
         ready = [w for w in self.pool.workers.values() if w.state == "ready" and w.engine_connected]
-        if not self.prefill.measured or not ready:
+        if not ready:
             return None
+        self._load_record(ready)
+        if not self.prefill.measured:
+            return None
+        slowed = self._beside_factor(engine)
+        beside = (engine is not None and engine.num_running > 0) or any(p.decoding for p in pending.values())
         rank = (priority, deadline_at or math.inf)
-        queued = [self._tokens_of(e.job, pending) for e in self.pool.queue if (e.priority, e.deadline) <= rank]
-        ahead, ahead_s = sum(queued), sum(self._seconds(n) for n in queued)
+        ahead, ahead_s = 0.0, 0.0
         now = time.perf_counter()
         for worker in ready:
             if worker.current is None or worker.current.priority > priority:  # idle, or it would be preempted
                 continue
             started = (self.pool.registry.get(worker.current.job.request_id) or InFlight("", 0)).prefill_started_at
             tokens_there = self._tokens_of(worker.current.job, pending)
-            whole_s = self._seconds(tokens_there)
+            whole_s = self._seconds(tokens_there, beside, slowed)
             left_s = max(0.0, whole_s - (now - started)) if started is not None else whole_s
             ahead_s += left_s
             ahead += tokens_there * left_s / whole_s if whole_s > 0 else 0.0
-        raw = ahead_s / len(ready) + self._seconds(tokens) + (self.handoff_s.value or 0.0)
+            beside = True  # its handoff decodes while the prompts after it prefill
+        for n in self._queued_ahead(rank, pending):
+            ahead, ahead_s = ahead + n, ahead_s + self._seconds(n, beside, slowed)
+            beside = True
+        raw = ahead_s / len(ready) + self._seconds(tokens, beside, slowed) + (self.handoff_s.value or 0.0)
         return max(0.0, raw + self.offset(priority)), raw, ahead
 
-    def _seconds(self, tokens: float) -> float:
-        return self.prefill.seconds(max(1.0, tokens - (self.cached_tokens.value or 0.0)))
+    def _queued_ahead(self, rank: tuple[int, float], pending: dict[str, Pending]) -> list[float]:
+        """Prompt tokens of the jobs queued at this rank or better, and of the requests admitted at it that are
+        neither queued nor at a worker yet (judged, about to be submitted), in the queue's order."""
+        pool = self.pool
+        queued = [((e.priority, e.deadline), self._tokens_of(e.job, pending)) for e in pool.queue
+                  if (e.priority, e.deadline) <= rank]
+        placed = {e.job.request_id for e in pool.queue} | {w.current_id for w in pool.workers.values() if w.current}
+        for request_id, known in pending.items():
+            if request_id in placed or known.prefilled or known.decoding:
+                continue
+            inflight = pool.registry.get(request_id)
+            if inflight is not None and inflight.status is not RequestStatus.WAITING:
+                continue
+            key = (known.priority, known.deadline or math.inf)
+            if key <= rank:
+                queued.append((key, known.tokens))
+        return [n for _, n in sorted(queued, key=lambda item: item[0])]
+
+    def _beside_factor(self, engine: EngineStats | None) -> float:
+        """How much slower a prefill runs beside decoding until one was measured so: BESIDE_CPU_DECODE with the
+        engine on the CPU, 1 beside a GPU engine or one whose device its stats have not told yet."""
+        memory = engine.memory if engine is not None else None
+        return BESIDE_CPU_DECODE if memory is not None and memory.device == "cpu" else 1.0
+
+    def _seconds(self, tokens: float, beside: bool = False, slowed: float = 1.0) -> float:
+        computed = max(1.0, tokens - (self.cached_tokens.value or 0.0))
+        if not beside:
+            return self.prefill.seconds(computed)
+        if self.beside.measured:
+            return self.beside.seconds(computed)
+        return slowed * self.prefill.seconds(computed)
 
     def offset(self, priority: int) -> float:
         known = self.offsets.get(priority)
@@ -173,15 +241,61 @@ class TTFTPredictor:
             return known.tokens
         return float(len(job.prompt_tokens or ()))  # a recompute carries its tokens
 
-    def prefilled(self, done: PrefillDone, known: Pending | None) -> None:
-        """A real prefill: its time, its handoff, and how many tokens its text made."""
+    def prefilled(self, done: PrefillDone, known: Pending | None, beside: bool = False) -> None:
+        """A real prefill: its time (alone, or beside decoding), its handoff, and how many tokens its text made."""
         if done.prefill_ms > 0 and done.num_prompt_tokens:
-            self.prefill.add(done.num_prompt_tokens - done.cached_tokens, done.prefill_ms / 1e3)
+            line = self.beside if beside else self.prefill
+            line.add(done.num_prompt_tokens - done.cached_tokens, done.prefill_ms / 1e3)
             if done.cached_tokens <= done.num_prompt_tokens / 2:  # more: a preempted prefill resumed, or a repeat
                 self.cached_tokens.add(done.cached_tokens)
         self.handoff_s.add(done.handoff_ms / 1e3)
         if known is not None and known.text_bytes and done.num_prompt_tokens:
             self.tokens_per_byte.add(done.num_prompt_tokens / known.text_bytes)
+        self._record()
+
+    def _settings(self, ready) -> dict | None:
+        info = next((w.info for w in ready if w.info is not None), None)
+        if info is None:
+            return None
+        return prefill_line.settings(info.model_fingerprint, info.prefill_weights, self.threads,
+                                     len(self.pool.workers))
+
+    def _load_record(self, ready) -> None:
+        """Once a worker says which model it serves: start from the line recorded for these settings, if any."""
+        if self.settings is not None:
+            return
+        self.settings = self._settings(ready)
+        if self.settings is None or self.prefill.measured:
+            return
+        found = prefill_line.read(prefill_line.record_path(self.settings, self.cache_dir), self.settings)
+        if found is None:
+            return
+        self.prefill.seed(found.alone)
+        if found.beside is not None:
+            self.beside.seed(found.beside)
+        self.handoff_s.add(found.handoff_s)
+        self.cached_tokens.add(found.cached_tokens)
+        self.tokens_per_byte.value = found.tokens_per_byte
+
+    def _record(self) -> None:
+        """Write what this run measured, once MIN_RECORDED prefills ran alone, then at most every RECORD_EVERY_S (and
+        when MIN_RECORDED ran beside decoding: their line is recorded from then on)."""
+        if self.pool is None or self.prefill.num_measured < prefill_line.MIN_RECORDED:
+            return
+        now = self.clock()
+        beside_known = self.beside.num_measured >= prefill_line.MIN_RECORDED
+        first_beside = self.beside.num_measured == prefill_line.MIN_RECORDED  # new: recorded at once
+        if self.recorded_at is not None and now - self.recorded_at < prefill_line.RECORD_EVERY_S and not first_beside:
+            return
+        if self.settings is None:
+            self.settings = self._settings([w for w in self.pool.workers.values() if w.state == "ready"])
+            if self.settings is None:
+                return
+        self.recorded_at = now
+        found = Recorded(self.prefill.as_line(), self.beside.as_line() if beside_known else None,
+                         self.handoff_s.value or 0.0, self.cached_tokens.value or 0.0, self.tokens_per_byte.value,
+                         self.prefill.num_measured + self.beside.num_measured)
+        prefill_line.write(prefill_line.record_path(self.settings, self.cache_dir), self.settings, found)
 
     def margin(self, priority: int) -> float:
         """Seconds the predictions at this priority fell short by, at ERROR_QUANTILE of the last ERROR_WINDOW_S

@@ -1,0 +1,149 @@
+"""Objectives that hold from the first burst (issue 47): the predictor starts from the prefill line an earlier run
+recorded for the same model, CPU and threads; a burst admitted in one instant is predicted in the order the queue
+serves it, each request behind those admitted before it (queued or not yet), with the prefills after the first
+slowed by decoding beside them on a CPU-only box; the requests past what fits in the objective are refused at once."""
+
+import asyncio
+import time
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+from fake_engine_link import FakeEngine
+
+from contracts.events import EngineMemory, EngineStats
+from contracts.messages import PrefillDone, WorkerStatus
+from edge.api.openai_request import ApiError, parse_request
+from edge.config import ServeConfig
+from edge.core import prefill_line
+from edge.core.gateway import Gateway
+from edge.core.lifecycle import InFlightRegistry
+from edge.core.metrics import Metrics
+from edge.core.prefill_pool import PrefillPool
+from edge.core.ttft_predictor import BESIDE_CPU_DECODE, Pending, TTFTPredictor
+from policies.enforcer import PolicyEnforcer
+from policies.loader import parse_policy
+
+POLICY = """version = 1
+default_class = "chat"
+[classes.chat]
+priority = 0
+ttft_slo_ms = 1000
+on_slo_miss = "reject"
+"""
+STATUS = WorkerStatus("w0", "sha256:burst-test", 4096, "f16", 49152, prefill_weights="given: the GGUF")
+
+
+def pool(with_info: bool = True) -> PrefillPool:
+    found = PrefillPool({"w0": "unix:/nonexistent"}, InFlightRegistry(), queue_limit=256)
+    found.workers["w0"].state = "ready"  # no connection: a job it takes is never sent, so it stays busy
+    found.workers["w0"].info = STATUS if with_info else None
+    return found
+
+
+def cpu_engine(num_running: int = 0) -> FakeEngine:
+    memory = EngineMemory(0, 0, {}, 0, 0, 0, 0, "cpu", 0)
+    return FakeEngine(stats=EngineStats(0, 100, 1600, 0, num_running, 0, 0, 0.0, 0.0, 0, memory=memory))
+
+
+def gateway_on(prefills: PrefillPool, engine: FakeEngine, cache_dir) -> Gateway:
+    gateway = Gateway(ServeConfig(), "m", prefills, engine, prefills.registry, Metrics("m"),
+                      PolicyEnforcer(parse_policy(POLICY, "slo.toml")))
+    gateway.slo.predictor.cache_dir = cache_dir
+    return gateway
+
+
+def admit(gateway: Gateway, tokens: int):
+    http = make_mocked_request("POST", "/v1/completions")
+    return gateway.admit(http, parse_request({"model": "m", "prompt": [7] * tokens, "max_tokens": 8}, "completion"))
+
+
+def teach(predictor: TTFTPredictor, beside: bool = False, fixed_ms: float = 30.0, per_token_ms: float = 1.0) -> None:
+    """Real prefills of two sizes on a line of fixed_ms + per_token_ms a token, and a 50 ms handoff."""
+    for i in range(prefill_line.MIN_RECORDED):
+        tokens = 40 if i % 2 else 400
+        predictor.prefilled(PrefillDone(f"p{i}", tokens, fixed_ms + per_token_ms * tokens, 0, 50.0), None, beside)
+
+
+def test_a_start_predicts_from_the_line_an_earlier_run_recorded_for_its_settings(tmp_path):
+    now = [0.0]
+    earlier = TTFTPredictor(pool(), clock=lambda: now[0], cache_dir=tmp_path)
+    teach(earlier)
+    assert earlier.recorded_at == 0.0 and list((tmp_path / prefill_line.FOLDER).iterdir())
+    teach(earlier, beside=True, fixed_ms=60.0, per_token_ms=2.0)  # recorded as soon as enough were measured
+    assert earlier.recorded_at == 0.0
+
+    fresh = TTFTPredictor(pool(), cache_dir=tmp_path)
+    predicted, raw, ahead = fresh.predict(0, 0.0, 130, {})  # nothing prefilled in this run yet
+    assert raw == pytest.approx(0.030 + 0.130 + 0.050, rel=0.05) and ahead == 0
+    assert fresh._seconds(130, beside=True) == pytest.approx(0.060 + 0.260, rel=0.05)
+    teach(fresh, fixed_ms=300.0, per_token_ms=3.0)  # this run's own prefills take over from the record
+    assert fresh._seconds(130) > 0.5
+
+    other_threads = TTFTPredictor(pool(), cache_dir=tmp_path, threads=99)
+    assert other_threads.predict(0, 0.0, 130, {}) is None  # recorded for other settings: nothing known
+    unknown_model = TTFTPredictor(pool(with_info=False), cache_dir=tmp_path)
+    assert unknown_model.predict(0, 0.0, 130, {}) is None
+
+
+def test_a_damaged_record_is_ignored(tmp_path):
+    settings = prefill_line.settings(STATUS.model_fingerprint, STATUS.prefill_weights, None, 1)
+    path = prefill_line.record_path(settings, tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"settings": "no"}')
+    assert TTFTPredictor(pool(), cache_dir=tmp_path).predict(0, 0.0, 130, {}) is None
+
+
+def test_requests_admitted_but_not_queued_yet_are_ahead_once():
+    prefills = pool()
+    predictor = TTFTPredictor(prefills)
+    teach(predictor)
+    now = time.time()
+    pending = {"judged": Pending("chat", 1000, 0, 400.0, 0, 0.5, 0.5, deadline=now + 1)}  # judged, not submitted
+    assert predictor.predict(0, now + 5, 40, pending)[2] == 400
+    pending["done"] = Pending("chat", 1000, 0, 400.0, 0, 0.5, 0.5, deadline=now + 1, prefilled=True)
+    pending["later"] = Pending("chat", 1000, 0, 400.0, 0, 0.5, 0.5, deadline=now + 99)  # ranks after it
+    pending["no objective"] = Pending("chat", 0, 0, 400.0, 0, 0.5, 0.5, deadline=0.0)  # after every deadline
+    assert predictor.predict(0, now + 5, 40, pending)[2] == 400
+
+
+def test_a_burst_is_predicted_in_queue_order_and_refused_past_what_fits_in_the_objective(tmp_path):
+    """1 ms a token and 30 ms alone, twice that beside CPU decoding, a 50 ms handoff; 130-token prompts against
+    1000 ms: the first 160 + 50 ms, then 320 ms more for each one queued before it (the first decodes by then)."""
+    async def scenario():
+        gateway = gateway_on(pool(), cpu_engine(), tmp_path)
+        teach(gateway.slo.predictor)
+        served, refused = [], []
+        for _ in range(64):
+            started = time.perf_counter()
+            try:
+                served.append(admit(gateway, 130))
+            except ApiError as err:
+                refused.append((err, time.perf_counter() - started))
+        return gateway, served, refused
+
+    gateway, served, refused = asyncio.run(scenario())
+    predictions = [gateway.slo.pending[run.inflight.request_id].predicted_s for run in served]
+    assert len(served) == 3 and len(refused) == 61  # 210, 530, 850 ms; the fourth 1170 ms
+    slowed = BESIDE_CPU_DECODE * 0.160
+    assert predictions == pytest.approx([0.210, 0.210 + slowed, 0.210 + 2 * slowed], rel=0.05)
+    for err, elapsed in refused:
+        assert (err.status, err.code) == (429, "slo_unattainable") and elapsed < 0.2
+
+
+def test_beside_a_gpu_engine_the_prefills_are_not_slowed(tmp_path):
+    async def scenario():
+        engine = cpu_engine()
+        engine.stats = EngineStats(0, 100, 1600, 0, 0, 0, 0, 0.0, 0.0, 0,
+                                   memory=EngineMemory(0, 0, {}, 0, 0, 0, 0, "cuda:0", 0))
+        gateway = gateway_on(pool(), engine, tmp_path)
+        teach(gateway.slo.predictor)
+        return [admit(gateway, 130) for _ in range(5)]
+    assert len(asyncio.run(scenario())) == 5  # 210 ms, then 160 ms more each: 850 ms for the fifth
+
+
+def test_prefills_beside_decoding_teach_their_own_line():
+    predictor = TTFTPredictor(pool())
+    teach(predictor)
+    assert predictor._seconds(130, beside=True, slowed=BESIDE_CPU_DECODE) == pytest.approx(0.32, rel=0.05)
+    teach(predictor, beside=True, fixed_ms=40.0, per_token_ms=1.5)  # measured: 1.5x, not the 2x assumed
+    assert predictor._seconds(130, beside=True, slowed=BESIDE_CPU_DECODE) == pytest.approx(0.235, rel=0.05)

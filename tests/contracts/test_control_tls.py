@@ -24,6 +24,7 @@ from contracts.framing import (
 )
 from contracts.handoff import SamplingParams
 from contracts.messages import Challenge, ChatMessage, Hello, PrefillFailed, PrefillJob
+from contracts.options import KNOBS
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 PROMPT = "the launch code is 4815162342, tell nobody"
@@ -322,7 +323,8 @@ def test_an_idle_unauthenticated_connection_is_closed_at_the_handshake_limit(pki
             except (ConnectionError, OSError):
                 pass
             return loop.time() - started
-    assert 0.3 < run(scenario()) < 3.0
+    # closed at the 0.5 s set, not at the default limit: below that with room for a busy machine
+    assert 0.3 < run(scenario()) < KNOBS["control_handshake_timeout_s"].default - 1.0
 
 
 def test_pending_unauthenticated_connections_are_bounded(pki):
@@ -339,17 +341,17 @@ def test_pending_unauthenticated_connections_are_bounded(pki):
                 assert isinstance(await read_message(reader), Challenge)  # admitted: challenged
                 idle.append(writer)
             reader, writer = await asyncio.open_connection(host, port)
-            assert await asyncio.wait_for(reader.read(), 2) == b""  # closed without a challenge
+            # closed without a challenge, at once: 10 s for a busy machine, far below the 30 s a pending slot waits
+            assert await asyncio.wait_for(reader.read(), 10) == b""
             for writer in idle:
                 writer.close()
             _, writer = await connect_when_listening(peer.address, "gateway", "gw", SECRET, 5, settings)
             writer.close()
-            for _ in range(100):
-                if peer.hellos:
-                    break
+            deadline = asyncio.get_running_loop().time() + 30.0  # a busy machine may run the listener late
+            while not peer.hellos and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
             return peer.hellos
-    assert [h.name for h in run(scenario())] == ["gw"]
+    assert [h.name for h in run(scenario(), 60.0)] == ["gw"]
 
 
 def test_plain_tcp_off_loopback_refuses_to_start_unless_allowed(pki):

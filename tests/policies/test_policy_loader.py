@@ -111,7 +111,7 @@ def test_hot_reload_refuses_a_bad_file_and_keeps_the_old_policy(tmp_path):
 
 
 def test_a_policy_or_config_file_past_the_size_cap_is_refused_unread(tmp_path):
-    """A 1 GiB file (sparse: nothing on disk) is refused at once, without reading it into memory."""
+    """A 64 GiB file (sparse: nothing on disk) is refused at once, without reading it into memory."""
     import resource
     import time
 
@@ -119,14 +119,14 @@ def test_a_policy_or_config_file_past_the_size_cap_is_refused_unread(tmp_path):
     from policies.validation import MAX_FILE_BYTES
     huge = tmp_path / "huge.toml"
     with open(huge, "wb") as file:
-        file.truncate(1 << 30)
+        file.truncate(1 << 36)  # reading it through would take minutes (a sparse GiB: 1 to 6 s here)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     with pytest.raises(PolicyError, match=f"larger than the limit of {MAX_FILE_BYTES} bytes"):
         load_policy(huge)
     with pytest.raises(ConfigError, match="larger than the limit"):
         load_config(str(huge), {})
-    assert time.perf_counter() - started < 0.5
+    assert time.perf_counter() - started < 10.0  # at once; 10 s for a busy machine, far below reading it through
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB: far below the file
     (tmp_path / "latin1.toml").write_bytes(b'version = 1\n# caf\xe9\n')
     with pytest.raises(PolicyError, match="not UTF-8"):

@@ -4,6 +4,7 @@ these (edge.api.client_api), none another API's bodies or chunks."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,8 @@ from edge.api.openai_request import GenerateRequest
 from edge.chat.output import ChatOutputStream, chat_message
 from edge.chat.tool_formats import FORMATS
 from edge.chat.tool_parser import new_call_id
+
+NAME_SO_FAR = re.compile(r'"name"\s*:\s*"([^"]*)')  # a call's function name as far as it was written
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,9 @@ class Completion:
         fields = choice.output.feed(text, final=reason is not None)
         if reason is None:
             return (fields or ({} if not choice.started else None)), None
+        tools = self.request.tools
+        if reason == "length" and tools is not None and tools.constrained and not choice.output.made_calls:
+            return _cut_fragment(fields, tools), reason
         return fields, "tool_calls" if choice.output.made_calls and reason == "stop" else reason
 
 
@@ -137,10 +143,22 @@ def cut_call(message: dict, reason: str | None, ended: str | None, tools) -> tup
     names = [tools.named] if tools.choice == "named" else sorted(tools.names)
     text = message.get("content") or ""
     called = [name for name in names if f'"{name}"' in text] or (names if len(names) == 1 else [])
-    if len(called) != 1:  # cut before the function's name was written: which one is not known
-        return message, reason
+    if len(called) == 1:
+        name = called[0]
+    else:  # cut before the function's name was whole: as much of it as was written, never the markup as content
+        written = NAME_SO_FAR.search(text)
+        name = written.group(1) if written else ""
     start = text.find("{", max(text.find('"arguments"'), text.find('"parameters"')))
     arguments = text[start:] if start >= 0 and ('"arguments"' in text or '"parameters"' in text) else ""
     call = {"id": new_call_id(FORMATS[tools.format]), "type": "function",
-            "function": {"name": called[0], "arguments": arguments}}
+            "function": {"name": name, "arguments": arguments}}
     return {**message, "content": None, "tool_calls": [call]}, "length"
+
+
+def _cut_fragment(fields: dict, tools) -> dict:
+    """A forced call cut by max_tokens before any call went out in the stream: the held-back text (the call's
+    markup so far) as one call fragment (cut_call's), not as content."""
+    message, _ = cut_call({"role": "assistant", "content": fields.get("content") or ""}, "length", "length", tools)
+    call = message["tool_calls"][0]
+    rest = {key: value for key, value in fields.items() if key != "content"}
+    return {**rest, "tool_calls": [{"index": 0, **call}]}

@@ -192,10 +192,22 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_a_call_with_finish_reason_lengt
     assert call["type"] == "function" and call["id"] and call["function"] == {"name": name, "arguments": arguments}
 
 
-def test_required_cut_before_any_name_stays_text():
-    built, _ = answer(chat(tools=TOOLS, tool_choice="required"), [event('<tool_call>\n{"na', 3, FinishReason.LENGTH)])
-    choice = body(built)["choices"][0]
-    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+@pytest.mark.parametrize("text, name", [('<tool_call>\n{"na', ""), ('<tool_call>\n{"name": "get_', "get_")])
+def test_required_cut_before_the_whole_name_is_a_call_never_markup_as_content(text, name):
+    """Issue 48.7: two tools and the answer cut before the function's name was whole: a tool_calls entry with what
+    was written (the name so far, no arguments), in the body and in the stream alike."""
+    for stream in (False, True):
+        built, chunks = answer(chat(tools=TOOLS, tool_choice="required", stream=stream),
+                               [event(text[:4], 1), event(text[4:], 3, FinishReason.LENGTH)])
+        choice = body(built)["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+        assert choice["message"]["tool_calls"][0]["function"] == {"name": name, "arguments": ""}
+        if stream:
+            deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+            assert not any(d.get("content") for d in deltas)  # the template's markup never goes out as text
+            calls = [call for d in deltas for call in d.get("tool_calls", [])]
+            assert [call["function"]["name"] for call in calls] == [name] and calls[0]["id"]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_finished_forced_call_still_ends_with_tool_calls():

@@ -251,12 +251,24 @@ def main() -> None:
                         "ours with priorities only, to measure what interactive requests get below capacity")
     parser.add_argument("--max-tokens", default="32,64", help="interactive,batch answer lengths")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first-burst", action="store_true", help="also the first-burst phase on a freshly started "
+                        "server (bench/slo_first_burst.py)")
+    parser.add_argument("--first-burst-only", action="store_true", help="that phase alone")
+    parser.add_argument("--burst-size", type=int, default=64)
+    parser.add_argument("--burst-tokens", type=int, default=130, help="prompt tokens of each burst chat, about")
+    parser.add_argument("--burst-max-tokens", type=int, default=16)
+    parser.add_argument("--burst-ttft-ms", type=int, default=1500)
     parser.add_argument("--log-level", default="WARNING", help="our servers' log level (INFO: a line per request, "
                         "with where its TTFT went); each server's log is named at the end")
     args = parser.parse_args()
     args.max_tokens = tuple(int(x) for x in args.max_tokens.split(","))
     gguf = args.model or str(embedded_model_path())
     loads = [float(x) for x in args.loads.split(",")]
+    if args.first_burst or args.first_burst_only:
+        from bench.slo_first_burst import run_first_burst
+        print(run_first_burst(gguf, args), flush=True)
+        if args.first_burst_only:
+            return
     priority_only = ours("ours, priorities only", gguf, args.threads, policy(None, None), args.log_level)
     other, note = (None, "llama-server skipped (--no-baseline)") if args.no_baseline else baseline(gguf, args.threads)
 

@@ -107,12 +107,12 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """The table `edge check-model --memory` prints: each part, the totals against the budgets, the decisions."""
-        lines = [f"{'part':34} {'where':6} {'MiB':>10}  note"]
-        lines += [f"{p.name:34} {p.where:6} {p.bytes / MIB:10.1f}  {p.note}" for p in self.parts]
+        lines = [f"{'part':40} {'where':6} {'MiB':>10}  note"]
+        lines += [f"{p.name:40} {p.where:6} {p.bytes / MIB:10.1f}  {p.note}" for p in self.parts]
         for where, budget in self.budgets.items():
             used = self.used(where)
             share = used / budget
-            lines.append(f"{'total':34} {where:6} {used / MIB:10.1f}  of the {budget / MIB:.1f} MiB budget "
+            lines.append(f"{'total':40} {where:6} {used / MIB:10.1f}  of the {budget / MIB:.1f} MiB budget "
                          f"({share:.0%}; {(budget - used) / MIB:.1f} MiB unplanned)")
         return "\n".join([*lines, "", *(f"{name}: {why}" for name, why in self.reasons.items())])
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from contracts.gguf_header import GGUFError
 from contracts.identity import GGUFIdentity, UnsupportedModelError, check_supported, read_gguf_identity
 from contracts.options import AUTO, KNOBS
+from edge.check_model.memory import memory_plan, print_plan
 from edge.check_model.sizes import decode_weight_bytes, handoff_kv_bytes, pool_kv_bytes, pool_tokens
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ PASSAGES = (
      " had three sons. Every morning he walked into the forest with his axe, and every evening he came home "
      "with a bundle of wood on his back and a story for the children."),
 )
+DEVICE_MEMORY = 24 * 2**30  # the KV table's device without --memory
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -72,8 +74,12 @@ def _utilization(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", metavar="PATH.gguf", help="the model file to check")
-    parser.add_argument("--memory", type=parse_size, default=parse_size("24GiB"),
-                        help="decode device memory to size the KV pool for (default 24GiB; e.g. 8GiB, 80GB)")
+    parser.add_argument("--memory", type=parse_size, default=None,
+                        help="the memory budget to plan for (memory_budget: every process together on a CPU, the "
+                             "GPU's on CUDA; default this box's) and the decode device memory to size the KV pool "
+                             "for (default 24GiB; e.g. 8GiB, 80GB)")
+    parser.add_argument("--device", choices=KNOBS["device"].choices, default=AUTO,
+                        help="where the plan puts the decode engine, as the config's device (default auto)")
     parser.add_argument("--gpu-memory-utilization", type=_utilization, default=KNOBS["gpu_memory_utilization"].default,
                         help="the engine's share of that memory, as in the config (default %(default)s)")
     parser.add_argument("--kv-type", action="append", choices=KNOBS["kv_type"].allowed(exclude=(AUTO,)),
@@ -85,10 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _quiet_logs()
     report: dict = {"path": args.gguf}
+    device_memory = args.memory or DEVICE_MEMORY
     try:
-        report["model"] = dataclasses.asdict(read_model(args.gguf, args.memory, args.gpu_memory_utilization))
+        report["model"] = dataclasses.asdict(read_model(args.gguf, device_memory, args.gpu_memory_utilization))
         if not args.json:
-            print_model(report["model"], args.memory, args.gpu_memory_utilization)
+            print_model(report["model"], device_memory, args.gpu_memory_utilization)
+        report["memory_plan"] = memory_plan(args.gguf, args.memory or 0, args.device)
+        if not args.json:
+            print_plan(report["memory_plan"])
         if not args.no_fidelity:
             fidelity = check_fidelity(args.gguf, args.kv_type or ["f16", "q8_0"])
             report["fidelity"] = [dataclasses.asdict(f) for f in fidelity]
@@ -97,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
     except CheckFailed as err:
         report.update(passed=False, error=str(err))
     else:
-        report["passed"] = all(f["passed"] for f in report.get("fidelity", []))
+        refused = report["memory_plan"].get("refused")
+        report["passed"] = all(f["passed"] for f in report.get("fidelity", [])) and not refused
         failed = [f"{f['kv_type']} KV" for f in report.get("fidelity", []) if not f["passed"]]
         report["error"] = f"fidelity below the bounds with {' and '.join(failed)}" if failed else None
+        if refused:
+            report["error"] = f"would be refused at start: {refused}"
     if args.json:
         print(json.dumps(report, indent=2))
     else:

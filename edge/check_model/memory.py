@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from contracts.memory_plan import GIB, Machine, MemoryPlan, PlanConfig, plan_memory
+from contracts.memory_plan import GIB, Machine, MemoryPlan, MemoryRefused, PlanConfig, plan_memory
 from contracts.model_sizes import model_sizes
 from contracts.options import AUTO, FLOAT_WEIGHT_DTYPES
 from edge.config import worker_kv_type
@@ -109,3 +109,24 @@ def planned_config(config, plan: MemoryPlan, box: Machine):
     if config.prefill_weights == AUTO:
         changes["prefill_copy_kinds"] = plan.prefill_copy_kinds
     return dataclasses.replace(config, **changes)
+
+
+def memory_plan(path: str, memory_budget: int, device: str) -> dict:
+    """`edge check-model --memory`: the plan of `edge serve` with default settings and this budget (0: the box's
+    default) on this box, as a dict (the JSON report's "memory_plan"); {"refused": why} where the start would be
+    refused."""
+    from edge.config import ServeConfig
+    config = ServeConfig(memory_budget=memory_budget, device=device)
+    try:
+        plan = serve_plan(config, path, machine(device))
+    except (MemoryRefused, NoDeviceMemory) as err:
+        return {"refused": str(err)}
+    return {**dataclasses.asdict(plan), "describe": plan.describe()}
+
+
+def print_plan(report: dict) -> None:
+    if report.get("refused"):
+        print(f"\nmemory plan: would be refused at start: {report['refused']}")
+        return
+    print("\nmemory plan of edge serve with default settings (docs/sizes.md, \"The plan\")")
+    print("\n".join("  " + line if line else "" for line in report["describe"].splitlines()))

@@ -192,3 +192,38 @@ def test_llama_cpp_refusing_the_file_fails_in_one_line(capsys, tiny_gguf, tmp_pa
     """A tensor missing: the metadata reads fine, llama.cpp's load fails, and its error is the message."""
     broken = patched_gguf(tiny_gguf("llama"), tmp_path / "no-norm.gguf", drop="output_norm.weight")
     assert_one_line_failure(*check_model(capsys, broken), "llama.cpp could not load", "output_norm.weight")
+
+
+def test_memory_prints_the_plan_edge_serve_would_make(capsys, tiny_gguf, monkeypatch):
+    """--memory is the budget: the same plan as `edge serve --memory-budget` (edge/check_model/memory.py), part by
+    part, in the table and in the JSON."""
+    from contracts.memory_plan import MemoryPlan, plan_memory
+    from contracts.model_sizes import model_sizes
+    from edge.check_model import memory
+    from edge.config import ServeConfig
+    monkeypatch.setattr(memory, "gpu_memory_bytes", lambda: 0)  # a CPU box whatever runs the test
+    path = tiny_gguf("llama")
+    box = memory.machine("cpu")
+    config = ServeConfig(memory_budget=4 * GIB)
+    plan = plan_memory(model_sizes(str(path)), box, memory.plan_config(config, box, "f16"))
+    status, out, _ = check_model(capsys, path, "--no-fidelity", "--memory", "4GiB")
+    assert status == 0 and out.splitlines()[-1] == "PASS"
+    assert "\n".join("  " + line if line else "" for line in plan.describe().splitlines()) in out
+    assert "of the 4096.0 MiB budget" in out
+    status, out, _ = check_model(capsys, path, "--no-fidelity", "--memory", "4GiB", "--json")
+    shown = json.loads(out)["memory_plan"]
+    assert status == 0 and shown["describe"] == plan.describe()
+    assert shown["budgets"] == {"host": 4 * GIB} and shown["kv_cache_tokens"] == plan.kv_cache_tokens
+    assert [p["name"] for p in shown["parts"]] == [p.name for p in plan.parts] and isinstance(plan, MemoryPlan)
+
+
+def test_memory_that_cannot_hold_the_model_fails_with_the_refusal_serve_gives(capsys, tiny_gguf, monkeypatch):
+    from edge.check_model import memory
+    monkeypatch.setattr(memory, "gpu_memory_bytes", lambda: 0)
+    status, out, err = check_model(capsys, tiny_gguf("llama"), "--no-fidelity", "--memory", "200MiB")
+    line = assert_one_line_failure(status, out, err, "FAIL: would be refused at start: ", "budget host 200 MiB")
+    assert "memory plan: would be refused at start: " in out and "decode weights" in line and "MiB (host)" in line
+    status, out, _ = check_model(capsys, tiny_gguf("llama"), "--no-fidelity", "--memory", "200MiB", "--json")
+    report = json.loads(out)
+    assert status == 1 and not report["passed"] and "budget host 200 MiB" in report["memory_plan"]["refused"]
+    assert report["error"] == f"would be refused at start: {report['memory_plan']['refused']}"

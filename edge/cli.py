@@ -21,6 +21,7 @@ from contracts.startup_clock import since_start
 from edge.check_model.memory import NoDeviceMemory, machine, planned_config, serve_plan
 from edge.config import ConfigError, load_config, open_without_authentication, policy_path
 from edge.http.tls import TLSError, server_context
+from edge.observe.process_memory import MEMORY_PLAN, MEMORY_REPORTS, MemoryReport
 from policies.loader import PolicyError, load_policy
 from prefill_cpu.embedded_model import embedded_model_path
 
@@ -81,6 +82,8 @@ def main(argv=None) -> None:
         app = make_app(config)
     except (ValueError, FileNotFoundError) as err:  # a bad secret file, TCP without a secret, no model
         sys.exit(f"edge: {err}")
+    if plan is not None:  # /health shows each process's memory against it (edge.observe.process_memory)
+        app[MEMORY_PLAN], app[MEMORY_REPORTS] = plan[0], MemoryReport()
     supervisor = _supervise_start(app, config)
     # with ssl_context, aiohttp's "Running on https://..." line below names the scheme clients must use
     web.run_app(app, host=config.host, port=config.port, ssl_context=ssl_context, handler_cancellation=True,

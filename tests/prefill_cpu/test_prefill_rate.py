@@ -78,7 +78,7 @@ def test_a_stale_record_is_measured_again_at_the_next_start(tiny_gguf, tmp_path,
     copy = tmp_path / "prefill-f16.gguf"
     copy.write_text("")
     calls = []
-    monkeypatch.setattr(prefill_weights, "candidate", lambda path, folder: "f16")
+    monkeypatch.setattr(prefill_weights, "candidate", lambda path, folder, copy_kinds=None: "f16")
     monkeypatch.setattr(prefill_weights, "converted_copy", lambda identity, kind, folder: copy)
     monkeypatch.setattr(prefill_weights, "measure_prefill",
                         lambda paths, threads, n_batch: calls.append(paths) or [300.0, 560.0])

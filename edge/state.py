@@ -2,6 +2,7 @@
 
 from aiohttp import web
 
+from edge.api.response_store import ResponseStore
 from edge.api.structured import GrammarChecks
 from edge.config import ServeConfig
 from edge.core.gateway import Gateway
@@ -15,3 +16,4 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 RELOADER = web.AppKey("policy_reloader", PolicyReloader)
 GRAMMAR_CHECKS = web.AppKey("grammar_checks", GrammarChecks)  # the gateway's structured-output compile processes
 TOKENIZERS = web.AppKey("tokenizers", Tokenizers)  # one vocabulary per GGUF for /tokenize and count_tokens
+RESPONSES = web.AppKey("responses", ResponseStore)  # stored Responses conversations, per API key

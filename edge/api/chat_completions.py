@@ -13,7 +13,7 @@ CHUNK = "chat.completion.chunk"
 class ChatCompletionsApi(ClientApi):
     route = "/v1/chat/completions"
 
-    def parse(self, body, vocab_size: int | None, chat=None) -> GenerateRequest:
+    def parse(self, body, vocab_size: int | None, chat=None, earlier: tuple[dict, ...] = ()) -> GenerateRequest:
         return parse_request(body, "chat", vocab_size=vocab_size, chat=chat)
 
     def body(self, completion: Completion) -> dict:

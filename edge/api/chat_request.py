@@ -35,6 +35,8 @@ class ChatParts:
     chat_logprobs: bool = False
     messages_param: str = "messages"  # the API's name of the conversation's field, for errors
     history: tuple[dict, ...] = field(default=())
+    store: bool = False
+    previous_response_id: str | None = None
 
 
 def chat_request(parts: ChatParts, chat: ChatFormat | None) -> GenerateRequest:
@@ -63,7 +65,7 @@ def chat_request(parts: ChatParts, chat: ChatFormat | None) -> GenerateRequest:
         parts.priority, messages=messages, chat_logprobs=parts.chat_logprobs, structured_param=param, tools=tools,
         user_text="\n".join(m["content"] for m in messages), cache_salt=parts.cache_salt, chat=chat,
         template_tools=template_tools(tools, chat), asked_logprobs=sampling.logprobs is not None,
-        history=parts.history)
+        history=parts.history, store=parts.store, previous_response_id=parts.previous_response_id)
 
 
 def tool_spec(tools: list[dict], choice: str, named: str | None, parallel: bool, chat: ChatFormat | None,

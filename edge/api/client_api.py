@@ -35,8 +35,18 @@ class ClientApi:
     route = ""
     chat = True
 
-    def parse(self, body, vocab_size: int | None, chat=None) -> GenerateRequest:
+    def parse(self, body, vocab_size: int | None, chat=None, earlier: tuple[dict, ...] = ()) -> GenerateRequest:
+        """earlier: the stored conversation the body continues (continues()), as its items."""
         raise NotImplementedError
+
+    def continues(self, body) -> str | None:
+        """The id of a stored response the body continues (Responses' previous_response_id); None: none."""
+        return None
+
+    def stored(self, completion: Completion) -> tuple[str, tuple[dict, ...]] | None:
+        """(the response's id, the items to keep) once answered, for an API whose answers a later request may
+        continue (edge.api.response_store); None: nothing kept."""
+        return None
 
     def batch(self, body, vocab_size: int | None, max_prompts: int) -> list | None:
         """The bodies of a request that asks for several answers at once (a completions batch), each checked before

@@ -16,7 +16,7 @@ class CompletionsApi(ClientApi):
     route = "/v1/completions"
     chat = False
 
-    def parse(self, body, vocab_size: int | None, chat=None) -> GenerateRequest:
+    def parse(self, body, vocab_size: int | None, chat=None, earlier: tuple[dict, ...] = ()) -> GenerateRequest:
         return parse_request(body, "completion", vocab_size=vocab_size)
 
     def batch(self, body, vocab_size: int | None, max_prompts: int) -> list[dict] | None:

@@ -33,4 +33,6 @@ class GenerateRequest:
     chat: ChatFormat | None = None  # chat: the model's template (tool-call format, reasoning), edge.chat.tool_formats
     template_tools: str = ""  # chat: the tools as JSON text, for a template that renders them itself
     asked_logprobs: bool = False  # the client asked for logprobs (a degradation tier may have taken them away)
-    history: tuple[dict, ...] = ()  # Responses: the conversation's input items as the client sent them (to store)
+    history: tuple[dict, ...] = ()  # Responses: the conversation's input items (a stored one's, then the body's)
+    store: bool = False  # Responses: the answer is kept for a later previous_response_id (edge.api.response_store)
+    previous_response_id: str | None = None  # Responses: the stored response this request continues

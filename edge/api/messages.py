@@ -35,7 +35,7 @@ def error_body(err: ApiError) -> dict:
 class MessagesApi(ClientApi):
     route = "/v1/messages"
 
-    def parse(self, body, vocab_size: int | None, chat=None) -> GenerateRequest:
+    def parse(self, body, vocab_size: int | None, chat=None, earlier: tuple[dict, ...] = ()) -> GenerateRequest:
         return parse_messages(body, vocab_size, chat)
 
     def error(self, err: ApiError) -> web.Response:

@@ -21,8 +21,18 @@ AFTER_PARSE = {"messages": "input", "max_tokens": "max_output_tokens"}
 class ResponsesApi(ClientApi):
     route = "/v1/responses"
 
-    def parse(self, body, vocab_size: int | None, chat=None) -> GenerateRequest:
-        return parse_responses(body, vocab_size, chat)
+    def parse(self, body, vocab_size: int | None, chat=None, earlier: tuple[dict, ...] = ()) -> GenerateRequest:
+        return parse_responses(body, vocab_size, chat, earlier)
+
+    def continues(self, body) -> str | None:
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        return previous if isinstance(previous, str) else None
+
+    def stored(self, completion: Completion) -> tuple[str, tuple[dict, ...]] | None:
+        request = completion.request
+        if not request.store:
+            return None
+        return response_id(completion), (*request.history, *self.body(completion)["output"])
 
     def error(self, err: ApiError):
         return _renamed(err).response()
@@ -69,8 +79,9 @@ def response_object(completion: Completion, output: list[dict], status: str | No
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": None,  # not echoed: the request's system text holds the tool prompt too
         "max_output_tokens": request.sampling.max_tokens, "model": completion.model, "output": output,
-        "parallel_tool_calls": tools.parallel if tools else True, "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None}, "store": False,
+        "parallel_tool_calls": tools.parallel if tools else True,
+        "previous_response_id": request.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "store": request.store,
         "temperature": request.sampling.temperature, "top_p": request.sampling.top_p,
         "text": {"format": _format_echo(request)}, "truncation": "disabled",
         "tool_choice": _choice_echo(tools), "tools": [{"type": "function", **t, "strict": False}

@@ -37,15 +37,16 @@ def parse_responses(body, vocab_size: int | None = None, chat: ChatFormat | None
     if body.get("top_logprobs"):
         raise ApiError(400, "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
                        "top_logprobs", "unsupported_parameter")
-    get_field(body, "store", bool, default=True)
-    get_field(body, "previous_response_id", str, default=None)
+    store = get_field(body, "store", bool, default=True)
+    previous = get_field(body, "previous_response_id", str, default=None)
     items = input_items(body)
     messages = _instructions(body) + _messages(earlier, "previous_response_id's input") + _messages(items)
     tools = _tools(body, chat)
     sampling = read_sampling(body, SAMPLING_NAMES, vocab_size)
     parts = ChatParts(model, messages, sampling, get_field(body, "stream", bool, default=False), tools,
                       _text_format(body), priority=priority(body),
-                      cache_salt=cache_salt(body), messages_param="input", history=(*earlier, *items))
+                      cache_salt=cache_salt(body), messages_param="input", history=(*earlier, *items), store=store,
+                      previous_response_id=previous)
     return chat_request(parts, chat)
 
 

@@ -39,16 +39,3 @@ class SamplingRequest:
         if self.max_tokens is None:
             raise ValueError("max_tokens is decided by the policy before the request is sampled")
         return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-
-    # Read as a mapping too, for edge.core.gateway and edge.core.slo until they read the fields by name
-    # (request.sampling["n"], {**request.sampling, ...}, SamplingParams(**sampling)).
-    def keys(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self))
-
-    def __getitem__(self, name: str):
-        if name not in self.keys():
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def get(self, name: str, default=None):
-        return self[name] if name in self.keys() else default

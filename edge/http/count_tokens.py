@@ -22,6 +22,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         gateway.check_key(request)
         parsed = parse_count(await read_json(request, gateway), await chat_format(gateway))
+        gateway.check_model(parsed.model)
         tokens = await prompt_tokens(request.app[TOKENIZERS], gateway, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
@@ -34,7 +35,6 @@ async def count_tokens(request: web.Request) -> web.Response:
 async def prompt_tokens(tokenizers: Tokenizers, gateway: Gateway, parsed: GenerateRequest) -> int:
     """The tokens of the request's prompt, from the gateway's tokenizer of the served GGUF (the one /tokenize uses)."""
     from prefill_cpu.prompt_renderer import BadPromptError
-    gateway.check_model(parsed.model)
     tokenizer = tokenizers.get(model_path(gateway), "count tokens")
     try:
         return len(await asyncio.to_thread(tokenizer.chat, worker_messages(parsed), parsed.template_tools))

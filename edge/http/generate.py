@@ -24,11 +24,11 @@ from edge.http.completion_batch import serve_batch
 from edge.http.embeddings import generation_refused
 from edge.http.model_file import chat_format, model_path
 from edge.http.stream import collect, stream
-from edge.state import GATEWAY, GRAMMAR_CHECKS
+from edge.state import GATEWAY, GRAMMAR_CHECKS, RESPONSES
 from policies.quota import key_id
 
 CHAT_COMPLETIONS, COMPLETIONS = ChatCompletionsApi(), CompletionsApi()
-RESPONSES, MESSAGES = ResponsesApi(), MessagesApi()
+RESPONSES_API, MESSAGES = ResponsesApi(), MessagesApi()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -40,7 +40,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await generate(request, RESPONSES)
+    return await generate(request, RESPONSES_API)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -59,7 +59,8 @@ async def generate(request: web.Request, api: ClientApi, body: dict | None = Non
         bodies = api.batch(body, gateway.pool.vocab_size, gateway.config.limits.prefill_queue_size)
         if bodies is not None:  # one request per prompt
             return await serve_batch(bodies, lambda one: generate(request, api, one))
-        parsed = api.parse(body, gateway.pool.vocab_size, await chat_format(gateway) if api.chat else None)
+        earlier = _earlier(request, api, body)
+        parsed = api.parse(body, gateway.pool.vocab_size, await chat_format(gateway) if api.chat else None, earlier)
         gateway.check_model(parsed.model)  # before a structured output's compile
         await _check_structured(request, gateway, parsed)
         run = gateway.admit(request, parsed)
@@ -88,6 +89,7 @@ async def _answer(request: web.Request, gateway: Gateway, run: Run, api: ClientA
                           else collect(gateway, run, completion, api))
         if completion.finish_reason in ("stop", "length"):
             status, reason = RequestStatus.FINISHED, completion.finish_reason
+            _keep(request, api, completion)
         elif completion.error is not None and completion.error.code != "aborted":
             status, reason = RequestStatus.FAILED, "error"
         return response
@@ -97,3 +99,34 @@ async def _answer(request: web.Request, gateway: Gateway, run: Run, api: ClientA
     finally:
         await asyncio.shield(gateway.end(run, status, reason, completion.usage, completion.error))
 
+
+
+def _earlier(request: web.Request, api: ClientApi, body) -> tuple[dict, ...]:
+    """The stored conversation the body continues (Responses' previous_response_id), looked up under the request's
+    API key: another key's, an expired or an unknown id is a 404."""
+    previous = api.continues(body)
+    if previous is None:
+        return ()
+    items = request.app[RESPONSES].get(key_id(bearer_key(request)) or "", previous)
+    if items is None:
+        raise ApiError(404, f"previous response {previous!r} not found (unknown, expired, deleted, or made with "
+                            f"another API key)", "previous_response_id", "previous_response_not_found")
+    return items
+
+
+def _keep(request: web.Request, api: ClientApi, completion: Completion) -> None:
+    if (kept := api.stored(completion)) is not None:
+        request.app[RESPONSES].put(key_id(bearer_key(request)) or "", *kept)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{id}: a stored response of this key forgotten; else a 404."""
+    gateway: Gateway = request.app[GATEWAY]
+    response_id = request.match_info["response_id"]
+    try:
+        gateway.check_key(request)
+        if not request.app[RESPONSES].delete(key_id(bearer_key(request)) or "", response_id):
+            raise ApiError(404, f"response {response_id!r} not found", "response_id", "response_not_found")
+    except ApiError as err:
+        return RESPONSES_API.error(err)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from edge.api.response_store import ResponseStore
 from edge.api.structured import GrammarChecks
 from edge.http import embeddings, generate, health, status_page, tokenize
 from edge.http.count_tokens import count_tokens
 from edge.http.middleware import error_middleware
 from edge.http.tokenizers import Tokenizers
 from edge.observe.status_board import SESSIONS, STATUS, StatusBoard, StatusSessions
-from edge.state import GATEWAY, GRAMMAR_CHECKS, RELOADER, SUPERVISOR, TOKENIZERS
+from edge.state import GATEWAY, GRAMMAR_CHECKS, RELOADER, RESPONSES, SUPERVISOR, TOKENIZERS
 
 
 def add_routes(app: web.Application) -> None:
@@ -20,6 +21,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", generate.chat_completions)
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/responses", generate.responses)
+    app.router.add_delete("/v1/responses/{response_id}", generate.delete_response)
     app.router.add_post("/v1/messages", generate.messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", health.models)
@@ -37,6 +39,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/status/logout", status_page.status_logout)
     app[SESSIONS] = StatusSessions()
     app[TOKENIZERS] = Tokenizers()
+    if RESPONSES not in app:
+        app[RESPONSES] = ResponseStore()
     if GRAMMAR_CHECKS not in app:  # edge.app gives its own and warms and closes it; an app without one gets one here
         app[GRAMMAR_CHECKS] = GrammarChecks()
         app.on_cleanup.append(lambda app: _closed(app[GRAMMAR_CHECKS]))

@@ -80,7 +80,7 @@ def names(field: str, err: ApiError) -> bool:
 
 def constraint(request) -> tuple[str, str] | None:
     sampling = request.sampling
-    return sampling.get("structured") if isinstance(sampling, dict) else sampling.structured
+    return sampling.structured
 
 
 def outcome(field_of, depth: int) -> str:

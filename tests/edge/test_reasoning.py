@@ -92,7 +92,7 @@ def test_a_constraint_applies_after_the_thinking_and_tool_calls_are_parsed_from_
     chat = ChatFormat(reasoning="think")
     request = parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                              "response_format": {"type": "json_object"}}, "chat", chat=chat)
-    kind, lark = request.sampling["structured"]
+    kind, lark = request.sampling.structured
     assert kind == "grammar" and "think_start" in lark and "%json" in lark
     tools = parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{
         "type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "chat", chat=chat).tools

@@ -113,7 +113,7 @@ def test_body_of_a_text_answer():
                                "content": [{"type": "output_text", "text": "Hello", "annotations": [],
                                             "logprobs": []}]}]
     assert body["usage"]["input_tokens"] == 7 and body["usage"]["output_tokens"] == 2
-    assert body["usage"]["total_tokens"] == 9 and body["store"] is False
+    assert body["usage"]["total_tokens"] == 9 and body["store"] is True  # kept unless store: false
 
 
 def test_stream_events_of_a_text_answer_in_order():

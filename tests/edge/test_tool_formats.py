@@ -84,7 +84,7 @@ def accepts(vocabulary, constraint: tuple[str, str], text: str) -> bool:
 
 def constraint(family: str, chat: ChatFormat | None = None, **fields) -> tuple[str, str]:
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": [WEATHER], **fields}
-    return parse_request(body, "chat", chat=chat or ChatFormat(family)).sampling["structured"]
+    return parse_request(body, "chat", chat=chat or ChatFormat(family)).sampling.structured
 
 
 @pytest.mark.parametrize("family", sorted(CALLS))
@@ -117,7 +117,7 @@ def test_parallel_calls_follow_parallel_tool_calls(vocabulary):
 
 def test_nested_parameters_with_defs_are_enforced(vocabulary):
     body = {"model": "m", "messages": [{"role": "user", "content": "Book"}], "tools": [NESTED], "tool_choice": "required"}
-    forced = parse_request(body, "chat", chat=ChatFormat()).sampling["structured"]
+    forced = parse_request(body, "chat", chat=ChatFormat()).sampling.structured
     assert accepts(vocabulary, forced, '<tool_call>\n{"name": "book", "arguments": {"to": {"city": "Oslo"}}}\n</tool_call>')
     assert not accepts(vocabulary, forced, '<tool_call>\n{"name": "book", "arguments": {"to": {"town": "Oslo"}}}\n'
                                            '</tool_call>')
@@ -133,7 +133,7 @@ def test_thinking_comes_before_the_constrained_answer(vocabulary):
     schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
         "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
     body = {"model": "m", "messages": [{"role": "user", "content": "A number"}], "response_format": schema}
-    structured = parse_request(body, "chat", chat=r1).sampling["structured"]
+    structured = parse_request(body, "chat", chat=r1).sampling.structured
     assert accepts(vocabulary, structured, 'Say 4.\n</think>\n\n{"n": 4}')
     assert not accepts(vocabulary, structured, '{"n": 4}')  # the prompt opened the thinking: it must close
     assert not accepts(vocabulary, structured, 'Say 4.</think>{"n": "four"}')
@@ -152,5 +152,5 @@ def test_a_client_grammar_beside_tools_or_thinking_is_a_400():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "guided_grammar": 'root ::= "yes"'}
     with pytest.raises(ApiError):
         parse_request(body, "chat", chat=ChatFormat(reasoning="think"))
-    assert parse_request(body, "chat", chat=ChatFormat()).sampling["structured"] == ("grammar", 'root ::= "yes"')
+    assert parse_request(body, "chat", chat=ChatFormat()).sampling.structured == ("grammar", 'root ::= "yes"')
     assert constraint("hermes", tool_choice="none") is None  # no tools used: nothing to constrain

@@ -30,23 +30,23 @@ def test_tools_go_into_the_system_prompt_and_history_calls_become_hermes_text():
     assert system["content"].startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in system["content"]
     assert assistant["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert tool == {"role": "tool", "content": "sunny"}
-    assert request.tools.choice == "auto" and request.sampling["structured"][0] == "grammar"
+    assert request.tools.choice == "auto" and request.sampling.structured[0] == "grammar"
 
 
 def test_each_tool_choice_but_none_is_a_grammar_in_the_model_s_format():
     named = parse_request(_chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {
         "name": "get_weather"}}), "chat")
-    kind, lark = named.sampling["structured"]
+    kind, lark = named.sampling.structured
     assert kind == "grammar" and named.structured_param == "tools"
     assert '"get_weather"' in lark and '"get_time"' not in lark and '"<tool_call>\\n"' in lark
     required = parse_request(_chat(tools=[WEATHER, TIME], tool_choice="required"), "chat")
-    assert '"get_weather"' in required.sampling["structured"][1] and '"get_time"' in required.sampling["structured"][1]
+    assert '"get_weather"' in required.sampling.structured[1] and '"get_time"' in required.sampling.structured[1]
     auto = parse_request(_chat(tools=[WEATHER]), "chat")
-    assert auto.sampling["structured"][0] == "grammar" and "NOCALL" in auto.sampling["structured"][1]
+    assert auto.sampling.structured[0] == "grammar" and "NOCALL" in auto.sampling.structured[1]
     none = parse_request(_chat(tools=[WEATHER], tool_choice="none"), "chat")
-    assert none.messages[0]["role"] == "user" and none.sampling["structured"] is None
+    assert none.messages[0]["role"] == "user" and none.sampling.structured is None
     llama = parse_request(_chat(tools=[WEATHER], tool_choice="required"), "chat", chat=ChatFormat("llama3_json", True))
-    assert '"parameters"' in llama.sampling["structured"][1] and llama.tools.format == "llama3_json"
+    assert '"parameters"' in llama.sampling.structured[1] and llama.tools.format == "llama3_json"
 
 
 def test_a_template_that_renders_tools_gets_them_and_the_earlier_calls_as_they_came():

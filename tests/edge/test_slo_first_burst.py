@@ -30,6 +30,12 @@ priority = 0
 ttft_slo_ms = 1000
 on_slo_miss = "reject"
 """
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """No record of these fake settings reaches the real cache, where a later run would read it."""
+    monkeypatch.setenv("EDGE_LLM_CACHE", str(tmp_path / "cache"))
+
+
 STATUS = WorkerStatus("w0", "sha256:burst-test", 4096, "f16", 49152, prefill_weights="given: the GGUF")
 
 
@@ -93,9 +99,9 @@ def test_a_damaged_record_is_ignored(tmp_path):
     assert TTFTPredictor(pool(), cache_dir=tmp_path).predict(0, 0.0, 130, {}) is None
 
 
-def test_requests_admitted_but_not_queued_yet_are_ahead_once():
+def test_requests_admitted_but_not_queued_yet_are_ahead_once(tmp_path):
     prefills = pool()
-    predictor = TTFTPredictor(prefills)
+    predictor = TTFTPredictor(prefills, cache_dir=tmp_path)
     teach(predictor)
     now = time.time()
     pending = {"judged": Pending("chat", 1000, 0, 400.0, 0, 0.5, 0.5, deadline=now + 1)}  # judged, not submitted
@@ -141,8 +147,8 @@ def test_beside_a_gpu_engine_the_prefills_are_not_slowed(tmp_path):
     assert len(asyncio.run(scenario())) == 5  # 210 ms, then 160 ms more each: 850 ms for the fifth
 
 
-def test_prefills_beside_decoding_teach_their_own_line():
-    predictor = TTFTPredictor(pool())
+def test_prefills_beside_decoding_teach_their_own_line(tmp_path):
+    predictor = TTFTPredictor(pool(), cache_dir=tmp_path)
     teach(predictor)
     assert predictor._seconds(130, beside=True, slowed=BESIDE_CPU_DECODE) == pytest.approx(0.32, rel=0.05)
     teach(predictor, beside=True, fixed_ms=40.0, per_token_ms=1.5)  # measured: 1.5x, not the 2x assumed

@@ -15,7 +15,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX
 	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
 	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install browser serve test test-fast lint soak gpu-check bench-handoff bench-decode bench-serving llama-server llama-server-tests clean
+.PHONY: install browser serve test test-fast lint soak gpu-check bench-handoff bench-decode bench-serving bench-sizes llama-server llama-server-tests clean
 
 install: $(STAMP)
 
@@ -87,6 +87,10 @@ llama-server: $(STAMP)
 # llama.cpp's own OpenAI-compatible server tests run against edge serve (counts and the differences: docs/api.md)
 llama-server-tests: $(STAMP)
 	$(PY) -m checks.llama_server_tests $(ARGS)
+
+# real model sizes (issue 44): ours, memory budget wired, against llama.cpp per ladder GGUF (docs/sizes.md)
+bench-sizes: $(STAMP)
+	$(PY) -m bench.sizes_bench $(ARGS)
 
 bench-serving: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"

@@ -1,0 +1,242 @@
+"""Real model sizes served: `edge serve` (memory budget wired, so the plan decides) against llama.cpp, per ladder GGUF,
+in one run: time to ready, every process's RSS and PSS idle, the peak over the run, and a burst of concurrent chats
+and a single stream (ignore_eos, fixed max_tokens: the same work on both): output tok/s, TTFT and TPOT p50/p99.
+
+    .venv/bin/python -m bench.sizes_bench                     # every ladder GGUF in /work/ladder (make bench-sizes)
+    .venv/bin/python -m bench.sizes_bench --models /work/ladder/ladder-1b-q4_k_m.gguf --budget 16GiB
+
+llama.cpp is, by preference: llama-server (checks/llama_server.py's build, if built; `make llama-server`), else
+llama-cpp-python's server (`llama_cpp.server`, the `bench` extra), else llama-cpp-python's `Llama` behind a minimal
+one-slot streaming endpoint in this file (`--serve-llama-cpp`): llama.cpp's memory as one process maps and holds it,
+its requests served one at a time, as llama_cpp.server serves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from bench.loadgen import RequestSpec, percentiles, run_open_loop
+from bench.systems import System
+from bench.workloads import text_of
+
+MIB = 2**20
+LADDER = Path("/work/ladder")
+SAMPLE_S = 0.25  # how often the peak sampler reads every process
+
+
+def tree_memory(root: int) -> dict[str, dict[str, int]]:
+    """name (pid) -> rss, pss of `root` and every descendant."""
+    rows = {}
+    try:
+        top = psutil.Process(root)
+        processes = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return rows
+    for process in processes:
+        try:
+            full = process.memory_full_info()
+            cmdline = process.cmdline()
+            at = cmdline.index("-m") + 1 if "-m" in cmdline[:-1] else None
+            module = process.name() if at is None else cmdline[at]
+            if module == "edge.launch.child_main" and at + 1 < len(cmdline):  # the supervised child's own module
+                module = cmdline[at + 1]
+            rows[f"{module} ({process.pid})"] = {"rss": full.rss, "pss": full.pss}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            continue
+    return rows
+
+
+class PeakSampler:
+    """The largest total RSS and PSS of a process tree, read every SAMPLE_S on a thread of its own."""
+
+    def __init__(self, root: int) -> None:
+        self.root, self.peak = root, {"rss": 0, "pss": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            rows = tree_memory(self.root).values()
+            for key in self.peak:
+                self.peak[key] = max(self.peak[key], sum(r[key] for r in rows))
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def chats(n: int, max_tokens: int, seed: int = 0, prompt_tokens: int = 128) -> list[RequestSpec]:
+    rng = np.random.default_rng(seed)
+    return [RequestSpec(({"role": "user", "content": "Summarize: " + text_of(prompt_tokens, rng)},), max_tokens,
+                        label="chat", ignore_eos=True) for _ in range(n)]
+
+
+async def load(system: System, specs: list[RequestSpec]) -> dict:
+    results, wall_s = await run_open_loop(system.url, system.model, specs, np.zeros(len(specs)))
+    ok = [r for r in results if r.ok]
+    return {"requests": len(results), "completed": len(ok), "wall_s": wall_s,
+            "out_tok_s": sum(r.output_tokens for r in ok) / wall_s,
+            "output_tokens": sum(r.output_tokens for r in ok),
+            "ttft": percentiles([r.ttft_s for r in ok], (50, 99)),
+            "tpot": percentiles([r.tpot_s for r in ok if r.tpot_s], (50, 99)),
+            "errors": sorted({r.error or str(r.status) for r in results if not r.ok})}
+
+
+def measure(system: System, concurrency: int, max_tokens: int, settle_s: float) -> dict:
+    started = time.monotonic()
+    system.start(timeout_s=1800)
+    ready_s = time.monotonic() - started
+    peak = PeakSampler(system.process.pid)
+    try:
+        time.sleep(settle_s)  # start-up measurements end, allocators settle
+        idle = tree_memory(system.process.pid)
+        asyncio.run(load(system, chats(1, 4, seed=99)))  # warm-up: first-request costs out of the numbers
+        burst = asyncio.run(load(system, chats(concurrency, max_tokens)))
+        single = asyncio.run(load(system, chats(1, max_tokens, seed=1)))
+        busy = tree_memory(system.process.pid)
+    finally:
+        peaks = peak.stop()
+        system.stop()
+    return {"name": system.name, "ready_s": ready_s, "idle": idle, "after_load": busy, "peak": peaks,
+            "burst": burst, "single": single}
+
+
+def ours(gguf: str, budget: int, threads: int) -> System:
+    config = Path(tempfile.mkstemp(suffix=".toml")[1])
+    lines = ['log_level = "WARNING"', f"memory_budget = {budget}", f"threads_per_worker = {threads}",
+             "[limits]", "shutdown_grace_s = 1.0"]
+    config.write_text("\n".join(lines) + "\n")
+    return System("ours (edge serve)", Path(gguf).stem, lambda p: [
+        sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p), "--config", str(config)],
+        ready_path="/health")
+
+
+def llama_cpp(gguf: str, threads: int, slots: int, n_ctx: int) -> System:
+    from checks.llama_server import binary_path
+    model_id = Path(gguf).stem
+    if binary_path().exists():
+        return System(f"llama-server (-np {slots})", model_id, lambda p: [
+            str(binary_path()), "-m", gguf, "--port", str(p), "-t", str(threads), "-np", str(slots),
+            "-c", str(slots * n_ctx), "--log-disable"], ready_path="/health")
+    if all(importlib.util.find_spec(m) for m in ("uvicorn", "starlette", "sse_starlette", "fastapi")):
+        return System("llama_cpp.server (one slot)", model_id, lambda p: [
+            sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(p), "--n_threads", str(threads),
+            "--n_ctx", str(n_ctx), "--model_alias", model_id])
+    return System("llama.cpp (llama-cpp-python Llama, one slot)", model_id, lambda p: [
+        sys.executable, "-m", "bench.sizes_bench", "--serve-llama-cpp", gguf, "--port", str(p),
+        "--threads", str(threads), "--n-ctx", str(n_ctx)], ready_path="/health")
+
+
+def serve_llama_cpp(gguf: str, port: int, threads: int, n_ctx: int) -> None:
+    """A one-slot OpenAI chat stream around llama-cpp-python's Llama: requests one at a time, ignore_eos as a ban
+    on the end-of-generation tokens."""
+    from aiohttp import web
+    from llama_cpp import Llama
+    llm = Llama(gguf, n_ctx=n_ctx, n_threads=threads, n_batch=256, flash_attn=True, verbose=False)
+    lock = asyncio.Lock()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bias = {llm.token_eos(): -1e9} if body.get("ignore_eos") else None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        loop, chunks = asyncio.get_running_loop(), asyncio.Queue()
+
+        def run() -> None:
+            for chunk in llm.create_chat_completion(body["messages"], max_tokens=body["max_tokens"], stream=True,
+                                                    temperature=0.0, logit_bias=bias):
+                loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+            loop.call_soon_threadsafe(chunks.put_nowait, None)
+        # the stream merges the pieces of a character into one chunk: at "length" the answer is max_tokens long
+        tokens, finish = 0, None
+        async with lock:
+            worker = loop.run_in_executor(None, run)
+            while (chunk := await chunks.get()) is not None:
+                tokens += any("content" in c.get("delta", {}) for c in chunk["choices"])
+                finish = next((c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")), finish)
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await worker
+        tokens = body["max_tokens"] if finish == "length" else tokens
+        usage = {"choices": [], "usage": {"completion_tokens": tokens}}
+        await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+def print_table(results: list[dict], models: list[str], concurrency: int, max_tokens: int) -> None:
+    print(f"\n| model | system | ready s | idle RSS / PSS MiB | peak RSS / PSS MiB | burst {concurrency}x{max_tokens} "
+          "out tok/s | TTFT p50 / p99 s | TPOT p50 / p99 ms | single out tok/s | single TTFT s | single TPOT ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model, row in zip(models, results):
+        idle = row["idle"].values()
+        b, s = row["burst"], row["single"]
+        print(f"| {Path(model).stem} | {row['name']} | {row['ready_s']:.1f} | "
+              f"{sum(r['rss'] for r in idle) / MIB:.0f} / {sum(r['pss'] for r in idle) / MIB:.0f} | "
+              f"{row['peak']['rss'] / MIB:.0f} / {row['peak']['pss'] / MIB:.0f} | {b['out_tok_s']:.1f} | "
+              f"{b['ttft'][50]:.2f} / {b['ttft'][99]:.2f} | {b['tpot'][50] * 1e3:.0f} / {b['tpot'][99] * 1e3:.0f} | "
+              f"{s['out_tok_s']:.1f} | {s['ttft'][50]:.2f} | {s['tpot'][50] * 1e3:.0f} |")
+    print("\nidle, per process (RSS / PSS MiB):")
+    for model, row in zip(models, results):
+        procs = ", ".join(f"{name} {r['rss'] / MIB:.0f} / {r['pss'] / MIB:.0f}" for name, r in row["idle"].items())
+        print(f"  {Path(model).stem}, {row['name']}: {procs}")
+        if row["burst"]["errors"] or row["single"]["errors"]:
+            print(f"    errors: {row['burst']['errors'] + row['single']['errors']}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from edge.check_model.command import parse_size
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="*", help="GGUFs (default: every ladder-*.gguf in /work/ladder)")
+    parser.add_argument("--budget", type=parse_size, default=0, help="memory_budget for ours (default: the box's)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=psutil.cpu_count() or 2)
+    parser.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp's context per slot")
+    parser.add_argument("--settle", type=float, default=5.0)
+    parser.add_argument("--systems", default="ours,llama.cpp", help="ours, llama.cpp, or both (comma-separated)")
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--serve-llama-cpp", metavar="GGUF", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.serve_llama_cpp:
+        return serve_llama_cpp(args.serve_llama_cpp, args.port, args.threads, args.n_ctx)
+    models = args.models or sorted(str(p) for p in LADDER.glob("ladder-*.gguf"))
+    wanted = args.systems.split(",")
+    results, rows = [], []
+    for gguf in models:
+        systems = ([ours(gguf, args.budget, args.threads)] if "ours" in wanted else []) + \
+            ([llama_cpp(gguf, args.threads, args.concurrency, args.n_ctx)] if "llama.cpp" in wanted else [])
+        for system in systems:
+            print(f"{Path(gguf).name}: {system.name} ...", flush=True)
+            results.append(measure(system, args.concurrency, args.max_tokens, args.settle))
+            rows.append(gguf)
+    print_table(results, rows, args.concurrency, args.max_tokens)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -40,7 +40,11 @@ def open_disk_tier(prefiller, flash_attn: bool) -> KVDiskTier | None:
                        prefiller.vocab_size)
     root = Path(config.kv_disk_dir) if config.kv_disk_dir else cache_root() / "kv"
     folder = kv_disk_folder(root, ident.fingerprint, config.kv_type, config.worker_name)
-    return KVDiskTier(folder, config.kv_disk_bytes, facts)
+    try:
+        return KVDiskTier(folder, config.kv_disk_bytes, facts)
+    except OSError as err:  # the worker serves without it rather than not at all
+        log.error("KV disk tier off: cannot use %s: %s", folder, err)
+        return None
 
 
 def seq_state_bytes(ctx, seq_id: int) -> bytes:

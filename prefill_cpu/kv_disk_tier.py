@@ -173,6 +173,7 @@ class KVDiskTier:
         with self._lock:
             if (stored := self._entries.get(name)) is not None:
                 stored.last_used = time.time()
+                _touch(self.folder / name, stored.last_used)  # its place in the order of eviction after a restart
                 return True
             header = EntryHeader(self.facts, salt, len(tokens), last_logits is not None, len(state))
             offer = _Offer(name, header, tokens, last_logits, state, self._epochs.get(salt, 0))

@@ -191,3 +191,22 @@ def test_the_knobs_reach_each_workers_config():
     assert (worker.kv_disk_bytes, worker.kv_disk_dir) == (1 << 30, "/srv/kv")
     assert decode_config(WorkerProcessConfig, encode_config(worker)) == worker
     assert WorkerProcessConfig(model="m.gguf", listen="unix:/w.sock").kv_disk_bytes == 0  # off by default
+
+
+def test_a_folder_that_cannot_be_made_leaves_the_worker_without_the_tier(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from prefill_cpu.disk_prefix import open_disk_tier
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    ident = SimpleNamespace(fingerprint=FACTS.model_fingerprint, swa_layers=(), path="m.gguf", n_layer=3,
+                            n_embd_k=128, n_embd_v=128)
+    config = SimpleNamespace(kv_disk_bytes=1 << 20, kv_disk_dir=str(blocked), kv_type="q8_0", worker_name="w")
+    prefiller = SimpleNamespace(config=config, identity=ident, weights_path="m.gguf", k_rotation=64, v_rotation=64,
+                                vocab_size=320)
+    assert open_disk_tier(prefiller, True) is None and "KV disk tier off" in caplog.text
+    config.kv_disk_dir = str(tmp_path / "kv")
+    tier = open_disk_tier(prefiller, True)
+    assert tier.facts == FACTS and tier.folder == tmp_path / "kv" / (FACTS.model_fingerprint[7:39] + "-q8_0") / "w"
+    tier.close()

@@ -90,6 +90,11 @@ def compiles(server) -> dict:
     return server.health()["structured_outputs"]
 
 
+def stopped_for(server, reason: str) -> int:
+    """How many compile processes the gateway has stopped for `reason` (its log)."""
+    return server.log_path.read_text().count(f"a compile process was stopped ({reason}")
+
+
 def structured(base: str, schema: dict, key: str = VICTIM) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", headers=auth(key), timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 64,
@@ -102,6 +107,14 @@ def test_explosive_schemas_whose_clients_leave_stall_nobody(server):
     warm = structured(server.base, {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     assert warm.status_code == 200, warm.text
     baseline = max(stream_gaps(server.base))
+    # a one-field request like the victim's below (a schema of its own: not a cached outcome), with nobody attacking:
+    # how long such a request takes on this machine as loaded as it is now
+    started = time.perf_counter()
+    alone = structured(server.base, {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}},
+                                     "required": ["colour"]})
+    alone_s = time.perf_counter() - started
+    assert alone.status_code == 200, alone.text
+    left_before, limit_before = stopped_for(server, "its requester went away"), stopped_for(server, "past the limit")
     gaps: list[float] = []
     streamer = threading.Thread(target=lambda: gaps.extend(stream_gaps(server.base, 96)))
     streamer.start()
@@ -117,14 +130,20 @@ def test_explosive_schemas_whose_clients_leave_stall_nobody(server):
     answered_s = time.perf_counter() - started
     streamer.join()
     print(f"worst token gap {max(gaps):.3f} s (alone {baseline:.3f} s); one-field request answered in "
-          f"{answered_s:.2f} s; compile processes: {compiles(server)}")
+          f"{answered_s:.2f} s (alone {alone_s:.2f} s); compile processes: {compiles(server)}")
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert isinstance(json.loads(choice["message"]["content"])["name"], str)
-    assert answered_s < 5.0
+    # The attack compiles were stopped as their clients left, none held its process to its limit (what would stall
+    # the victim for seconds): told by the gateway's log, not by time
+    assert stopped_for(server, "its requester went away") > left_before, compiles(server)
+    assert stopped_for(server, "past the limit") == limit_before, compiles(server)
+    # Not stalled: the same request alone, slowed alike by a busy machine, plus the replacement of the processes
+    # stopped (imports and the vocabulary: seconds on a busy machine). An absolute 5 s was missed at 4.2 s (1.2 s
+    # alone) with other tests beside it.
+    assert answered_s < alone_s + 8.0, (answered_s, alone_s)
     assert max(gaps) < 1.0
-    assert compiles(server)["stopped"] >= 1  # the compiles of the clients that left were stopped, not left running
 
 
 def test_one_key_gets_one_compile_at_a_time(server):

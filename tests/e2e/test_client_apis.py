@@ -91,9 +91,19 @@ def test_responses_function_tool(oai):
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}], tool_choice="none")
     assert follow.output_text
-    with pytest.raises(openai.BadRequestError) as refused:
-        oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
-    assert refused.value.body["param"] == "previous_response_id"
+    # the same turn as a continuation of the stored response: its input and its call, then the tool's output
+    chained = oai.responses.create(model=MODEL, tools=tools, max_output_tokens=8, temperature=0, tool_choice="none",
+                                   previous_response_id=response.id, input=[
+                                       {"type": "function_call_output", "call_id": call.call_id,
+                                        "output": "sunny, 21 C"}])
+    assert chained.previous_response_id == response.id and chained.output_text
+    assert chained.usage.input_tokens == follow.usage.input_tokens  # the same conversation, the same prompt
+    for key, previous in ((KEY, "resp_123"), (QUOTA_KEY, response.id)):  # unknown, and another key's
+        other = openai.OpenAI(base_url=oai.base_url, api_key=key, max_retries=0, timeout=120)
+        with pytest.raises(openai.NotFoundError) as refused:
+            other.responses.create(model=MODEL, input="hi", previous_response_id=previous)
+        assert refused.value.body["param"] == "previous_response_id"
+        assert refused.value.body["code"] == "previous_response_not_found"
 
 
 def test_an_unknown_model_is_not_found_on_both_apis(oai, claude):

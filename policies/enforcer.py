@@ -100,7 +100,7 @@ class PolicyEnforcer:
         cls = self._class_for(key_rule, facts.tenant)
         if facts.model not in served_models or (filters.allowed_models and facts.model not in filters.allowed_models):
             allowed = sorted(set(filters.allowed_models or served_models) & served_models)
-            raise PolicyRejection(400, "model_not_found", f"model {facts.model!r} is not available; available: "
+            raise PolicyRejection(404, "model_not_found", f"model {facts.model!r} is not available; available: "
                                   f"{allowed}", param="model")
         if self.content_filter.check(facts.text) is not None:
             raise PolicyRejection(403, "content_blocked", "the request contains blocked content")

@@ -58,8 +58,6 @@ def model_not_found(name: str, available: list[str]) -> ApiError:
 
 
 def policy_error(err: PolicyRejection) -> ApiError:
-    if err.code == "model_not_found":  # the policy's 400 (policies.enforcer): a 404 as on every other route
-        return ApiError(404, err.message, err.param, err.code)
     error_type = {401: "authentication_error", 403: "content_policy_violation", 429: "rate_limit_error",
                   503: "server_error"}.get(err.status, "invalid_request_error")
     headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else {}

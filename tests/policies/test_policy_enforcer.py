@@ -102,6 +102,7 @@ def test_filters(enforcer):
     assert rejection(enforcer, key=None).status == 401
     assert rejection(enforcer, key="nope").code == "invalid_api_key"
     assert rejection(enforcer, model="large").code == "model_not_found"  # served, but not allowed
+    assert rejection(enforcer, model="large").status == 404  # as OpenAI and Anthropic answer: the SDKs' NotFoundError
     assert rejection(enforcer, text="my SecretWord").status == 403
     assert rejection(enforcer, text="PASSWORD = 1234").status == 403
     assert rejection(enforcer, max_tokens=501).param == "max_tokens"

@@ -140,8 +140,8 @@ _KNOBS = (
          choices=(AUTO, *FLOAT_WEIGHT_DTYPES, "int8", "int4", "q8_0"), flag=True),
     Knob("kv_storage", str, AUTO, "decode KV pool storage (auto: the model's dtype; int4: 0.59x int8's bytes, lower "
          "fidelity; docs/decode.md)", choices=(AUTO, "float32", "float16", "bfloat16", "int8", "int4"), flag=True),
-    Knob("kv_cache_tokens", int, None, "decode KV pool size in tokens (0 or unset: 16384 on the CPU, what "
-         "gpu_memory_utilization leaves on CUDA)", ge=0, flag=True),
+    Knob("kv_cache_tokens", int, None, "decode KV pool size in tokens (0 or unset: what the memory plan leaves on "
+         "the CPU, what gpu_memory_utilization leaves on CUDA)", ge=0, flag=True),
     Knob("memory_budget", int, 0, "bytes the processes of edge serve may hold together, planned before anything "
          "loads (docs/sizes.md); a model that cannot fit is refused at start (0: 85% of the RAM on a CPU, 90% of the "
          "device's memory on CUDA)", ge=0, flag=True, metavar="BYTES"),

@@ -2,7 +2,7 @@
 one whose requester went away, is ended by killing its process, which is then replaced. A thread cannot be
 stopped; a process can, and its CPU comes back at once.
 
-`CompileProcesses` keeps a few children (`python -m contracts.compile_processes`), each compiling one constraint
+`CompileProcesses` keeps a few children (`python -m contracts.compile_child`), each compiling one constraint
 at a time. No owner (an API key, or a client address without keys) holds more than `per_owner` children at once,
 so one key cannot fill the pool: its further compiles wait their turn in order, at most `queue_per_owner` of them
 and at most the time limit (past either, GrammarOwnerBusyError, a 429), so that an honest client sending
@@ -22,37 +22,23 @@ builds its matcher in its own process (the costly part, turning a schema into a 
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import json
 import logging
-import os
-import select
-import subprocess
 import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from pathlib import Path
 
+from contracts.compile_child import POLL_S, CompileCancelled, CompileChild  # noqa: F401 (CompileCancelled: re-exported)
 from contracts.grammar import GrammarBusyError, GrammarError, GrammarOwnerBusyError, GrammarTooComplexError
 from contracts.options import KNOBS
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0  # a child's imports and vocabulary, at most (a loaded machine); past it the child is killed
-POLL_S = 0.05  # how often a waiting caller looks at its cancel event
 QUEUE_PER_OWNER = KNOBS["grammar_compile_queue_per_key"].default
 WAIT_MARGIN_S = 0.5  # past the time limit, how long a caller still waits: a compile holding a child ends by its
 # limit, and this covers its kill, so the caller next in line gets that child rather than a 503
 USAGE_HALF_LIFE_S = 30.0  # how fast an owner's compiling is forgiven, for the order children are handed out in
 _ERRORS = {cls.code: cls for cls in (GrammarError, GrammarTooComplexError)}
-_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-class CompileCancelled(GrammarError):
-    """The caller went away (its cancel event was set); the compile's process was killed."""
-
-    code = "cancelled"
 
 
 class _Ticket:
@@ -93,54 +79,6 @@ class _Usage:
             self._spent.popitem(last=False)
 
 
-class _Child:
-    """One compile process; used by one caller at a time."""
-
-    def __init__(self, argv: list[str]) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
-        self._buffer = b""
-
-    def line(self, deadline: float, cancelled: threading.Event | None,
-             closed: threading.Event | None = None) -> bytes | None:
-        """The child's next line; None when the deadline passed; CompileCancelled when the requester went away,
-        GrammarBusyError when the pool closed; EOFError when it died."""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            if cancelled is not None and cancelled.is_set():
-                raise CompileCancelled("the requester went away")
-            if closed is not None and closed.is_set():
-                raise GrammarBusyError("the server is shutting down")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([fd], [], [], min(POLL_S, left))
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise EOFError("the compile process exited")
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line
-
-    def ask(self, request: dict, deadline: float, cancelled: threading.Event | None,
-            closed: threading.Event | None = None) -> dict | None:
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
-        line = self.line(deadline, cancelled, closed)
-        return None if line is None else json.loads(line)
-
-    def kill(self) -> None:
-        with contextlib.suppress(OSError):
-            self.proc.kill()
-        with contextlib.suppress(Exception):
-            self.proc.wait(5)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                stream.close()
-
-
 class CompileProcesses:
     """workers: children kept (started on first use, replaced when killed). per_owner: children one owner may hold
     at once. vocabulary: "module:callable" that the child calls with vocabulary_arg to get an object with
@@ -158,11 +96,11 @@ class CompileProcesses:
                  vocabulary_arg: str = "", max_waiting: int = 64, queue_per_owner: int = QUEUE_PER_OWNER) -> None:
         self.workers, self.per_owner, self.max_waiting = workers, per_owner, max_waiting
         self.queue_per_owner = queue_per_owner
-        self._argv = [sys.executable, "-m", "contracts.compile_processes"]
+        self._argv = [sys.executable, "-m", "contracts.compile_child"]
         if vocabulary:
             self._argv += ["--vocabulary", vocabulary, "--vocabulary-arg", vocabulary_arg]
         self._cond = threading.Condition()
-        self._idle: list[_Child] = []
+        self._idle: list[CompileChild] = []
         self._children = 0  # started or starting, busy or idle
         self._starting = 0
         self._tickets: list[_Ticket] = []  # every caller waiting for a child, all owners
@@ -186,7 +124,7 @@ class CompileProcesses:
         return self._compile(child, owner, kind, source, timeout_s, mode, cancelled)
 
     def _take(self, owner: str | None, deadline: float, timeout_s: float,
-              cancelled: threading.Event | None) -> _Child:
+              cancelled: threading.Event | None) -> CompileChild:
         """A child, taken when it is this caller's turn (_next): the owner's share and the line are held under
         the condition from the moment the child is taken until it is given back."""
         with self._cond:
@@ -281,7 +219,7 @@ class CompileProcesses:
         if turns is not None and turns.running <= 0 and not turns.waiting:
             del self._owners[owner]
 
-    def _compile(self, child: _Child, owner: str | None, kind: str, source: str, timeout_s: float, mode: str,
+    def _compile(self, child: CompileChild, owner: str | None, kind: str, source: str, timeout_s: float, mode: str,
                  cancelled: threading.Event | None) -> str:
         keep, reason, started = False, "the compiler failed", time.monotonic()
         with self._cond:
@@ -311,7 +249,7 @@ class CompileProcesses:
             raise _ERRORS.get(answer["error"], GrammarError)(answer["message"])
         return answer.get("grammar", "")
 
-    def _give_back(self, child: _Child, owner: str | None, keep: bool, reason: str, seconds: float) -> None:
+    def _give_back(self, child: CompileChild, owner: str | None, keep: bool, reason: str, seconds: float) -> None:
         """The child back to the pool (killed unless keep) and the owner's share with it, in one step: the next in
         line (_next) sees both at once, so no other owner's caller can take the child in between."""
         if not keep:
@@ -343,7 +281,7 @@ class CompileProcesses:
     def _start(self) -> None:
         child = None
         try:
-            child = _Child(self._argv)
+            child = CompileChild(self._argv)
             if child.line(time.monotonic() + START_TIMEOUT_S, None) != b"ready":
                 raise OSError("no ready line")
         except (OSError, EOFError, ValueError) as err:
@@ -393,61 +331,3 @@ class CompileProcesses:
             self._cond.notify_all()
         for child in idle:
             child.kill()
-
-
-def _serve(vocabulary, out) -> None:
-    from contracts.grammar import build_grammar, compile_matcher
-    with contextlib.suppress(OSError):  # after the start (a replacement is ready sooner), before any compile
-        os.nice(10)  # compiles take the cores that serving leaves: a stream's next token comes first
-    out.write(b"ready\n")
-    out.flush()
-    for line in sys.stdin.buffer:
-        request = json.loads(line)
-        kind, source = request["kind"], request["source"]
-        try:
-            if request["mode"] == "grammar":
-                answer = {"grammar": build_grammar(kind, source)}
-            elif vocabulary is None:
-                build_grammar(kind, source)
-                answer = {}
-            else:
-                compile_matcher(vocabulary.tokenizer, kind, source, vocabulary.stop_token_ids)
-                answer = {}
-        except GrammarError as err:
-            answer = {"error": err.code, "message": str(err)}
-        except Exception as err:  # whatever else fails, the constraint is not enforceable: refused, not passed
-            answer = {"error": GrammarError.code, "message": f"the {kind} constraint does not compile: {err}"}
-        out.write(json.dumps(answer).encode() + b"\n")
-        out.flush()
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit when the parent is gone (a compile releases the GIL, so this runs during one)."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(0)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-    parser = argparse.ArgumentParser(description="a structured-output compile process (started by its parent)")
-    parser.add_argument("--vocabulary", default=None)
-    parser.add_argument("--vocabulary-arg", default="")
-    args = parser.parse_args(argv)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    # the protocol has its own descriptor: what a library prints goes to stderr, never into an answer
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    vocabulary = None
-    if args.vocabulary:
-        module, _, name = args.vocabulary.partition(":")
-        try:
-            vocabulary = getattr(importlib.import_module(module), name)(args.vocabulary_arg)
-        except Exception:
-            log.exception("structured outputs: the model's vocabulary did not load; this compile process checks "
-                          "constraints without it")
-    _serve(vocabulary, out)
-
-
-if __name__ == "__main__":
-    main()

@@ -62,6 +62,10 @@ class ClientApi:
     def writer(self, completion: Completion) -> StreamWriter:
         raise NotImplementedError
 
+    def batch_writer(self, completions: list[Completion]):
+        """One stream of a batch's Completions (prompt-major choice indexes), for an API that takes batches."""
+        raise NotImplementedError
+
 
 def sse_event(name: str, data: dict) -> bytes:
     """A server-sent event with its name (the Responses and Anthropic streams name each event)."""

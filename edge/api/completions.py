@@ -1,11 +1,11 @@
 """POST /v1/completions: OpenAI's (and vLLM's) completion request, its text_completion body and stream; a batch of
-prompts checked whole (edge.http.completion_batch serves it as one request per prompt)."""
+prompts checked whole (edge.http.completion_batch serves it as one request per prompt, collected or streamed)."""
 
 from __future__ import annotations
 
 from edge.api.client_api import ClientApi, StreamWriter
 from edge.api.completion import Choice, ChoiceDelta, Completion
-from edge.api.openai_bodies import completion_logprobs, degraded, error_chunk, sse, usage_chunk
+from edge.api.openai_bodies import completion_logprobs, degraded, error_chunk, sse, summed_usage, usage_chunk
 from edge.api.openai_request import ApiError, GenerateRequest, parse_request
 from edge.api.prompt_scores import echo_text, vllm_prompt_logprobs, with_prompt
 
@@ -35,6 +35,9 @@ class CompletionsApi(ClientApi):
     def writer(self, completion: Completion) -> StreamWriter:
         return CompletionStream(completion)
 
+    def batch_writer(self, completions: list[Completion]) -> CompletionBatchStream:
+        return CompletionBatchStream(completions)
+
 
 def _choice(completion: Completion, choice: Choice) -> dict:
     request = completion.request
@@ -63,10 +66,12 @@ def _with_prompt_logprobs(completion: Completion, body: dict) -> dict:
 
 class CompletionStream(StreamWriter):
     """A text_completion chunk per delta (the first with the echo and the prompt's logprobs); with include_usage a
-    usage chunk after the last; then [DONE]."""
+    usage chunk after the last; then [DONE]. In a batch's stream (CompletionBatchStream) its chunks carry the
+    batch's id and its choices' indexes start at offset."""
 
-    def __init__(self, completion: Completion) -> None:
+    def __init__(self, completion: Completion, chunk_id: str | None = None, offset: int = 0) -> None:
         self.completion = completion
+        self.chunk_id, self.offset = chunk_id or completion.request_id, offset
 
     def event(self, delta: ChoiceDelta | None) -> bytes:
         if delta is None:
@@ -75,16 +80,41 @@ class CompletionStream(StreamWriter):
         echoing = completion.request.echo and delta.first
         text = echo_text(completion.request.prompt, completion.prompt_scores) + delta.content if echoing \
             else delta.content
-        body = {"index": delta.index, "text": text, "finish_reason": delta.finish_reason,
+        body = {"index": self.offset + delta.index, "text": text, "finish_reason": delta.finish_reason,
                 "logprobs": _logprobs(completion, delta.logprobs, echoed=echoing)}
         if delta.first:
             body = _with_prompt_logprobs(completion, body)
-        return sse({"id": completion.request_id, "object": OBJECT, "created": completion.created,
+        return sse({"id": self.chunk_id, "object": OBJECT, "created": completion.created,
                     "model": completion.model, "choices": [body]})
 
     def close(self) -> bytes:
         usage = sse(usage_chunk(self.completion, OBJECT)) if self.completion.request.include_usage else b""
         return usage + sse("[DONE]")
+
+    def error(self, err: ApiError) -> bytes:
+        return sse(error_chunk(err)) + sse("[DONE]")
+
+
+class CompletionBatchStream:
+    """One stream for a batch of prompts (each its own Completion): the chunks of prompt i carry the first prompt's
+    id and choice indexes i*n + j, as they come; with include_usage one usage chunk summed over the prompts after
+    the last; then one [DONE]. An error ends the whole stream, as it ends a single prompt's."""
+
+    def __init__(self, completions: list[Completion]) -> None:
+        first = completions[0]
+        self.completions = completions
+        self.streams = [CompletionStream(c, first.request_id, i * c.request.sampling.n)
+                        for i, c in enumerate(completions)]
+
+    def event(self, prompt: int, delta: ChoiceDelta | None) -> bytes:
+        return self.streams[prompt].event(delta)
+
+    def close(self) -> bytes:
+        first = self.completions[0]
+        if not first.request.include_usage:
+            return sse("[DONE]")
+        chunk = {**usage_chunk(first, OBJECT), "usage": summed_usage([c.usage for c in self.completions])}
+        return sse(chunk) + sse("[DONE]")
 
     def error(self, err: ApiError) -> bytes:
         return sse(error_chunk(err)) + sse("[DONE]")
@@ -104,9 +134,6 @@ def check_batch(body: dict, prompts: list, vocab_size: int | None, max_prompts: 
     if len(prompts) > max_prompts:
         raise ApiError(400, f"'prompt' holds {len(prompts)} prompts; a batch may hold at most {max_prompts} (the "
                             "prefill queue's size)", "prompt", "invalid_value")
-    if body.get("stream"):
-        raise ApiError(400, "'stream' with a batch of prompts is not supported here: stream one prompt per "
-                            "request, or leave 'stream' out", "stream", "unsupported_parameter")
     for i, prompt in enumerate(prompts):
         try:
             parse_request({**body, "prompt": prompt}, "completion", vocab_size=vocab_size)

@@ -22,6 +22,13 @@ def usage_chunk(completion: Completion, obj: str) -> dict:
             "choices": [], "usage": completion.usage, **degraded(completion)}
 
 
+def summed_usage(usages: list[dict]) -> dict:
+    """The usage of several requests answered as one (a completions batch): every count summed."""
+    usage = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages)
+    return {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def error_chunk(err: ApiError) -> dict:
     """An error after the stream's headers went out: it travels in the stream, then the stream ends."""
     return {"error": {"message": err.message, "type": err.error_type, "param": None, "code": err.code}}

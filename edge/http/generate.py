@@ -20,7 +20,7 @@ from edge.api.structured import check_structured, compile_owner
 from edge.core.gateway import Gateway, Run, bearer_key
 from edge.core.lifecycle import RequestStatus
 from edge.http.body import read_json
-from edge.http.completion_batch import serve_batch
+from edge.http.completion_batch import serve_batch, stream_batch
 from edge.http.embeddings import generation_refused
 from edge.http.model_file import chat_format, model_path
 from edge.http.stream import collect, stream
@@ -50,25 +50,44 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def generate(request: web.Request, api: ClientApi, body: dict | None = None) -> web.StreamResponse:
     """body: one prompt of a completions batch (edge.http.completion_batch), already read."""
     gateway: Gateway = request.app[GATEWAY]
-    parsed = None
     try:
         gateway.check_key(request)
         if gateway.embedding_only:
             raise generation_refused(gateway, request.path)
         body = await read_json(request, gateway) if body is None else body
         bodies = api.batch(body, gateway.pool.vocab_size, gateway.config.limits.prefill_queue_size)
-        if bodies is not None:  # one request per prompt
-            return await serve_batch(bodies, lambda one: generate(request, api, one))
+    except ApiError as err:
+        return _refused(request, gateway, api, err, None)
+    if bodies is not None and body.get("stream"):  # one stream of every prompt's chunks
+        return await _stream_batch(request, gateway, api, bodies)
+    if bodies is not None:  # one request per prompt, each on this path
+        return await serve_batch(bodies, lambda one: generate(request, api, one))
+    try:
+        run = await _admitted(request, gateway, api, body)
+    except ApiError as err:
+        return api.error(err)
+    return await _answer(request, gateway, run, api)
+
+
+async def _admitted(request: web.Request, gateway: Gateway, api: ClientApi, body) -> Run:
+    """The body parsed, checked and admitted; a refusal is counted and heard by the observers, then raised."""
+    parsed = None
+    try:
         earlier = _earlier(request, api, body)
         parsed = api.parse(body, gateway.pool.vocab_size, await chat_format(gateway) if api.chat else None, earlier)
         gateway.check_model(parsed.model)  # before a structured output's compile
         await _check_structured(request, gateway, parsed)
-        run = gateway.admit(request, parsed)
+        return gateway.admit(request, parsed)
     except ApiError as err:
-        gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
-        gateway.rejected(request, err, parsed)
-        return api.error(err)
-    return await _answer(request, gateway, run, api)
+        _refused(request, gateway, api, err, parsed)
+        raise
+
+
+def _refused(request: web.Request, gateway: Gateway, api: ClientApi, err: ApiError,
+             parsed: GenerateRequest | None) -> web.Response:
+    gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()
+    gateway.rejected(request, err, parsed)
+    return api.error(err)
 
 
 async def _check_structured(request: web.Request, gateway: Gateway, parsed: GenerateRequest) -> None:
@@ -83,22 +102,50 @@ async def _check_structured(request: web.Request, gateway: Gateway, parsed: Gene
 
 async def _answer(request: web.Request, gateway: Gateway, run: Run, api: ClientApi) -> web.StreamResponse:
     completion = Completion(run.inflight.request_id, run.request, gateway.model_name)
-    status, reason = RequestStatus.ABORTED, "abort"
+    ended = False
     try:
         response = await (stream(request, gateway, run, completion, api) if run.request.stream
                           else collect(gateway, run, completion, api))
+        ended = True
         if completion.finish_reason in ("stop", "length"):
-            status, reason = RequestStatus.FINISHED, completion.finish_reason
             _keep(request, api, completion)
-        elif completion.error is not None and completion.error.code != "aborted":
-            status, reason = RequestStatus.FAILED, "error"
         return response
-    except (asyncio.CancelledError, ConnectionResetError):
-        status, reason = RequestStatus.ABORTED, "abort"  # the client went away
-        raise
-    finally:
+    finally:  # an exception (the client went away): aborted
+        status, reason = _ending(completion) if ended else (RequestStatus.ABORTED, "abort")
         await asyncio.shield(gateway.end(run, status, reason, completion.usage, completion.error))
 
+
+async def _stream_batch(request: web.Request, gateway: Gateway, api: ClientApi,
+                        bodies: list[dict]) -> web.StreamResponse:
+    """A streamed batch: every prompt admitted on this path (one refused: the others end, aborted, and the answer
+    is its refusal), then their chunks in one stream (edge.http.completion_batch), then each one's terminal state."""
+    runs: list[Run] = []
+    try:
+        for body in bodies:
+            runs.append(await _admitted(request, gateway, api, body))
+    except ApiError as err:
+        await asyncio.shield(asyncio.gather(*(gateway.end(run, RequestStatus.ABORTED, "abort") for run in runs)))
+        return api.error(err)
+    completions = [Completion(run.inflight.request_id, run.request, gateway.model_name) for run in runs]
+    ended = False
+    try:
+        response = await stream_batch(request, gateway, runs, completions, api)
+        ended = True
+        return response
+    finally:  # an exception (the client went away): every prompt aborted
+        await asyncio.shield(asyncio.gather(*(
+            gateway.end(run, *(_ending(c) if ended else (RequestStatus.ABORTED, "abort")), c.usage, c.error)
+            for run, c in zip(runs, completions, strict=True))))
+
+
+def _ending(completion: Completion) -> tuple[RequestStatus, str]:
+    """The terminal state of an answer that went out (or was refused after admission): finished, failed (its own
+    error) or aborted (ended by the server, or cut off by another prompt's error in a batch's stream)."""
+    if completion.finish_reason in ("stop", "length"):
+        return RequestStatus.FINISHED, completion.finish_reason
+    if completion.error is not None and completion.error.code != "aborted":
+        return RequestStatus.FAILED, "error"
+    return RequestStatus.ABORTED, "abort"
 
 
 def _earlier(request: web.Request, api: ClientApi, body) -> tuple[dict, ...]:

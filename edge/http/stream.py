@@ -18,10 +18,10 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 async def collect(gateway: Gateway, run: Run, completion: Completion, api: ClientApi) -> web.Response:
     try:
         while completion.finish_reason is None:
-            _added(completion, run, await gateway.next_event(run))
+            added(completion, run, await gateway.next_event(run))
     except ApiError as err:
         completion.error = err
-        return _with_headers(api.error(err), run)
+        return with_headers(api.error(err), run)
     return web.json_response(api.body(completion), headers=run.headers)
 
 
@@ -31,14 +31,14 @@ async def stream(request: web.Request, gateway: Gateway, run: Run, completion: C
         event = await gateway.next_event(run)
     except ApiError as err:
         completion.error = err
-        return _with_headers(api.error(err), run)
+        return with_headers(api.error(err), run)
     response = web.StreamResponse(headers={**SSE_HEADERS, **run.headers})
     await response.prepare(request)
     writer = api.writer(completion)
     opened = False
     try:
         while True:
-            _added(completion, run, event)
+            added(completion, run, event)
             if not opened:
                 await response.write(writer.open())
                 opened = True
@@ -54,12 +54,12 @@ async def stream(request: web.Request, gateway: Gateway, run: Run, completion: C
     return response
 
 
-def _added(completion: Completion, run: Run, event) -> None:
+def added(completion: Completion, run: Run, event) -> None:
     """The event added; the worker's report (prompt scores, cached tokens) comes before any token."""
     completion.prompt_scores, completion.cached_tokens = run.prompt_logprobs, run.cached_tokens
     completion.add(event)
 
 
-def _with_headers(response: web.Response, run: Run) -> web.Response:
+def with_headers(response: web.Response, run: Run) -> web.Response:
     response.headers.update(run.headers)
     return response

@@ -106,9 +106,27 @@ def test_a_batch_of_prompts_gets_its_choices_prompt_major(client):
     assert len(tokens.choices) == 2 and tokens.usage.prompt_tokens == 5 and tokens.usage.completion_tokens == 4
 
 
+def test_a_streamed_batch_of_prompts_is_one_stream_with_prompt_major_indexes(client):
+    """Issue 48.8: the openai SDK's stream of a list of prompts: chunks of both prompts, each choice index i*n + j
+    ended with its finish_reason (each echoing its own prompt), the usage summed at the end."""
+    chunks = list(client.completions.create(model=MODEL, prompt=["The sky is", "One, two,"], n=2, max_tokens=3,
+                                            temperature=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    ends: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason is not None:
+            ends[choice.index] = choice.finish_reason
+    assert sorted(texts) == [0, 1, 2, 3] and ends == {i: "length" for i in range(4)}
+    assert [texts[i].split(" ")[0] for i in range(4)] == ["The", "The", "One,", "One,"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": ["one", "two"], "stream": True}, "stream"),
     ({"prompt": ["one", [5, 10**9]]}, "prompt[1][1]"),
 ])
 def test_what_openai_refuses_is_refused(server, body, param):

@@ -9,22 +9,30 @@ client sends (`cache_salt`, as vLLM names it) only narrows sharing further: it i
 group's), so a client who copies another's salt still gets a different one. Ray routing affinity
 (edge.core.affinity.prefix_key) is keyed by the same salt, so a prompt follows only its own tenant's cached prefixes.
 
-The derivation is keyed with a secret drawn at start-up, so the salt of one key cannot be computed from the
-outside, and it changes with each start (the caches are empty then anyway).
+The derivation is keyed with a secret, so the salt of one key cannot be computed from the outside. It is drawn
+at start-up, unless the prompt caches outlive a restart (the workers' disk tier, `kv_disk_bytes`): then it is
+kept in a 0600 file beside them (`secret_file`), so a tenant's stored prefixes keep their salt across restarts
+and stay theirs alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import secrets
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SECRET_BYTES = 32
 
 SCOPES = ("key", "shared")  # the policy's prefix_cache.scope: per API key (or tenant), or one cache for all
 MAX_CLIENT_SALT_CHARS = 256
 
 
 class CacheSalter:
-    def __init__(self, secret: bytes | None = None) -> None:
-        self._secret = secret or secrets.token_bytes(32)
+    def __init__(self, secret: bytes | None = None, secret_file: Path | None = None) -> None:
+        self._secret = secret or (kept_secret(secret_file) if secret_file else secrets.token_bytes(SECRET_BYTES))
 
     def salt(self, scope: str, key_id: str | None, tenant: str | None, client_salt: str = "",
              group: str | None = None) -> str:
@@ -43,3 +51,29 @@ class CacheSalter:
             return ""
         text = f"{owner}\1{client_salt}".encode("utf-8", "surrogatepass")
         return hashlib.blake2b(text, key=self._secret, digest_size=16).hexdigest()
+
+
+def kept_secret(path: Path) -> bytes:
+    """The secret kept in `path` (made, 0600, on first use). A file that is not exactly one secret, or that others
+    may read, is replaced by a new one (logged): the salts change once, and the stored prefixes of the old ones
+    are never hit again (they age out of their tier)."""
+    path = Path(path)
+    try:
+        info = path.stat()
+        secret = path.read_bytes()
+        if len(secret) == SECRET_BYTES and not info.st_mode & 0o077:
+            return secret
+        log.warning("cache salt: %s is not a private %d-byte secret; a new one replaces it", path, SECRET_BYTES)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    secret = secrets.token_bytes(SECRET_BYTES)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, secret)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    return secret

@@ -67,3 +67,25 @@ def test_the_policy_names_groups_of_listed_keys_each_in_one_group(tmp_path):
     text = str(caught.value)
     assert "prefix_cache.groups[0].keys[1]" in text and "not an API key" in text
     assert "prefix_cache.groups[1].keys[0]" in text and "in two groups" in text
+
+
+def test_a_kept_secret_gives_the_same_salts_after_a_restart(tmp_path):
+    """With the workers' disk tier a tenant's stored prefixes must keep their salt across a gateway restart."""
+    path = tmp_path / "state" / "cache-salt.secret"
+    first = CacheSalter(secret_file=path).salt("key", "sha256:a", None)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert CacheSalter(secret_file=path).salt("key", "sha256:a", None) == first
+    assert CacheSalter(secret_file=path).salt("key", "sha256:b", None) != first
+    assert CacheSalter().salt("key", "sha256:a", None) != first  # without the file: a fresh secret each start
+
+
+def test_a_kept_secret_others_may_read_is_replaced(tmp_path):
+    path = tmp_path / "cache-salt.secret"
+    first = CacheSalter(secret_file=path).salt("key", "sha256:a", None)
+    path.chmod(0o644)
+    assert CacheSalter(secret_file=path).salt("key", "sha256:a", None) != first
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.write_bytes(b"short")
+    path.chmod(0o600)
+    replaced = CacheSalter(secret_file=path)
+    assert len(path.read_bytes()) == 32 and replaced.salt("key", "sha256:a", None) != first

@@ -71,6 +71,7 @@ class PrefillConfig:
     kv_disk_bytes: int = 0  # the prompt cache's disk tier (prefill_cpu.kv_disk_tier), at most; 0: none
     kv_disk_dir: str = ""  # its root folder; "": under contracts.cache.cache_root()
     worker_name: str = "prefill-0"  # the disk tier's folder is this worker's own
+    prefill_copy_kinds: tuple[str, ...] | None = None  # the copies the memory plan leaves room for (None: auto's rule)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Prefiller:
         self._owns_model = model is None
         # the file llama.cpp loads; the identity (what handoffs are checked against) stays model_path's
         self.weights_path = model.model_path if model is not None else prefill_weights_path(
-            self.identity, config.weights, threads, config.n_batch)
+            self.identity, config.weights, threads, config.n_batch, copy_kinds=config.prefill_copy_kinds)
         # the Llama object gives us the model, tokenizer and metadata; its own context stays minimal because
         # the prompt cache needs several sequences in one unified KV buffer, which Llama() cannot ask for
         self.llm = model if model is not None else llama_cpp.Llama(

@@ -50,7 +50,7 @@ async def serve(config: WorkerProcessConfig) -> None:
                                         n_threads=config.threads_per_worker, kv_type=config.kv_type,
                                         prefix_cache_tokens=config.prefix_cache_tokens, weights=config.prefill_weights,
                                         kv_disk_bytes=config.kv_disk_bytes, kv_disk_dir=config.kv_disk_dir,
-                                        worker_name=config.name))
+                                        worker_name=config.name, prefill_copy_kinds=config.prefill_copy_kinds))
     extra = prepare_extra_contexts(prefiller, extra_kv_types(config))
     if config.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
         share = CpuShare(config.cpu_share_file)

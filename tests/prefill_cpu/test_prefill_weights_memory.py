@@ -56,3 +56,23 @@ def test_a_recorded_copy_the_plan_has_no_room_for_is_not_used(embedded_model_pat
     assert json.loads((folder / prefill_weights.DECISION_FILE).read_text()) == record  # the measurement is kept
     assert "does not fit the memory plan" in prefill_weights.auto_outlook(identity, ())
     assert prefill_weights.auto_outlook(identity).startswith("its f16 copy")
+
+
+def test_the_worker_passes_the_plans_copies_to_its_prefiller(embedded_model_path, monkeypatch):
+    """The plan's copy kinds travel edge serve -> WorkerProcessConfig -> PrefillConfig -> prefill_weights_path."""
+    from prefill_cpu import prefiller
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def recorded(identity, choice, threads, n_batch, copy_kinds=None):
+        seen.update(choice=choice, copy_kinds=copy_kinds)
+        raise Stop
+
+    monkeypatch.setattr(prefiller, "prefill_weights_path", recorded)
+    with pytest.raises(Stop):
+        prefiller.Prefiller(prefiller.PrefillConfig(str(embedded_model_path), n_ctx=256, weights="auto",
+                                                    prefill_copy_kinds=("q8_0",)))
+    assert seen == {"choice": "auto", "copy_kinds": ("q8_0",)}

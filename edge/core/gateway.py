@@ -18,7 +18,7 @@ from contracts.messages import ChatMessage, EmbedDone, PrefillFailed, PrefillJob
 from contracts.tasks import spawn
 from edge.api.errors import model_not_found, policy_error
 from edge.api.openai_request import ApiError, GenerateRequest
-from edge.config import ServeConfig
+from edge.config import ServeConfig, default_threads
 from edge.core.affinity import prefix_key
 from edge.core.cache_salt import CacheSalter
 from edge.core.engine_client import EngineClient
@@ -53,7 +53,9 @@ class Gateway:
         # an embedding GGUF served on its own (contracts.model_kind): no decode engine; generation routes answer 400
         self.embedding_only = False
         self.observers: list = []  # callables taking a RequestRecord, called once per request on the event loop
-        self.slo = SloControl(pool, metrics)  # objectives: deadlines, TTFT prediction, early refusal, attainment
+        # objectives: deadlines, TTFT prediction, early refusal, attainment; the prefill line's record is keyed by the
+        # workers' real thread count (threads_per_worker, else cores / workers)
+        self.slo = SloControl(pool, metrics, threads=default_threads(config))
         self.observers.append(self.slo.observe)
         self.events = RequestEvents(config, engine, metrics, self.slo, self.ttft_window)
 

@@ -153,3 +153,20 @@ def test_prefills_beside_decoding_teach_their_own_line(tmp_path):
     assert predictor._seconds(130, beside=True, slowed=BESIDE_CPU_DECODE) == pytest.approx(0.32, rel=0.05)
     teach(predictor, beside=True, fixed_ms=40.0, per_token_ms=1.5)  # measured: 1.5x, not the 2x assumed
     assert predictor._seconds(130, beside=True, slowed=BESIDE_CPU_DECODE) == pytest.approx(0.235, rel=0.05)
+
+
+def test_the_gateway_reads_the_line_recorded_for_its_workers_thread_count(tmp_path):
+    """Issue 47: the gateway's predictor is keyed by threads_per_worker when it is set, so a start with 97 threads a
+    worker reads the line a 97-thread run recorded, and a start with the default (cores / workers) does not."""
+    earlier = TTFTPredictor(pool(), cache_dir=tmp_path, threads=97)
+    teach(earlier)
+
+    def predictor_of(threads_per_worker: int) -> TTFTPredictor:
+        config = ServeConfig(threads_per_worker=threads_per_worker, prefill_workers=1)
+        gateway = Gateway(config, "m", pool(), FakeEngine(), InFlightRegistry(), Metrics("m"),
+                          PolicyEnforcer(parse_policy(POLICY, "slo.toml")))
+        gateway.slo.predictor.cache_dir = tmp_path
+        return gateway.slo.predictor
+
+    assert predictor_of(97).predict(0, 0.0, 130, {}) is not None
+    assert predictor_of(0).predict(0, 0.0, 130, {}) is None  # recorded for other settings: nothing known

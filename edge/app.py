@@ -27,6 +27,7 @@ from contracts.startup_clock import since_start
 from contracts.tasks import spawn
 from edge.api.structured import GrammarChecks
 from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
+from edge.core import prefill_probe
 from edge.core.engine_client import EngineClient
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import InFlightRegistry
@@ -222,6 +223,7 @@ def make_app(config: ServeConfig) -> web.Application:
         pool, engine = _local_components(config, registry, engine_address, worker_addresses, supervisor, recompute)
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     gateway.embedding_only = embedding_only
+    gateway.probe_pending = not embedding_only and prefill_probe.wanted(enforcer.policy)  # a TTFT promised
     if embedding_only:
         log.info("%s is an embedding model (%s, %s pooling): prefill workers only, no decode engine; generation "
                  "routes answer 400", model_name, kind.reason, kind.pooling)
@@ -303,6 +305,8 @@ async def _connections(app: web.Application):
     tasks = [spawn(gateway.pool.run(), "the prefill worker connections", log)]
     if not gateway.embedding_only:  # an embedding model has no engine to connect to
         tasks.append(spawn(gateway.engine.run(), "the decode engine connection", log))
+    if gateway.probe_pending:  # ready once the prefill line is known (a record, or measured now; bounded)
+        tasks.append(spawn(prefill_probe.measure_at_start(gateway), "the prefill line's start-up probe", log))
     tasks.append(spawn(_announce_ready(gateway), "the readiness announcement", log))
     yield
     gateway.engine.closing = gateway.pool.closing = True

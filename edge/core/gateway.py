@@ -58,9 +58,17 @@ class Gateway:
         self.slo = SloControl(pool, metrics, threads=default_threads(config))
         self.observers.append(self.slo.observe)
         self.events = RequestEvents(config, engine, metrics, self.slo, self.ttft_window)
+        # edge.app sets it when the policy promises a TTFT: not ready until the start-up probe of the prefill line
+        # ended (edge.core.prefill_probe, bounded in time), so the first burst is already predicted
+        self.probe_pending = False
 
     @property
     def ready(self) -> bool:
+        return self.components_ready and not self.probe_pending
+
+    @property
+    def components_ready(self) -> bool:
+        """The engine and a prefill worker are up (the start-up probe may still run)."""
         return (self.embedding_only or self.engine.state == "ready") and self.pool.num_ready > 0
 
     def check_key(self, request: web.Request) -> None:
@@ -178,6 +186,9 @@ class Gateway:
         """Loading at start; afterwards a component is restarting (or unreachable): say which. workers_only: the
         request needs no engine (embeddings, or an embedding model served on its own)."""
         workers_only = workers_only or self.embedding_only
+        if self.probe_pending and self.components_ready:
+            return ApiError(503, "the model is still loading (measuring its prefill speed)", error_type="server_error",
+                            code="loading", headers={"Retry-After": "2"})
         never_ready = (workers_only or self.engine.state == "connecting") and \
             all(w.info is None and w.stuck_count == 0 for w in self.pool.workers.values())
         if never_ready:

@@ -136,6 +136,10 @@ class SloControl:
         beside = any(p.decoding for rid, p in self.pending.items() if rid != inflight.request_id)
         self.predictor.prefilled(done, None if done.resumed else known, beside)
 
+    def probed(self, done: PrefillDone) -> None:
+        """A prefill of the start-up probe (edge.core.prefill_probe): the predictor's line alone, no request's."""
+        self.predictor.probed(done)
+
     def first_token(self, inflight: InFlight, ttft_s: float) -> None:
         known = self.pending.get(inflight.request_id)
         if known is None:

@@ -253,6 +253,18 @@ class TTFTPredictor:
             self.tokens_per_byte.add(done.num_prompt_tokens / known.text_bytes)
         self._record()
 
+    def probed(self, done: PrefillDone) -> None:
+        """A start-up probe's prefill (edge.core.prefill_probe: a fresh cache salt, nothing handed off): its time on
+        the line alone, and nothing else, since its handoff, cache hits and text are no real request's."""
+        if done.prefill_ms > 0 and done.num_prompt_tokens:
+            self.prefill.add(done.num_prompt_tokens - done.cached_tokens, done.prefill_ms / 1e3)
+
+    def known(self) -> bool:
+        """A prefill line is known: measured in this run, or recorded by an earlier one for the ready workers'
+        settings (read now, once a ready worker said which model it serves)."""
+        self._load_record([w for w in self.pool.workers.values() if w.state == "ready"])
+        return self.prefill.measured
+
     def _settings(self, ready) -> dict | None:
         info = next((w.info for w in ready if w.info is not None), None)
         if info is None:

@@ -1,0 +1,92 @@
+"""The prefill line measured at start (issue 47), for a first-ever start: with no line recorded by an earlier run
+(edge.core.prefill_line), the TTFT predictor knew nothing until the first real prefill ended, so a burst sent right
+after start was all admitted and missed its objectives. When some class promises a TTFT, the gateway now holds its
+readiness until a few short real prefills ran through the pool: two prompt sizes, each twice, each under a fresh
+cache salt (no prompt-cache hit) and with max_tokens 0 (the worker computes the prompt and hands nothing to an
+engine: prefill_cpu/prefill_worker.py), their times fed to the predictor's line (SloControl.probed). A probe is short
+and never trusted alone (docs/DESIGN: "a start-up probe is short and never trusted alone"): real prefills move the
+line from the first one on, and it is recorded only once MIN_RECORDED prefills were measured. Bounded: a probe past
+PROBE_TIMEOUT_S, or one that fails, is logged and readiness goes on without it. A start with a recorded line, or
+whose policy promises no TTFT, pays nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from contracts.handoff import SamplingParams
+from contracts.messages import PrefillDone, PrefillJob
+from edge.core.lifecycle import InFlight
+
+log = logging.getLogger("edge.core.prefill_probe")
+PROBE_TOKENS = (16, 128, 16, 128)  # two sizes, so the line's fixed part and per-token part can be told apart
+PROBE_TIMEOUT_S = 5.0  # on a busy box; about 1 s of prefill on a 2-core one
+PROBE_POLL_S = 0.05  # how often the start-up looks whether the engine and a worker are up
+FIRST_TOKEN_ID = 1000  # the probe prompts' token ids start past the special tokens at the vocabulary's start
+
+
+def wanted(policy) -> bool:
+    """Some class promises a TTFT (its own objective, or one a request's header may ask for)."""
+    return any(c.ttft_slo_ms or c.min_ttft_slo_ms for c in policy.classes.values())
+
+
+async def measure_at_start(gateway, timeout_s: float = PROBE_TIMEOUT_S, poll_s: float = PROBE_POLL_S) -> None:
+    """Once the engine and a worker are up: the probe when no line is known for these settings, then the gateway is
+    ready (Gateway.probe_pending cleared, whatever happened)."""
+    try:
+        while not gateway.components_ready:
+            await asyncio.sleep(poll_s)
+        if gateway.slo.predictor.known():
+            return  # an earlier run's record (prefill_line logged it)
+        try:
+            await asyncio.wait_for(probe(gateway), timeout_s)
+        except TimeoutError:
+            log.warning("slo: the prefill line was not measured at start within %.0f s; TTFT predictions start with "
+                        "the first real prefill", timeout_s)
+        except Exception:  # a probe must never keep the gateway from serving
+            log.exception("slo: measuring the prefill line at start failed; TTFT predictions start with the first "
+                          "real prefill")
+    finally:
+        gateway.probe_pending = False
+
+
+async def probe(gateway) -> None:
+    """PROBE_TOKENS prompts through the pool at once; each PrefillDone goes to the predictor's line."""
+    pool, registry = gateway.pool, gateway.registry
+    jobs = [probe_job(tokens, pool.vocab_size or 32000) for tokens in PROBE_TOKENS]
+    waiting = [InFlight(job.request_id, job.priority, needs_engine=False) for job in jobs]
+    for inflight in waiting:
+        registry.add(inflight)
+    answered: set[str] = set()
+    try:
+        for job in jobs:
+            pool.submit(job)
+        for inflight in waiting:
+            message = await inflight.events.get()
+            answered.add(inflight.request_id)
+            if isinstance(message, PrefillDone):
+                gateway.slo.probed(message)
+            else:
+                log.warning("slo: a prefill of the start-up probe failed: %s", getattr(message, "message", message))
+    finally:
+        for inflight in waiting:
+            if inflight.request_id not in answered:
+                await pool.cancel(inflight.request_id)
+            registry.remove(inflight.request_id)
+    line = gateway.slo.predictor.prefill
+    if line.measured:
+        fixed_s, per_token_s = line.line()
+        log.info("slo: prefill line measured at start: %.0f ms + %.2f ms/token (%d prefills of %s tokens)",
+                 fixed_s * 1e3, per_token_s * 1e3, line.num_measured, "/".join(map(str, sorted(set(PROBE_TOKENS)))))
+
+
+def probe_job(num_tokens: int, vocab_size: int) -> PrefillJob:
+    """A prompt of num_tokens ordinary token ids, its own cache salt (nothing cached can serve it), max_tokens 0
+    (computed, nothing handed off)."""
+    span = max(1, vocab_size - FIRST_TOKEN_ID) if vocab_size > FIRST_TOKEN_ID else vocab_size
+    base = FIRST_TOKEN_ID if vocab_size > FIRST_TOKEN_ID else 0
+    tokens = tuple(base + (i * 37) % span for i in range(num_tokens))
+    key = uuid.uuid4().hex
+    return PrefillJob(f"slo-probe-{key}", SamplingParams(temperature=0.0, max_tokens=0), prompt_tokens=tokens,
+                      max_prompt_tokens=num_tokens, cache_salt=f"slo-probe-{key}")

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import os
 import sys
+import threading
+import time
 
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
@@ -91,8 +95,28 @@ def main(argv=None) -> None:
                 # a new or idle connection must send its headers in time
                 keepalive_timeout=config.limits.header_timeout_s,
                 print=lambda msg: logging.getLogger("edge").info(msg.strip()))
-    if supervisor is not None and supervisor.start_failure:
-        sys.exit(f"edge: the start failed: {supervisor.start_failure}")
+    failure = supervisor.start_failure if supervisor is not None else None
+    _exit_within(EXIT_BOUND_S, 1 if failure else 0)
+    if failure:
+        sys.exit(f"edge: the start failed: {failure}")
+
+
+EXIT_BOUND_S = 10.0  # after the drain and the children's stop, the interpreter's own exit takes at most this
+
+
+def _exit_within(seconds: float, code: int) -> None:
+    """The drain is over and the children are stopped; what is left is the interpreter's exit, which joins every
+    non-daemon thread (an executor's worker still blocked in a call, a library's thread) and runs atexit hooks. A
+    thread that never returns would hold the process past SIGTERM's bound, so a watchdog ends it: past `seconds`
+    it writes every thread's stack to stderr (the log says what held it) and exits with `code`."""
+    def watchdog() -> None:
+        time.sleep(seconds)
+        logging.getLogger("edge").error("the process did not exit within %.0f s of its shutdown; the threads "
+                                        "that held it:", seconds)
+        faulthandler.dump_traceback(all_threads=True)
+        logging.shutdown()
+        os._exit(code)
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 
 def _plan(config, model: str) -> tuple[MemoryPlan, object]:

@@ -23,6 +23,8 @@ import os
 import secrets
 from pathlib import Path
 
+from contracts.cache import cache_root
+
 log = logging.getLogger(__name__)
 SECRET_BYTES = 32
 
@@ -77,3 +79,11 @@ def kept_secret(path: Path) -> bytes:
         os.close(fd)
     os.replace(temporary, path)
     return secret
+
+
+def secret_file(config) -> Path | None:
+    """Where the salt's secret is kept: beside the workers' disk tier when it is on (its prefixes outlive a
+    restart, and must keep their salts), else nowhere (a fresh secret each start)."""
+    if not config.kv_disk_bytes:
+        return None
+    return (Path(config.kv_disk_dir) if config.kv_disk_dir else cache_root() / "kv") / "cache-salt.secret"

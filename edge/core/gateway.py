@@ -20,7 +20,7 @@ from edge.api.errors import model_not_found, policy_error
 from edge.api.openai_request import ApiError, GenerateRequest
 from edge.config import ServeConfig, default_threads
 from edge.core.affinity import prefix_key
-from edge.core.cache_salt import CacheSalter
+from edge.core.cache_salt import CacheSalter, secret_file
 from edge.core.engine_client import EngineClient
 from edge.core.engine_link import EMPTY_STATS, EngineLink
 from edge.core.lifecycle import InFlight, InFlightRegistry, RequestStatus
@@ -48,7 +48,7 @@ class Gateway:
         self.pool, self.engine, self.registry, self.metrics = pool, engine, registry, metrics
         self.enforcer = enforcer
         self.ttft_window = TTFTWindow()
-        self.salter = CacheSalter()
+        self.salter = CacheSalter(secret_file=secret_file(config))
         self.shutting_down = False
         # an embedding GGUF served on its own (contracts.model_kind): no decode engine; generation routes answer 400
         self.embedding_only = False

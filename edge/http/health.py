@@ -11,6 +11,7 @@ from edge.api.fields import ApiError
 from edge.core.gateway import Gateway
 from edge.http.embeddings import model_facts
 from edge.observe.gauges import refresh_gauges
+from edge.observe.process_memory import memory_report
 from edge.state import GATEWAY, GRAMMAR_CHECKS, RELOADER, SUPERVISOR
 
 
@@ -55,7 +56,8 @@ async def health(request: web.Request) -> web.Response:
             "errors": _component_errors(gateway), "prefill": _prefill_state(gateway),
             "prefill_queue": gateway.pool.queue_length, "policy": _policy_state(request),
             "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None,
-            "structured_outputs": request.app[GRAMMAR_CHECKS].state(), **model_facts(gateway)}
+            "structured_outputs": request.app[GRAMMAR_CHECKS].state(), **model_facts(gateway),
+            "memory": memory_report(request.app, supervisor)}  # each process's RSS and PSS against the memory plan
     if (engines := gateway.engine.describe()) is not None:
         body["engines"] = engines
     return web.json_response(body, status=200 if ready else 503)

@@ -89,3 +89,10 @@ def test_a_kept_secret_others_may_read_is_replaced(tmp_path):
     path.chmod(0o600)
     replaced = CacheSalter(secret_file=path)
     assert len(path.read_bytes()) == 32 and replaced.salt("key", "sha256:a", None) != first
+
+
+def test_the_secret_is_kept_only_when_the_disk_tier_is_on(tmp_path):
+    from edge.config import ServeConfig
+    from edge.core.cache_salt import secret_file
+    assert secret_file(ServeConfig()) is None
+    assert secret_file(ServeConfig(kv_disk_bytes=1 << 30, kv_disk_dir=str(tmp_path))) == tmp_path / "cache-salt.secret"

@@ -81,3 +81,11 @@ def test_each_app_holds_its_own_grammar_checks_and_its_drain_closes_them(tmp_pat
     fallback[GATEWAY], _ = fake_gateway()
     add_routes(fallback)  # an app built without edge.app gets checks of its own
     assert fallback[GRAMMAR_CHECKS] is not first[GRAMMAR_CHECKS] and fallback[GRAMMAR_CHECKS] is not None
+
+
+def test_health_reports_each_processs_memory():
+    """The gateway's own RSS and PSS at least (no supervisor, no plan here: edge serve adds its children and plan)."""
+    import os
+    memory = health(FakeEngine("ready"))["memory"]
+    gateway = memory["processes"]["gateway"]
+    assert gateway["pid"] == os.getpid() and gateway["rss"] > 10 << 20 and memory["total"]["rss"] >= gateway["rss"]

@@ -244,10 +244,12 @@ def test_closing_a_stream_frees_its_kv_blocks(server, client):
         lines = response.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
-        assert wait_for(lambda: server.metric("edge:kv_cache_blocks_used") > 0, 5)
+        assert wait_for(lambda: server.metric("edge:kv_cache_blocks_used") > 0, 30)
     closed = time.monotonic()
-    assert wait_for(lambda: server.metric("edge:kv_cache_blocks_used") == 0, 3)
-    assert time.monotonic() - closed < 1.5  # freed within about a second (metrics refresh every 0.5 s)
+    assert wait_for(lambda: server.metric("edge:kv_cache_blocks_used") == 0, 30)
+    # freed within about a second quiet (metrics refresh every 0.5 s); 10 s allows a loaded box, and still fails if
+    # the blocks were freed only when the stream ran out: ~394 more tokens, tens of seconds on this CPU
+    assert time.monotonic() - closed < 10.0
     assert client.completions.create(model=MODEL, prompt="Next request", max_tokens=3).choices[0].text is not None
 
 

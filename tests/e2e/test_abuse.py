@@ -143,7 +143,8 @@ def test_explosive_schemas_whose_clients_leave_stall_nobody(server):
     # stopped (imports and the vocabulary: seconds on a busy machine). An absolute 5 s was missed at 4.2 s (1.2 s
     # alone) with other tests beside it.
     assert answered_s < alone_s + 8.0, (answered_s, alone_s)
-    assert max(gaps) < 1.0
+    # compiles run niced: a stream's worst gap stays near its own alone (measured as loaded as now); 1 s quiet
+    assert max(gaps) < max(1.0, 3 * baseline), (max(gaps), baseline)
 
 
 def test_one_key_gets_one_compile_at_a_time(server):
@@ -166,7 +167,7 @@ def test_one_key_gets_one_compile_at_a_time(server):
     assert codes.count((429, "structured_output_compiles_per_key")) == 1, codes
     assert codes.count((400, "structured_output_too_complex")) == 2, codes  # the waiting one had its turn
     refused_s = [s for s, r in results if r.status_code == 429]
-    assert refused_s[0] < 1.0, refused_s
+    assert refused_s[0] < 2.5, refused_s  # at once: waiting for a turn would take the 5 s compile limit
 
 
 def ttft(base: str, key: str, prompt: str) -> tuple[float, int]:
@@ -302,4 +303,6 @@ def test_sigterm_exits_within_the_drain_time_whatever_is_compiling(server):
         thread.join()
     print(f"exited {code} in {exit_s:.2f} s after SIGTERM with compiles running (drain time {GRACE_S} s)")
     assert code == 0
-    assert exit_s < GRACE_S + 1.0 + 2.0  # the drain, the 1 s of 503s before it, and stopping the children
+    # the drain, the 1 s of 503s before it, and stopping the children (4 s on a loaded box); a compile holding the
+    # exit would take its 5 s limit on top
+    assert exit_s < GRACE_S + 1.0 + 4.0

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from edge.api.fields import ApiError, checked_text, get_field, show
 
-if TYPE_CHECKING:  # openai_api imports this module
-    from edge.api.openai_request import GenerateRequest
+if TYPE_CHECKING:
+    from edge.api.generate_request import GenerateRequest
 
 COMPILE_PROCESSES = 2  # the gateway's compile processes (each takes one core while it compiles)
 COMPILES_PER_OWNER = 1  # of them, at most this many for one API key (or one client address without keys); the

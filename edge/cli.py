@@ -95,13 +95,24 @@ def main(argv=None) -> None:
                 # a new or idle connection must send its headers in time
                 keepalive_timeout=config.limits.header_timeout_s,
                 print=lambda msg: logging.getLogger("edge").info(msg.strip()))
-    failure = supervisor.start_failure if supervisor is not None else None
-    _exit_within(EXIT_BOUND_S, 1 if failure else 0)
-    if failure:
-        sys.exit(f"edge: the start failed: {failure}")
+    if supervisor is not None and supervisor.start_failure:
+        sys.exit(f"edge: the start failed: {supervisor.start_failure}")
 
 
 EXIT_BOUND_S = 10.0  # after the drain and the children's stop, the interpreter's own exit takes at most this
+
+
+def command() -> None:
+    """`edge` as a process (the console script, `python -m edge.cli`): main(), then the process's exit bounded. Not
+    in main() itself: a caller in the same process (a test) must never be ended by the watchdog."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+        raise
+    finally:
+        _exit_within(EXIT_BOUND_S, code)
 
 
 def _exit_within(seconds: float, code: int) -> None:
@@ -160,4 +171,4 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command()

@@ -28,3 +28,24 @@ def test_a_clean_exit_is_not_delayed():
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and time.monotonic() - began < 25, done.stderr
+
+
+def test_main_called_in_process_arms_no_watchdog(monkeypatch):
+    """Only the command (the console script) bounds the exit: a test calling main() in its own process, with the
+    server stubbed, must not be ended 10 s later (an armed watchdog once ended a whole test run with status 0)."""
+    import threading
+
+    from aiohttp import web
+
+    import edge.app
+    from edge import cli
+    monkeypatch.setattr(edge.app, "make_app", lambda config: web.Application())
+    monkeypatch.setattr(cli.web, "run_app", lambda app, **kwargs: None)
+    cli.main(["serve", "--port", "0"])
+    assert not [t for t in threading.enumerate() if t.name == "exit-watchdog"]
+
+
+def test_the_console_script_is_the_bounded_command():
+    import importlib.metadata
+    (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "edge"]
+    assert script.value == "edge.cli:command"

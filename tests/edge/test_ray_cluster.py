@@ -138,7 +138,7 @@ def test_the_actors_listen_inside_tls(server, control_tls):
     handshake's challenge over it (the links above worked through the same)."""
     ports = []
     for process in psutil.process_iter(["cmdline"]):
-        if re.search(r"edge\.child_main.*tcp://0\.0\.0\.0", " ".join(process.info["cmdline"] or [])):
+        if re.search(r"edge\.launch\.child_main.*tcp://0\.0\.0\.0", " ".join(process.info["cmdline"] or [])):
             ports += [c.laddr.port for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
     assert len(ports) == 4  # 2 workers, 2 engines
 
@@ -198,7 +198,7 @@ def test_nothing_is_left_behind(server, cluster):
         for process in psutil.process_iter(["cmdline", "create_time"]):
             cmdline = " ".join(process.info["cmdline"] or [])
             if process.info["create_time"] >= STARTED and re.search(r"raylet|gcs_server|ray::|default_worker|"
-                                                                    r"edge\.child_main.*tcp://0\.0\.0\.0", cmdline):
+                                                                    r"edge\.launch\.child_main.*tcp://0\.0\.0\.0", cmdline):
                 found.append(cmdline[:120])
         return found
     assert wait_for(lambda: not ours(), 20, 0.2), ours()

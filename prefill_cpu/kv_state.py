@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contracts.kv_dtypes import KVDType, kv_dtype_for_ggml_type
+from contracts.handoff import KVHandoff
+from contracts.kv_dtypes import KVDType, kv_dtype, kv_dtype_for_ggml_type
 
 STATE_SEQ_MAGIC = 0xAF143CD8
 
@@ -204,3 +205,47 @@ def _same_dtype(previous: KVDType | None, type_id: int, name: str, il: int) -> K
     if previous is not None and dtype != previous:
         raise KVStateFormatError(f"{name} of layer {il} is {dtype.name}, earlier layers are {previous.name}")
     return dtype
+
+
+def serialize_seq_state(state: SeqKVState, n_embd_k: int, n_embd_v: int) -> bytes:
+    """The inverse of parse_seq_state for a state whose cells are in position order 0..n-1 (what the parser gives
+    back): bytes llama_state_seq_set_data accepts, so that KV made elsewhere (the decode engine's answer, a handoff)
+    becomes a llama.cpp sequence again. One stream; sliding-window states are refused (their second cache holds only
+    the window, and the prompt cache is off for such models anyway)."""
+    if state.swa_layers:
+        raise KVStateFormatError("a state with sliding-window layers cannot be written back")
+    n, n_layer = state.n_tokens, len(state.k_layers)
+    if state.positions != tuple(range(n)) or n == 0:
+        raise KVStateFormatError("only a state of positions 0..n-1 (n > 0) is written back")
+    if len(state.v_layers) != n_layer:
+        raise KVStateFormatError(f"{n_layer} K layers but {len(state.v_layers)} V layers")
+    parts = [struct.pack("<IiII", STATE_SEQ_MAGIC, state.seq_id, 1, n)]
+    parts.append(b"".join(struct.pack("<iIi", pos, 1, state.seq_id) for pos in state.positions))
+    parts.append(struct.pack("<II", int(state.v_transposed), n_layer))
+    k_row = state.k_dtype.row_bytes(n_embd_k)
+    for il, layer in enumerate(state.k_layers):
+        _check_size(layer, k_row * n, "K", il)
+        parts += [struct.pack("<iQ", state.k_dtype.ggml_type, k_row), layer]
+    for il, layer in enumerate(state.v_layers):
+        if state.v_transposed:
+            if state.v_dtype.quantized:
+                raise KVStateFormatError("a transposed V cannot be quantized")
+            _check_size(layer, state.v_dtype.block_bytes * n_embd_v * n, "V", il)
+            parts += [struct.pack("<iII", state.v_dtype.ggml_type, state.v_dtype.block_bytes, n_embd_v), layer]
+        else:
+            v_row = state.v_dtype.row_bytes(n_embd_v)
+            _check_size(layer, v_row * n, "V", il)
+            parts += [struct.pack("<iQ", state.v_dtype.ggml_type, v_row), layer]
+    return b"".join(parts)
+
+
+def state_from_handoff(handoff: KVHandoff, seq_id: int = 0) -> SeqKVState:
+    """A handoff's KV (its own encoding: llama.cpp's rows) as a sequence state, for serialize_seq_state."""
+    lay = handoff.layout
+    return SeqKVState(seq_id, tuple(handoff.positions), lay.v_transposed, kv_dtype(lay.k_dtype), kv_dtype(lay.v_dtype),
+                      tuple(handoff.k_layers), tuple(handoff.v_layers), tuple(lay.swa_layers), lay.swa_start)
+
+
+def _check_size(layer: bytes, expected: int, name: str, il: int) -> None:
+    if len(layer) != expected:
+        raise KVStateFormatError(f"{name} of layer {il} is {len(layer)} bytes, expected {expected}")

@@ -136,8 +136,9 @@ _KNOBS = (
     Knob("dtype", str, AUTO, "decode weights and activations (auto: bfloat16 on CUDA and bfloat16-capable CPUs)",
          choices=(AUTO, "float32", "bfloat16", "float16")),
     Knob("weight_dtype", str, AUTO, "decode weights: int8/int4 weight-only quantization, q8_0 on ggml's CPU kernels, "
-         "or float (auto: the GGUF's quantization on CUDA, a measurement on the CPU; docs/decode.md)",
-         choices=(AUTO, *FLOAT_WEIGHT_DTYPES, "int8", "int4", "q8_0"), flag=True),
+         "gguf (the GGUF's own blocks, mmap'd, on ggml's CPU kernels: no second copy), or float (auto: the GGUF's "
+         "quantization on CUDA, a measurement or the memory plan on the CPU; docs/decode.md)",
+         choices=(AUTO, *FLOAT_WEIGHT_DTYPES, "int8", "int4", "q8_0", "gguf"), flag=True),
     Knob("kv_storage", str, AUTO, "decode KV pool storage (auto: the model's dtype; int4: 0.59x int8's bytes, lower "
          "fidelity; docs/decode.md)", choices=(AUTO, "float32", "float16", "bfloat16", "int8", "int4"), flag=True),
     Knob("kv_cache_tokens", int, None, "decode KV pool size in tokens (0 or unset: what the memory plan leaves on "

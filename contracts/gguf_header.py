@@ -84,6 +84,7 @@ class GGUFHeader:
     path: str
     fields: dict[str, HeaderField]
     tensors: tuple[HeaderTensor, ...]
+    data_start: int = 0  # where the data section begins in the file (a tensor's bytes: data_start + data_offset)
 
     def get_field(self, key: str) -> HeaderField | None:
         return self.fields.get(key)
@@ -131,7 +132,8 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFHeader:
         except struct.error as err:  # a read past the end
             raise GGUFError(path, f"truncated or corrupt GGUF header ({err})") from None
         _check_layout(path, fields, tensors, cursor.offset, size)
-    return GGUFHeader(path, fields, tensors)
+    alignment = _alignment(path, fields)
+    return GGUFHeader(path, fields, tensors, -(-cursor.offset // alignment) * alignment)
 
 
 class _Empty(bytes):

@@ -18,7 +18,7 @@ contracts (it imports only contracts), under both; contracts and policies at the
 """
 
 # Bumped whenever a frame's fields change; checked at the handshake, so a skewed peer is refused by name.
-PROTOCOL_VERSION = 11  # 3: SamplingParams output controls (penalties, logit_bias, min_p, min_tokens, ignore_eos);
+PROTOCOL_VERSION = 12  # 3: SamplingParams output controls (penalties, logit_bias, min_p, min_tokens, ignore_eos);
 # 4: n choices (SamplingParams.n, TokenEvent.index/choice_finish,
 # EngineStats.weight_dtype/weight_bytes); 5: the handoff's sliding-window layers (KVLayout.swa_layers/swa_start)
 # 6: PrefillJob.engine (the gateway chooses the decode engine per request)
@@ -28,3 +28,4 @@ PROTOCOL_VERSION = 11  # 3: SamplingParams output controls (penalties, logit_bia
 # 9: recompute preemption (Recompute, PrefillJob.resume_index, PrefillDone.resumed)
 # 10: PrefillJob.cache_salt (prompt caches per tenant)
 # 11: tools rendered by the chat template, embeddings, prompt logprobs, tokenize, deadlines
+# 12: ReturnedKV (engine -> prefill worker: a finished answer's KV for the next turn's prefix)

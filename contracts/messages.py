@@ -155,6 +155,14 @@ class Handoff:
     data: bytes  # contracts.handoff.encode_handoff(...)
 
 
+@dataclass(frozen=True)
+class ReturnedKV:  # decode engine -> the prefill worker that handed the request off, on that worker's connection
+    request_id: str
+    # encode_handoff(KVHandoff) of a finished sequence: prompt_tokens are every token whose KV it holds (prompt and
+    # answer but the last token, which was never fed), in the handoff's own KV type; the worker keeps it as a prefix
+    data: bytes
+
+
 # --- gateway <-> decode engine -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Abort:  # gateway -> decode engine
@@ -192,5 +200,6 @@ class Stats:  # decode engine -> gateway, periodically
 
 
 MESSAGES = (Challenge, Hello, Welcome, Refused, PrefillJob, PrefillDone, PrefillFailed, CancelPrefill, WorkerStatus,
-            Heartbeat, PromptLogprobs, EmbedDone, Handoff, Abort, DecodeYield, Speculate, Recompute, Token, Stats)
+            Heartbeat, PromptLogprobs, EmbedDone, Handoff, ReturnedKV, Abort, DecodeYield, Speculate, Recompute, Token,
+            Stats)
 HEARTBEAT_INTERVAL_S = 1.0

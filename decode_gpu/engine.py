@@ -26,6 +26,7 @@ from decode_gpu.core.sequence import SeqState, Sequence
 from decode_gpu.core.speculative import SpecConfig, Speculator, StepCosts, accepted_length
 from decode_gpu.core.throughput import Throughput
 from decode_gpu.kv.importer import check_handoff_matches
+from decode_gpu.kv.kv_return import MIN_RETURN_TOKENS, FinishedKV, KVReturn, copy_out
 from decode_gpu.model.weight_quant import held_weight_dtype, weight_bytes
 from decode_gpu.runner.model_runner import ModelRunner, RunnerConfig
 from decode_gpu.sample.grammar_matchers import GrammarMatchers
@@ -89,6 +90,10 @@ class DecodeEngine:
         # sequences preempted by recompute whose tokens the engine's owner must have prefilled again (it drains this)
         self.recompute_requests: list[Sequence] = []
         self._throughput = Throughput()
+        # finished sequences' KV goes back to the prefill worker that prefilled them (set by the engine service; None:
+        # nothing is returned); the sequences that ended normally in this step, with their block tables
+        self.kv_return: KVReturn | None = None
+        self._finished_kv: list[tuple[Sequence, list[int]]] = []
         model = getattr(runner, "model", None)  # (test runners may have none)
         self._weights = (held_weight_dtype(model), weight_bytes(model)) if model is not None else ("", {})
 
@@ -118,6 +123,8 @@ class DecodeEngine:
 
     def admit(self, seq: Sequence) -> None:
         """Start decoding an opened request (engine thread)."""
+        if seq.handoff is not None:  # what its returned KV is encoded as: the handoff's own types and rotations
+            seq.meta["kv_return"] = (seq.handoff.model_fingerprint, seq.handoff.layout)
         self.admission.admit(seq)
 
     def resume(self, handoff: KVHandoff) -> None:
@@ -141,7 +148,29 @@ class DecodeEngine:
             log.exception("decode step failed")
             return events + self.fail_all(f"decode step failed: {err}")
         self._throughput.record(num_decoded, time.perf_counter() - started)
+        self._return_finished()
         return events
+
+    def _return_finished(self) -> None:
+        """Copy the blocks of the sequences that ended normally this step out of the pool, before a later step may
+        write them, for the KV return's thread to encode. Only choice 0 of a request (n > 1: the one answer a
+        conversation goes on from), only stop or length endings (an abort or error is no prefix of anything)."""
+        finished, self._finished_kv = self._finished_kv, []
+        if self.kv_return is None:
+            return
+        for seq, table in finished:
+            origin = seq.meta.get("kv_return")
+            n = min(seq.num_cached, len(seq.tokens) - 1)  # the last token was sampled, never fed
+            if origin is None or seq.index != 0 or n < MIN_RETURN_TOKENS:
+                continue
+            blocks = table[:self.blocks.blocks_for(n)]
+            shape = self.runner.pool.shape
+            if not self.kv_return.can_offer(len(blocks) * shape.bytes_per_block()):
+                self.kv_return.count_dropped()
+                continue
+            saved, ready = copy_out(self.runner.pool, blocks)
+            self.kv_return.offer(FinishedKV(seq.request_id, origin[0], origin[1], tuple(seq.tokens[:n]),
+                                            seq.tokens[n], seq.cache_salt, saved, shape, ready))
 
     def _run(self, step: ScheduledStep, events: list[TokenEvent]) -> int:
         """Memory moves, then one forward, then batched sampling; appends to events as it goes, so that a
@@ -182,7 +211,12 @@ class DecodeEngine:
         if draft:
             self.speculator.record(seq, len(draft), num_accepted)
         try:
-            return self.table.tokens_event(seq, *take_tokens(seq, rows[:num_accepted + 1], self.stops))
+            tokens, text, reason, logprobs = take_tokens(seq, rows[:num_accepted + 1], self.stops)
+            table = list(self.blocks.block_tables.get(seq.seq_id, ())) if reason else []  # freed by the ending
+            event = self.table.tokens_event(seq, tokens, text, reason, logprobs)
+            if reason in ("stop", "length"):
+                self._finished_kv.append((seq, table))
+            return event
         except Exception as err:
             log.exception("sampling failed for request %s", seq.seq_id)
             return self.table.fail(seq, f"sampling failed: {err}")

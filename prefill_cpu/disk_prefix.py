@@ -71,9 +71,9 @@ def restore_prefix(ctx, tier: KVDiskTier, tokens: list[int], salt: str, seq_id: 
     if entry is None:
         return None
     memory = llama_cpp.llama_get_memory(ctx)
-    if not _set_seq(ctx, entry.state, seq_id):
+    if not set_seq_state(ctx, entry.state, seq_id):
         make_room()
-        if not _set_seq(ctx, entry.state, seq_id):
+        if not set_seq_state(ctx, entry.state, seq_id):
             log.warning("KV disk tier: no room in the context for a %d-token entry", entry.header.n_tokens)
             llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
             return None
@@ -83,7 +83,8 @@ def restore_prefix(ctx, tier: KVDiskTier, tokens: list[int], salt: str, seq_id: 
     return cached, entry.last_logits if whole else None
 
 
-def _set_seq(ctx, state: memoryview, seq_id: int) -> bool:
+def set_seq_state(ctx, state: memoryview, seq_id: int) -> bool:
+    """llama_state_seq_set_data into seq_id (which llama.cpp empties first); False when the context has no room."""
     buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
     return llama_cpp.llama_state_seq_set_data(ctx, buf, len(state), seq_id) == len(state)
 

@@ -2,8 +2,9 @@
 
 A worker outlives its engine: when the connection drops, the prompt in prefill is aborted at once (its
 KV would have nowhere to go), jobs fail with engine_unavailable while the engine is away, and the link
-reconnects with backoff (contracts.reconnect; a restarted engine listens again once its model is loaded). The
-engine sends nothing on this connection; end of stream is how its death shows.
+reconnects with backoff (contracts.reconnect; a restarted engine listens again once its model is loaded). End of
+stream is how the engine's death shows. The engine sends one kind of frame back: ReturnedKV, a finished answer's KV
+of a request this worker prefilled, which `on_returned` (the worker's prompt cache) takes.
 
 A worker may hand off to several engines (a Ray cluster: the gateway names the engine in each job). `EngineLinks`
 keeps one link per engine address: the worker's own (`--engine`, up from startup, as on one box) and the others made
@@ -17,8 +18,10 @@ import logging
 import ssl
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
-from contracts.framing import PeerRefusedError, connect_when_listening, send_message
+from contracts.framing import PeerRefusedError, ProtocolError, connect_when_listening, read_message, send_message
+from contracts.messages import ReturnedKV
 from contracts.reconnect import RETRY_FIRST_S, RETRY_LONGEST_S, RetryDelay, Streams, stay_connected
 from contracts.tasks import spawn
 
@@ -27,6 +30,7 @@ RETRY_S = (RETRY_FIRST_S, RETRY_LONGEST_S)  # tests shorten them
 MAX_LINKS = 16  # links to engines named by jobs; an engine restarted elsewhere leaves a stale address behind
 LINK_WAIT_S = 5.0  # a job's engine that the gateway sees up but this worker does not (yet): wait this long for it
 STALE_LINK_S = 60.0  # a named link that is down and unused this long is closed (its engine moved or is gone)
+MAX_RETURNED_FRAME = 1 << 30  # a returned answer's KV: an authenticated engine's, as large as a handoff can be
 
 
 class EngineUnavailableError(ConnectionError):
@@ -49,6 +53,7 @@ class EngineLink:
         self.num_losses = 0
         self.last_error: str | None = None
         self._up = asyncio.Event()
+        self.on_returned: Callable[[ReturnedKV], None] | None = None  # what takes a returned answer's KV
 
     @property
     def connected(self) -> bool:
@@ -95,8 +100,11 @@ class EngineLink:
         self._up.set()
         log.info("connected to the decode engine at %s", self.address)
         try:
-            while await reader.read(1 << 16):
-                pass
+            while (message := await read_message(reader, MAX_RETURNED_FRAME)) is not None:
+                if isinstance(message, ReturnedKV) and self.on_returned is not None:
+                    self.on_returned(message)
+        except ProtocolError as err:  # drop the link; it reconnects
+            log.error("dropping the decode engine link after a bad frame: %s", err)
         except (ConnectionError, ssl.SSLError):  # TLS: a record altered on the way ends the link as a reset would
             pass
         finally:
@@ -133,6 +141,7 @@ class EngineLinks:
         if address not in self.named:
             self._evict()
             link = EngineLink(address, self.name, self.secret)
+            link.on_returned = getattr(self.default, "on_returned", None)
             self.named[address] = link, spawn(link.run(), f"the decode engine link to {address}", log)
         self.named.move_to_end(address)
         self.last_used[address] = time.monotonic()

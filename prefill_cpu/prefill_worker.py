@@ -20,8 +20,9 @@ from dataclasses import asdict, replace
 
 from contracts.framing import send_message
 from contracts.grammar import GrammarError
-from contracts.handoff import encode_handoff
-from contracts.messages import Handoff, PrefillDone, PrefillFailed, PrefillJob, PromptLogprobs, WorkerStatus
+from contracts.handoff import HandoffFormatError, decode_handoff, encode_handoff
+from contracts.messages import Handoff, PrefillDone, PrefillFailed, PrefillJob, PromptLogprobs, ReturnedKV, WorkerStatus
+from contracts.tasks import spawn
 from prefill_cpu.disk_prefix import describe_tiers
 from prefill_cpu.embedder import Embedder
 from prefill_cpu.engine_link import EngineLink, EngineLinks, EngineUnavailableError
@@ -31,6 +32,7 @@ from prefill_cpu.prompt_renderer import BadPromptError, PromptRenderer
 
 log = logging.getLogger(__name__)
 TIERS_LOG_INTERVAL_S = 60.0
+MAX_RETURNED_WAITING = 4  # returned answers' KV waiting for the prefill thread; more are dropped (counted)
 
 
 class PrefillWorker(JobServer):
@@ -44,6 +46,36 @@ class PrefillWorker(JobServer):
         # contexts for the other KV types a degradation tier may ask for, built at startup (prepare_extra_contexts)
         self.prefillers = {p.config.kv_type: p for p in (prefiller, *extra_prefillers)}
         self._warned_kv_types: set[str] = set()
+        self.num_returned_kept = self.num_returned_dropped = 0
+        self._returned_waiting = 0
+        if engine is not None:
+            engine.on_returned = self.take_returned
+
+    def take_returned(self, message: ReturnedKV) -> None:
+        """A finished answer's KV from the engine (on the loop): kept as a prefix between jobs, on the prefill thread;
+        dropped when too many wait (the next job must not queue behind them)."""
+        if self._returned_waiting >= MAX_RETURNED_WAITING:
+            self.num_returned_dropped += 1
+            return
+        self._returned_waiting += 1
+        spawn(self._keep_returned(message), f"keeping the KV of {message.request_id}", log)
+
+    async def _keep_returned(self, message: ReturnedKV) -> None:
+        try:
+            handoff = decode_handoff(message.data)
+            async with self.lock:
+                kept = await asyncio.get_running_loop().run_in_executor(
+                    self.thread, self.prefiller.keep_returned, handoff)
+            if kept:
+                self.num_returned_kept += 1
+            else:
+                self.num_returned_dropped += 1
+            log.debug("kept %d tokens of %s's answer as a prefix", kept, message.request_id)
+        except HandoffFormatError as err:
+            self.num_returned_dropped += 1
+            log.error("a returned KV of %s is malformed: %s", message.request_id, err)
+        finally:
+            self._returned_waiting -= 1
 
     def status(self) -> WorkerStatus:
         cfg = self.prefiller.config
@@ -62,7 +94,8 @@ class PrefillWorker(JobServer):
         gateway's status once WorkerStatus or Heartbeat carries them; plain numbers, read on any thread."""
         ram = self.prefiller.cache
         tiers = {"ram": {"hits": ram.num_hits, "misses": ram.num_misses, "entries": len(ram.entries),
-                         "tokens": ram.num_tokens, "evictions": ram.num_evictions}}
+                         "tokens": ram.num_tokens, "evictions": ram.num_evictions},
+                 "returned": {"kept": self.num_returned_kept, "dropped": self.num_returned_dropped}}
         if self.prefiller.disk is not None:
             tiers["disk"] = asdict(self.prefiller.disk.stats())
         return tiers

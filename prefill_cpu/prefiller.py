@@ -28,11 +28,17 @@ from llama_cpp._internals import LlamaContext
 from contracts.handoff import FirstToken, KVHandoff, KVLayout, SamplingParams
 from contracts.identity import GGUFIdentity, read_gguf_identity
 from contracts.kv_dtypes import kv_dtype
-from prefill_cpu.disk_prefix import open_disk_tier, restore_prefix, seq_state_bytes
+from prefill_cpu.disk_prefix import open_disk_tier, restore_prefix, seq_state_bytes, set_seq_state
 from prefill_cpu.first_token import sample_first
 from prefill_cpu.grammar import FirstTokenGrammars
 from prefill_cpu.kv_rotation import rotations_from_log
-from prefill_cpu.kv_state import SeqKVState, parse_seq_state
+from prefill_cpu.kv_state import (
+    KVStateFormatError,
+    SeqKVState,
+    parse_seq_state,
+    serialize_seq_state,
+    state_from_handoff,
+)
 from prefill_cpu.llama_log import captured_llama_log
 from prefill_cpu.prefill_rate import PrefillRate
 from prefill_cpu.prefill_weights import prefill_weights_path, recorded_rate
@@ -267,6 +273,39 @@ class Prefiller:
         if shared > 0:
             llama_cpp.llama_memory_seq_cp(memory, seq_id, SEQ, 0, shared)
         return shared, None
+
+    def keep_returned(self, handoff: KVHandoff) -> int:
+        """Keep a finished answer's KV (the decode engine's, ReturnedKV) as a prefix in the prompt cache and its disk
+        tier, so the next turn of the conversation prefills only its new tokens. The part of it this worker computed
+        itself and still holds (the prompt) keeps its own cells; the engine's cells stand for the rest. Returns the
+        tokens kept (0: not kept: no cache, another model, KV type or rotation, too long, no room). On the prefill
+        thread, between jobs."""
+        ident, lay, tokens = self.identity, handoff.layout, list(handoff.prompt_tokens)
+        if not self.cache.enabled and self.disk is None:
+            return 0
+        theirs = (handoff.model_fingerprint, lay.k_dtype, lay.v_dtype, lay.k_rotation, lay.v_rotation)
+        if theirs != (ident.fingerprint, self.config.kv_type, self.config.kv_type, self.k_rotation, self.v_rotation) \
+                or lay.swa_layers or not tokens or len(tokens) >= self.config.n_ctx:
+            return 0
+        try:
+            raw = serialize_seq_state(state_from_handoff(handoff, SEQ), ident.n_embd_k, ident.n_embd_v)
+        except KVStateFormatError as err:
+            log.warning("a returned KV of %s was not kept: %s", handoff.request_id, err)
+            return 0
+        memory = llama_cpp.llama_get_memory(self.ctx)
+        try:
+            if not set_seq_state(self.ctx, memoryview(bytearray(raw)), SEQ):
+                return 0
+            seq_id, shared = self.cache.match(tokens, handoff.cache_salt)
+            if seq_id is not None and shared > 0:  # llama.cpp's own cells for the prefix this worker computed
+                llama_cpp.llama_memory_seq_rm(memory, SEQ, 0, shared)
+                llama_cpp.llama_memory_seq_cp(memory, seq_id, SEQ, 0, shared)
+            if self.disk is not None:
+                self.disk.offer(tokens, handoff.cache_salt, seq_state_bytes(self.ctx, SEQ) if shared else raw, None)
+            self._remember(memory, tokens, handoff.cache_salt)
+        finally:
+            llama_cpp.llama_memory_seq_rm(memory, SEQ, -1, -1)
+        return len(tokens)
 
     def forget_salt(self, salt: str) -> int:
         """Forget every cached prompt of this salt (an operator deleting a tenant's): its cells, and its disk tier's

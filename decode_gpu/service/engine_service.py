@@ -19,12 +19,13 @@ import threading
 
 from contracts.cpu_share import CpuShare
 from contracts.events import EngineStats, FinishReason, TokenEvent
-from contracts.framing import CONTROL_FRAME_BYTES, ProtocolError, accept_peer, read_message
+from contracts.framing import CONTROL_FRAME_BYTES, ProtocolError, accept_peer, pack, read_message
 from contracts.handoff import HandoffFormatError, decode_handoff
-from contracts.messages import Abort, DecodeYield, Handoff, Speculate, Stats
+from contracts.messages import Abort, DecodeYield, Handoff, ReturnedKV, Speculate, Stats
 from decode_gpu.core.admission import HandoffRejectedError
 from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.engine import DecodeEngine
+from decode_gpu.kv.kv_return import DEFAULT_RETURN_BYTES, KVReturn
 from decode_gpu.service.commands import AbortRequest, Admit, Command, Resume, SetSpeculation
 from decode_gpu.service.engine_loop import EngineLoop
 from decode_gpu.service.gateway_link import DEFAULT_QUEUE_BYTES
@@ -34,13 +35,17 @@ from decode_gpu.service.memory import MemoryAccount
 log = logging.getLogger("decode_gpu.service.server")
 STATS_INTERVAL_S = 0.5
 MAX_EARLY_ABORTS = 10_000
+MAX_ORIGINS = 10_000  # request id -> the worker connection its handoff came on, for its returned KV
+MAX_WORKER_BUFFER = 64 << 20  # returned KV not yet taken by a worker's socket: past it, the next one is dropped
 
 
 class EngineService:
     def __init__(self, engine: DecodeEngine, loop: asyncio.AbstractEventLoop, secret: bytes = b"",
                  max_handoff_frame: int = CONTROL_FRAME_BYTES, max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 cpu_share: CpuShare | None = None, pace_s: float = 0.0, account: MemoryAccount | None = None) -> None:
-        """account: the engine's memory by component, sent with the stats with its decisions (None: neither)."""
+                 cpu_share: CpuShare | None = None, pace_s: float = 0.0, account: MemoryAccount | None = None,
+                 kv_return_bytes: int = DEFAULT_RETURN_BYTES) -> None:
+        """account: the engine's memory by component, sent with the stats with its decisions (None: neither).
+        kv_return_bytes: finished answers' KV waiting to go back to their prefill worker, at most (0: none goes)."""
         self.engine = engine  # the asyncio side only opens handoffs with it (Admission.open reads no engine state)
         self.loop = loop
         self.secret = secret
@@ -51,6 +56,11 @@ class EngineService:
         self.engine_loop = EngineLoop(engine, loop, self.stopping, self.gateways.send_events,
                                       self.gateways.send_recomputes, self.gate, cpu_share, pace_s, account)
         self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()  # aborts seen before the handoff
+        # request id -> the prefill worker's connection its handoff came on: its finished KV goes back there
+        self.origins: collections.OrderedDict[str, asyncio.StreamWriter] = collections.OrderedDict()
+        if kv_return_bytes > 0:
+            engine.kv_return = KVReturn(lambda rid, data: loop.call_soon_threadsafe(self._return_kv, rid, data),
+                                        kv_return_bytes)
 
     @property
     def snapshot(self) -> EngineStats:
@@ -102,6 +112,17 @@ class EngineService:
             self.gateways.live.add(request_id)
             self._ask(Admit(seq))
 
+    def _return_kv(self, request_id: str, data: bytes) -> None:
+        """On the loop: a finished answer's KV to the worker that prefilled it (dropped when it is gone or behind)."""
+        writer = self.origins.pop(request_id, None)
+        if writer is None or writer.is_closing():
+            return
+        if writer.transport.get_write_buffer_size() > MAX_WORKER_BUFFER:
+            log.info("returned KV of %s dropped: its prefill worker is %d bytes behind", request_id,
+                     writer.transport.get_write_buffer_size())
+            return
+        writer.write(pack(ReturnedKV(request_id, data)))
+
     def _on_abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self.gateways.live:
             self._ask(AbortRequest(request_id, error))
@@ -119,7 +140,7 @@ class EngineService:
         link = self.gateways.open_link(writer) if hello.role == "gateway" else None
         why = ""
         try:
-            await self._read_all(reader, limit)
+            await self._read_all(reader, limit, writer if hello.role == "prefill" else None)
         except ProtocolError as err:  # drop this peer; it reconnects
             log.error("dropping %s %s after a bad frame: %s", hello.role, hello.name, err)
             why = f"the gateway sent a bad frame: {err}"
@@ -129,11 +150,16 @@ class EngineService:
                 link.close(why or "the gateway closed its connection")
             writer.close()
 
-    async def _read_all(self, reader: asyncio.StreamReader, limit: int) -> None:
+    async def _read_all(self, reader: asyncio.StreamReader, limit: int,
+                        worker: asyncio.StreamWriter | None = None) -> None:
         while True:
             message = await read_message(reader, limit)
             if message is None:
                 return
+            if worker is not None and isinstance(message, Handoff) and self.engine.kv_return is not None:
+                self.origins[message.request_id] = worker
+                while len(self.origins) > MAX_ORIGINS:
+                    self.origins.popitem(last=False)
             self._dispatch(message)
             del message  # a handoff frame is as big as its KV: not kept while waiting for the next one
 

@@ -78,7 +78,15 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Sequences that decode at a step: the running ones less the choices paused beyond their request's share
+        (they hold KV but sit the steps out). What the stats report: the gateway reads it as "the engine decodes now"
+        (the TTFT predictor's prefill-beside-decoding line) and the status page and gauges show it."""
+        return len(self.running.keys() - self.paused)
+
+    @property
+    def num_paused(self) -> int:
+        """Running choices paused by fair_share as of the last step (their KV stays in the pool)."""
+        return len(self.paused & self.running.keys())
 
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self.waiting, (seq.rank, seq))

@@ -116,3 +116,19 @@ def test_water_fill_and_allot():
     groups = [fair_share.Group("a", (0, 0.0, 0), 4), fair_share.Group("b", (1, 0.0, 1), 4),
               fair_share.Group("c", (1, 0.0, 2), 1)]
     assert fair_share.allot(groups, 6) == {"a": 4, "b": 1, "c": 1}
+
+
+def test_paused_choices_do_not_count_as_running():
+    """num_running (EngineStats.num_running: the status page, the gauges, the TTFT predictor's "decoding now") counts
+    the sequences that decode at a step; a choice paused beyond its request's share holds KV but does not decode."""
+    s = scheduler(max_num_seqs=4)
+    s.add(request("big", n=4))
+    decode_one(s)
+    assert (s.num_running, s.num_paused) == (4, 0)
+    s.add(request("plain"))
+    decoded = decode_one(s)
+    assert len(s.running) == 5 and len(decoded) == 4
+    assert (s.num_running, s.num_paused) == (4, 1)  # the paused choice is not counted
+    s.finish(s.running["plain"], "stop")
+    decode_one(s)
+    assert (s.num_running, s.num_paused) == (4, 0)

@@ -123,8 +123,6 @@ class DecodeEngine:
 
     def admit(self, seq: Sequence) -> None:
         """Start decoding an opened request (engine thread)."""
-        if seq.handoff is not None:  # what its returned KV is encoded as: the handoff's own types and rotations
-            seq.meta["kv_return"] = (seq.handoff.model_fingerprint, seq.handoff.layout)
         self.admission.admit(seq)
 
     def resume(self, handoff: KVHandoff) -> None:
@@ -180,6 +178,8 @@ class DecodeEngine:
         drafts = self.speculator.plan(step.decode, self.blocks, self.config.max_model_len, step.copies)
         failures = self.runner.prepare(step)  # [(seq id, why)]: this sequence's own move failed
         for seq, _ in step.imports:
+            if seq.handoff is not None:  # what its returned KV is encoded as: the handoff's own types and rotations
+                seq.meta["kv_return"] = (seq.handoff.model_fingerprint, seq.handoff.layout)
             self.table.drop_handoff(seq)  # its KV is in the pool (or failed to get there): free the bytes now
         events.extend(self.table.fail_each(failures))
         decode = [seq for seq in step.decode if seq.state is SeqState.RUNNING]

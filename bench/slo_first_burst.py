@@ -3,11 +3,17 @@
 
 1. one class promising `--burst-ttft-ms` (default 1500) with on_slo_miss = "reject"; `--burst-size` chats of about
    `--burst-tokens` prompt tokens sent at once as soon as /health says ready: how many were served, how many of
-   those met the objective, how fast the refusals came;
-   (an earlier start of the same settings served a few requests before it, so that a record of the prefill line
-   exists, as on an appliance that served before: edge/core/prefill_line.py);
-2. on the same server, a plain request of 8 tokens sent together with four requests of n = 32 (64 tokens each):
-   the plain one's whole-answer time (fair decode slots: it must not wait for the others' choices).
+   those met the objective, how fast the refusals came (at the client, and the span of the server's refusal log
+   lines at INFO);
+   (an earlier start of the same settings, with a class without objectives, served a few requests before it, alone
+   and beside decoding, so that a record of the prefill line exists with its beside-decoding line, as on an
+   appliance that served before: edge/core/prefill_line.py);
+2. the baseline, in the same run and on the same server: prompts of the same size sent one by one, counting how many
+   first tokens fit in the objective's time of sequential work (the sum of their TTFTs); the burst's served-in-time
+   must be at least 0.8x that count;
+3. the same burst (fresh prompts) again after a warm-up, on the same server;
+4. fair decode slots: a plain request of 8 tokens alone (its idle time), sent while one request of n = 32 decodes,
+   and sent together with four requests of n = 32 (64 tokens each): its whole-answer time.
 
 The server keeps its default max_num_seqs (32), so one n = 32 request alone fills the decode batch.
 """
@@ -29,9 +35,12 @@ from bench.workloads import text_of
 
 
 def fresh_server(gguf: str, threads: int, ttft_slo_ms: int, log_level: str) -> System:
+    """ttft_slo_ms 0: a class without objectives (the earlier start's: nothing it sends is refused, so its prefills
+    beside decoding are measured and recorded too)."""
     folder = Path(tempfile.mkdtemp(prefix="slo-burst-"))
-    (folder / "policy.toml").write_text(f'version = 1\ndefault_class = "chat"\n[classes.chat]\npriority = 0\n'
-                                        f'ttft_slo_ms = {ttft_slo_ms}\non_slo_miss = "reject"\n')
+    objective = f'ttft_slo_ms = {ttft_slo_ms}\non_slo_miss = "reject"\n' if ttft_slo_ms else ""
+    (folder / "policy.toml").write_text('version = 1\ndefault_class = "chat"\n[classes.chat]\npriority = 0\n'
+                                        + objective)
     (folder / "serve.toml").write_text(f'log_level = "{log_level}"\npolicy = "{folder / "policy.toml"}"\n'
                                        f"threads_per_worker = {threads}\n[limits]\nprefill_queue_size = 512\n")
     return System("ours, first burst", Path(gguf).name.removesuffix(".gguf"), lambda port: [
@@ -51,11 +60,14 @@ async def _all(system: System, specs: list[RequestSpec], extras: list[dict], tim
         return list(await asyncio.gather(*(one(s, e) for s, e in zip(specs, extras))))
 
 
-async def burst(system: System, args) -> dict:
-    rng = np.random.default_rng(args.seed + 47)
-    specs = [RequestSpec(({"role": "user", "content": "Quick question: " + text_of(args.burst_tokens - 30, rng)},),
-                         args.burst_max_tokens, ignore_eos=True) for _ in range(args.burst_size)]
-    results = await _all(system, specs, [{}] * len(specs), 300)
+def burst_specs(args, seed: int) -> list[RequestSpec]:
+    rng = np.random.default_rng(seed)
+    return [RequestSpec(({"role": "user", "content": "Quick question: " + text_of(args.burst_tokens - 30, rng)},),
+                        args.burst_max_tokens, ignore_eos=True) for _ in range(args.burst_size)]
+
+
+async def burst(system: System, args, seed: int) -> dict:
+    results = await _all(system, burst_specs(args, seed), [{}] * args.burst_size, 300)
     served = [r for r in results if r.ok]
     refused = [r for r in results if r.status == 429]
     slo_s = args.burst_ttft_ms / 1e3
@@ -65,20 +77,73 @@ async def burst(system: System, args) -> dict:
             "refusal_ms": percentiles([r.e2e_s * 1e3 for r in refused], (50, 100))}
 
 
+def sequential_fit(ttfts_s: list[float], budget_s: float) -> int:
+    """How many first tokens fit in budget_s of sequential work: the longest run of requests, sent one after
+    another, whose TTFTs sum to at most budget_s."""
+    spent, fit = 0.0, 0
+    for ttft in ttfts_s:
+        spent += ttft
+        if spent > budget_s:
+            break
+        fit += 1
+    return fit
+
+
+async def sequential(system: System, args, seed: int) -> dict:
+    """The baseline: burst-sized prompts (fresh ones, so no prompt cache helps) sent one by one until their TTFTs
+    sum past the objective; how many fit."""
+    slo_s, ttfts = args.burst_ttft_ms / 1e3, []
+    for spec in burst_specs(args, seed):
+        (result,) = await _all(system, [spec], [{}], 120)
+        if not result.ok:
+            raise RuntimeError(f"a sequential request failed: {result.status} {result.error}")
+        ttfts.append(result.ttft_s)
+        if sum(ttfts) > slo_s:
+            break
+    return {"fit": sequential_fit(ttfts, slo_s), "ttft_s": ttfts}
+
+
 async def beside_big_n(system: System, args) -> dict:
+    """The plain request's whole-answer time alone (idle), sent while one n = 32 request decodes, and sent with four."""
     rng = np.random.default_rng(args.seed + 32)
     big = RequestSpec(({"role": "user", "content": "Tell a story about " + text_of(20, rng)},), 64, ignore_eos=True)
     plain = RequestSpec(({"role": "user", "content": "Say hello."},), 8, ignore_eos=True)
-    results = await _all(system, [big] * 4 + [plain], [{"n": 32, "temperature": 1.0}] * 4 + [{}], 600)
-    return {"plain_s": results[-1].e2e_s if results[-1].ok else None, "plain_status": results[-1].status,
+    big_extra = {"n": 32, "temperature": 1.0}
+    idle = [(await _all(system, [plain], [{}], 120))[0] for _ in range(3)]
+
+    async def one_decoding() -> RequestResult:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            big_task = asyncio.ensure_future(send(session, system.url, system.model, big, big_extra))
+            await _decoding(system, session, big_task)
+            (result,) = await _all(system, [plain], [{}], 120)
+            await big_task
+            return result
+
+    beside_one = await one_decoding()
+    results = await _all(system, [big] * 4 + [plain], [big_extra] * 4 + [{}], 600)
+    ok_idle = [r.e2e_s for r in idle if r.ok]
+    return {"idle_s": float(np.median(ok_idle)) if ok_idle else None,
+            "one_s": beside_one.e2e_s if beside_one.ok else None,
+            "plain_s": results[-1].e2e_s if results[-1].ok else None, "plain_status": results[-1].status,
             "big_s": max((r.e2e_s for r in results[:4] if r.ok), default=None)}
 
 
-async def earlier_start(system: System, args) -> None:
+async def _decoding(system: System, session: aiohttp.ClientSession, task: asyncio.Future) -> None:
+    """Until the engine decodes (its /health says sequences are running), polled; the request must not end first."""
+    while not task.done():
+        async with session.get(system.url + "/health") as response:
+            engine = (await response.json()).get("engine") or {}
+        if engine.get("num_running", 0) > 0:
+            return
+        await asyncio.sleep(0.02)
+    raise RuntimeError("the n = 32 request ended before it was seen decoding")
+
+
+async def earlier_start(system: System, args, seed: int | None = None, alone: int = 8) -> None:
     """What an earlier run of the same settings serves before the measured start: prompts one at a time (prefills
     alone), then eight at once (prefills beside decoding); its gateway records the prefill line it measured."""
-    rng = np.random.default_rng(args.seed + 1)
-    for i in range(8):
+    rng = np.random.default_rng(args.seed + 1 if seed is None else seed)
+    for i in range(alone):
         spec = RequestSpec(({"role": "user", "content": text_of(40 if i % 2 else 300, rng)},), 4)
         await _all(system, [spec], [{}], 120)
     specs = [RequestSpec(({"role": "user", "content": text_of(40 if i % 2 else 300, rng)},), 48, ignore_eos=True)
@@ -86,8 +151,45 @@ async def earlier_start(system: System, args) -> None:
     await _all(system, specs, [{}] * len(specs), 300)
 
 
+def refusal_span_ms(log_path: Path, since: int) -> float | None:
+    """The span between the first and the last refusal line the server logged (INFO) after byte `since` of its log:
+    the gateway's own time to refuse the burst, without the client's."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            lines = [line.decode("utf-8", "replace") for line in f if b"refused a request" in line]
+    except OSError:
+        return None
+    stamps = [_stamp(line) for line in lines]
+    stamps = [t for t in stamps if t is not None]
+    return (max(stamps) - min(stamps)) * 1e3 if len(stamps) > 1 else None
+
+
+def _stamp(line: str) -> float | None:
+    """Seconds of the day of a log line that starts with 'YYYY-MM-DD HH:MM:SS,mmm' (logging's asctime)."""
+    try:
+        clock = line.split()[1]
+        hours, minutes, rest = clock.split(":")
+        seconds, millis = rest.split(",")
+        return int(hours) * 3600 + int(minutes) * 60 + int(seconds) + int(millis[:3]) / 1e3
+    except (IndexError, ValueError):
+        return None
+
+
+def _log_size(system: System) -> int:
+    try:
+        return Path(system.log).stat().st_size
+    except (OSError, TypeError):
+        return 0
+
+
+async def warm_up(system: System, args) -> None:
+    """Requests one at a time, then eight at once (the earlier start's workload, on the measured server)."""
+    await earlier_start(system, args, seed=args.seed + 2, alone=3)
+
+
 def run_first_burst(gguf: str, args) -> str:
-    earlier = fresh_server(gguf, args.threads, args.burst_ttft_ms, args.log_level)
+    earlier = fresh_server(gguf, args.threads, 0, args.log_level)
     earlier.start()
     try:
         asyncio.run(earlier_start(earlier, args))
@@ -98,22 +200,46 @@ def run_first_burst(gguf: str, args) -> str:
     system.start()
     ready_s = time.perf_counter() - started
     try:
-        first = asyncio.run(burst(system, args))
+        at = _log_size(system)
+        first = asyncio.run(burst(system, args, args.seed + 47))
+        first["span_ms"] = refusal_span_ms(Path(system.log), at)
+        baseline = asyncio.run(sequential(system, args, args.seed + 48))
+        asyncio.run(warm_up(system, args))
+        at = _log_size(system)
+        warm = asyncio.run(burst(system, args, args.seed + 49))
+        warm["span_ms"] = refusal_span_ms(Path(system.log), at)
         fair = asyncio.run(beside_big_n(system, args))
     finally:
         system.stop()
-    return table(first, fair, ready_s, args) + f"\nLog: {system.log}"
+    return table({"fresh start": first, "after a warm-up": warm}, baseline, fair, ready_s, args) + \
+        f"\nLog: {system.log}"
 
 
-def table(first: dict, fair: dict, ready_s: float, args) -> str:
-    plain = f"{fair['plain_s']:.1f} s" if fair["plain_s"] is not None else f"failed ({fair['plain_status']})"
-    big = f"{fair['big_s']:.1f} s" if fair["big_s"] is not None else "-"
-    return "\n".join([
-        f"First burst on a fresh server (ready {ready_s:.1f} s after start): {first['offered']} chats of about "
-        f"{args.burst_tokens} prompt tokens at once, TTFT objective {args.burst_ttft_ms} ms, reject",
-        "| served | met the objective | refused (p50/max ms) | failed | TTFT p50/max of served s |",
-        "|---|---|---|---|---|",
-        f"| {first['served']} | {first['met']} | {first['refused']} ({first['refusal_ms'][50]:.0f}/"
-        f"{first['refusal_ms'][100]:.0f}) | {first['failed']} | {first['ttft'][50]:.2f}/{first['ttft'][100]:.2f} |",
-        f"A plain 8-token request sent with four n = 32 requests (64 tokens each): answered in {plain}; "
-        f"the four in {big}"])
+def _ms(values: dict, key: str) -> str:
+    return "-" if np.isnan(values[key][50]) else f"{values[key][50]:.0f}/{values[key][100]:.0f}"
+
+
+def table(bursts: dict[str, dict], baseline: dict, fair: dict, ready_s: float, args) -> str:
+    def seconds(value: float | None) -> str:
+        return f"{value:.2f} s" if value is not None else "failed"
+    slo_s = args.burst_ttft_ms / 1e3
+    rows = [f"First burst on a fresh server (ready {ready_s:.1f} s after start): {args.burst_size} chats of about "
+            f"{args.burst_tokens} prompt tokens at once, TTFT objective {args.burst_ttft_ms} ms, reject. "
+            f"Sequential baseline (same server, same prompt size, one by one): {baseline['fit']} first tokens fit in "
+            f"{slo_s:g} s (TTFTs {', '.join(f'{t:.2f}' for t in baseline['ttft_s'])} s)",
+            "| burst | served | served in time | 0.8x sequential | in time, of served | refused | refusal ms "
+            "p50/max (client) | refusal log span ms (server) | failed | TTFT p50/max of served s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, b in bursts.items():
+        share = f"{b['met'] / b['served']:.0%}" if b["served"] else "-"
+        span = f"{b['span_ms']:.0f}" if b.get("span_ms") is not None else "-"
+        ttft = "-" if not b["served"] else f"{b['ttft'][50]:.2f}/{b['ttft'][100]:.2f}"
+        rows.append(f"| {name} | {b['served']} | {b['met']} | {0.8 * baseline['fit']:.1f} | {share} | {b['refused']} "
+                    f"| {_ms(b, 'refusal_ms')} | {span} | {b['failed']} | {ttft} |")
+    big = seconds(fair["big_s"]) if fair["big_s"] is not None else "-"
+    plain = seconds(fair["plain_s"]) if fair["plain_s"] is not None else f"failed ({fair['plain_status']})"
+    rows += ["", "A plain 8-token request (whole answer):",
+             "| alone (idle) | sent while one n = 32 request decodes | sent with four n = 32 requests (64 tokens) |",
+             "|---|---|---|",
+             f"| {seconds(fair['idle_s'])} | {seconds(fair['one_s'])} | {plain} (the four: {big}) |"]
+    return "\n".join(rows)

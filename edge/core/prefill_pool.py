@@ -4,8 +4,10 @@ connections to prefill workers.
 A worker gets one job at a time; when it answers, the best waiting job goes to it. When every worker
 is busy with lower-priority prompts, a higher-priority arrival preempts the worst of them: the worker
 stops at once (within a llama.cpp graph node, through its abort callback) and that job goes back to the queue
-in its old place. It resumes from the prompt cache only if the same worker takes it back: the queue has no
-worker affinity, and another worker prefills it anew (less what its own cache holds). Whenever the best
+in its old place. A job goes to the worker that last prefilled a prompt beginning like it (edge.core.affinity's
+key: a conversation's turns) when that worker is free too, since its prompt cache holds that conversation and the
+answer's KV the engine returned to it; otherwise to any free worker, which prefills it anew (less what its own
+cache holds): the queue never waits for a busy worker. Whenever the best
 priority among queued and prefilling prompts changes, `on_best_priority` hears it (the gateway passes it on to
 the engine, whose lower-priority decode then yields the CPU on a CPU-only box); `on_backlog` hears whether
 prompts wait for a busy worker (an engine decoding on the same cores may then pace its steps,
@@ -44,6 +46,7 @@ from contracts.messages import (
 )
 from contracts.reconnect import Streams, stay_connected
 from contracts.tasks import spawn
+from edge.core.affinity import PrefixAffinity
 from edge.core.lifecycle import InFlightRegistry, RequestStatus
 
 log = logging.getLogger("edge.core.prefill_pool")
@@ -115,6 +118,8 @@ class PrefillPool:
         # the decode engine a job hands off to, chosen as a worker takes it (the engines' load then is what counts):
         # its address for the job ("": the worker's own), or None to keep the job queued (no engine can take it)
         self.choose_engine = choose_engine
+        # prompt prefix -> the worker that prefilled it last: a conversation's next turn goes back to it when free
+        self.affinity = PrefixAffinity()
 
     @property
     def queue_length(self) -> int:
@@ -299,9 +304,10 @@ class PrefillPool:
             self.tokens_per_s = rate if self.tokens_per_s == 0 else 0.7 * self.tokens_per_s + 0.3 * rate
 
     def _dispatch(self) -> None:
-        for worker in self.workers.values():
-            if worker.state != "ready" or worker.current is not None:
-                continue
+        tried: set[str] = set()  # free workers no job was found for this round
+        while (worker := next((w for w in self.workers.values() if w.state == "ready" and w.current is None
+                               and w.name not in tried), None)) is not None:
+            tried.add(worker.name)
             # embeddings and rerank jobs need no engine: they go to a worker whatever the engine's state
             entry = self._next_live_entry(pooled_only=not worker.engine_connected)
             if entry is None:
@@ -318,12 +324,26 @@ class PrefillPool:
             if engine != entry.job.engine:
                 job = replace(entry.job, engine=engine)
                 entry = replace(entry, job=job, frame=pack(job))
-            worker.current = entry
             request = self.registry.get(entry.job.request_id)
+            chosen = self._preferred(entry, request, worker)
+            if chosen is not worker:  # the free one may take the next job
+                tried.discard(worker.name)
+                worker = chosen
+            worker.current = entry
             request.advance(RequestStatus.PREFILLING)
             request.prefill_started_at = time.perf_counter()
             request.worker = worker.name
+            self.affinity.remember(request.prefix_key, worker.name)
             spawn(self._send_frame(worker, entry.frame), f"sending a job to {worker.name}", log)
+
+    def _preferred(self, entry: Entry, request, free: WorkerClient) -> WorkerClient:
+        """The worker that last prefilled a prompt beginning like this one, when it is free too: its prompt cache
+        holds that conversation (and the answer's KV the engine returned to it), another worker's does not."""
+        name = self.affinity.get(request.prefix_key)
+        other = self.workers.get(name) if name is not None else None
+        if other is None or other is free or other.state != "ready" or other.current is not None:
+            return free
+        return other if other.engine_connected or _pooled(entry.job) else free
 
     def _next_live_entry(self, pooled_only: bool = False) -> Entry | None:
         """The best job still wanted; pooled_only: the best embeddings or rerank job (the others stay queued)."""

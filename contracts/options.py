@@ -126,6 +126,8 @@ _KNOBS = (
     Knob("prefix_cache_tokens", int, 2048, "per worker: KV of recent prompts kept for reuse; 0 = off", ge=0),
     Knob("kv_disk_bytes", int, 0, "per worker: the prompt cache's disk tier, prompts' KV kept in files past "
          "evictions and restarts (least recently used deleted first); 0 = off", ge=0),
+    Knob("kv_return_bytes", int, 64 << 20, "the decode engine: finished answers' KV (stop or length) copied out "
+         "for the prompt cache of the worker that prefilled them, waiting to be encoded, at most; 0 = off", ge=0),
     Knob("kv_disk_dir", str, "", "the disk tier's root folder (one 0700 folder per model, KV type and worker "
          "inside); \"\": kv/ under the cache dir (EDGE_LLM_CACHE, else ~/.cache/edge-llm)"),
     Knob("worker_heartbeat_timeout_s", float, 5.0, "a prefill worker silent this long is declared stuck", gt=1),

@@ -51,6 +51,7 @@ class EngineProcessConfig:
     decode_yields_to_prefill: str = knob("decode_yields_to_prefill")
     max_backlog_bytes: int = knob("max_backlog_bytes")
     swap_space_gib: float = knob("swap_space_gib")
+    kv_return_bytes: int = knob("kv_return_bytes")
     max_gateway_queue_bytes: int = knob("max_gateway_queue_bytes")
     cpu_decode_pace_ms: float = knob("cpu_decode_pace_ms")
     speculative: str = knob("speculative")

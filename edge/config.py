@@ -67,6 +67,7 @@ class ServeConfig:
     n_batch: int = knob("n_batch")
     prefix_cache_tokens: int = knob("prefix_cache_tokens")
     kv_disk_bytes: int = knob("kv_disk_bytes")
+    kv_return_bytes: int = knob("kv_return_bytes")
     kv_disk_dir: str = knob("kv_disk_dir")
     kv_storage: str = knob("kv_storage")
     kv_cache_tokens: int | None = knob("kv_cache_tokens")

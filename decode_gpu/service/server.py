@@ -169,7 +169,7 @@ async def serve(config: EngineProcessConfig, stop: asyncio.Event | None = None) 
         log.info("decode paces its steps to one every %.0f ms while prompts wait for a prefill worker",
                  config.cpu_decode_pace_ms)
     service = EngineService(engine, loop, control_secret(config.listen), max_frame, config.max_gateway_queue_bytes,
-                            share, pace_s, account)
+                            share, pace_s, account, kv_return_bytes=config.kv_return_bytes)
     stepping = torch_thread.run(service.run_engine)
     if stop is None:
         stop = asyncio.Event()

@@ -143,9 +143,21 @@ class WorkerStatus:  # prefill worker -> gateway, right after the handshake
 
 
 @dataclass(frozen=True)
+class CacheTier:  # one tier of a worker's prompt cache, counts since the worker started
+    name: str  # "ram" (llama.cpp cells), "disk" (kv_disk_bytes), "returned" (answers' KV from the engine)
+    hits: int = 0  # prompts that reused KV of this tier (returned: answers' KV kept)
+    misses: int = 0  # lookups that found nothing here (returned: answers' KV dropped: no room, a limit, a mismatch)
+    entries: int = 0
+    bytes: int = 0  # held now
+    max_bytes: int = 0  # its limit (0: counted in tokens, or none)
+    evictions: int = 0
+
+
+@dataclass(frozen=True)
 class Heartbeat:  # prefill worker -> gateway, every HEARTBEAT_INTERVAL_S: a silent worker is stuck
     busy_request_id: str | None = None
     engine_connected: bool = True
+    cache_tiers: tuple[CacheTier, ...] = ()  # its prompt cache's tiers (/health, the status page)
 
 
 # --- prefill worker -> decode engine -----------------------------------------------------------------

@@ -55,6 +55,10 @@ class JobServer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
+    def cache_tiers(self) -> tuple:
+        """Its prompt cache's tiers (contracts.messages.CacheTier) for the heartbeat; none for a worker without."""
+        return ()
+
     async def _answer(self, job: PrefillJob, writer: asyncio.StreamWriter) -> PrefillDone | PrefillFailed:
         raise NotImplementedError
 
@@ -86,7 +90,8 @@ class JobServer:
         """The gateway declares a worker stuck when these stop (a frozen process, a wedged event loop)."""
         try:
             while not writer.is_closing():
-                await send_message(writer, Heartbeat(next(iter(jobs), None), self.links.default_connected))
+                await send_message(writer, Heartbeat(next(iter(jobs), None), self.links.default_connected,
+                                                     self.cache_tiers()))
                 await asyncio.sleep(HEARTBEAT_INTERVAL_S)
         except ConnectionError:
             pass  # the gateway went away; handle_gateway cleans up

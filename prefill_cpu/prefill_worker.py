@@ -16,12 +16,22 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 from contracts.framing import send_message
 from contracts.grammar import GrammarError
 from contracts.handoff import HandoffFormatError, decode_handoff, encode_handoff
-from contracts.messages import Handoff, PrefillDone, PrefillFailed, PrefillJob, PromptLogprobs, ReturnedKV, WorkerStatus
+from contracts.kv_dtypes import kv_dtype
+from contracts.messages import (
+    CacheTier,
+    Handoff,
+    PrefillDone,
+    PrefillFailed,
+    PrefillJob,
+    PromptLogprobs,
+    ReturnedKV,
+    WorkerStatus,
+)
 from contracts.tasks import spawn
 from prefill_cpu.disk_prefix import describe_tiers
 from prefill_cpu.embedder import Embedder
@@ -89,16 +99,19 @@ class PrefillWorker(JobServer):
     def vocab_size(self) -> int:
         return self.prefiller.vocab_size
 
-    def cache_tiers(self) -> dict:
-        """The prompt cache's counts per tier (RAM: llama.cpp cells; disk: prefill_cpu.kv_disk_tier), for the
-        gateway's status once WorkerStatus or Heartbeat carries them; plain numbers, read on any thread."""
-        ram = self.prefiller.cache
-        tiers = {"ram": {"hits": ram.num_hits, "misses": ram.num_misses, "entries": len(ram.entries),
-                         "tokens": ram.num_tokens, "evictions": ram.num_evictions},
-                 "returned": {"kept": self.num_returned_kept, "dropped": self.num_returned_dropped}}
+    def cache_tiers(self) -> tuple[CacheTier, ...]:
+        """The prompt cache's counts per tier (RAM: llama.cpp cells; disk: prefill_cpu.kv_disk_tier; returned: the
+        answers' KV the engine sent back), for the heartbeat; plain numbers, read on any thread."""
+        ram, ident = self.prefiller.cache, self.prefiller.identity
+        kv = kv_dtype(self.prefiller.config.kv_type)
+        per_token = ident.n_layer * (kv.row_bytes(ident.n_embd_k) + kv.row_bytes(ident.n_embd_v))
+        tiers = [CacheTier("ram", ram.num_hits, ram.num_misses, len(ram.entries), ram.num_tokens * per_token,
+                           ram.max_tokens * per_token, ram.num_evictions)]
         if self.prefiller.disk is not None:
-            tiers["disk"] = asdict(self.prefiller.disk.stats())
-        return tiers
+            s = self.prefiller.disk.stats()
+            tiers.append(CacheTier("disk", s.hits, s.misses, s.entries, s.bytes, s.max_bytes, s.evictions))
+        tiers.append(CacheTier("returned", self.num_returned_kept, self.num_returned_dropped))
+        return tuple(tiers)
 
     async def log_cache_tiers(self, every_s: float = TIERS_LOG_INTERVAL_S) -> None:
         """A line of the prompt cache's counts every minute in which they changed."""

@@ -82,6 +82,7 @@ class WorkerClient:
     last_error: str | None = None
     stuck_count: int = 0
     engine_connected: bool = True  # as the worker last said: while False it gets no jobs (they would only fail)
+    cache_tiers: tuple = ()  # its prompt cache's tiers (CacheTier), as its last heartbeat said
 
     @property
     def current_id(self) -> str | None:
@@ -221,6 +222,8 @@ class PrefillPool:
     def _on_message(self, worker: WorkerClient, message) -> None:
         if isinstance(message, (WorkerStatus, Heartbeat)):
             worker.engine_connected = message.engine_connected
+        if isinstance(message, Heartbeat):
+            worker.cache_tiers = message.cache_tiers
         if isinstance(message, WorkerStatus):
             worker.info, worker.state = message, "ready"
             log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)

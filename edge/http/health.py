@@ -77,7 +77,11 @@ def _component_errors(gateway: Gateway) -> dict:
 
 def _prefill_state(gateway: Gateway) -> dict:
     return {name: {"request": w.current_id, "stuck_count": w.stuck_count,
-                   "engine_connected": w.engine_connected, "weights": w.info.prefill_weights if w.info else None}
+                   "engine_connected": w.engine_connected, "weights": w.info.prefill_weights if w.info else None,
+                   # its prompt cache per tier: hits, misses, entries, bytes, max_bytes, evictions (returned: the
+                   # answers' KV kept as hits, dropped as misses)
+                   "cache_tiers": {t.name: {k: v for k, v in dataclasses.asdict(t).items() if k != "name"}
+                                   for t in w.cache_tiers}}
             for name, w in gateway.pool.workers.items()}
 
 

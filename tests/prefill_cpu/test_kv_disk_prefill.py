@@ -142,8 +142,8 @@ def test_another_tenants_entry_is_a_miss_and_a_tenant_can_be_forgotten(tiny_gguf
     assert asyncio.run(worker.forget_salt("a")) == 1
     assert run(after, DOC, salt="a").cached_tokens == 0  # forgotten, on disk and in RAM
     assert run(after, OTHER, salt="b").cached_tokens == len(OTHER)
-    tiers = worker.cache_tiers()
-    assert tiers["disk"]["hits"] == 1 and tiers["disk"]["misses"] == 2 and tiers["ram"]["misses"] == 3
+    tiers = {tier.name: tier for tier in worker.cache_tiers()}
+    assert tiers["disk"].hits == 1 and tiers["disk"].misses == 2 and tiers["ram"].misses == 3
     assert "disk: 1 hits (60 tokens), 2 misses" in describe_tiers(after)
     asyncio.run(worker.close_disk_tier())
     assert not after.disk.offer(DOC + (9,), "a", b"state", None)  # closed: dropped, never queued

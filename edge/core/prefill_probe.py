@@ -6,8 +6,14 @@ cache salt (no prompt-cache hit) and with max_tokens 0 (the worker computes the 
 engine: prefill_cpu/prefill_worker.py), their times fed to the predictor's line (SloControl.probed). A probe is short
 and never trusted alone (docs/DESIGN: "a start-up probe is short and never trusted alone"): real prefills move the
 line from the first one on, and it is recorded only once MIN_RECORDED prefills were measured. Bounded: a probe past
-PROBE_TIMEOUT_S, or one that fails, is logged and readiness goes on without it. A start with a recorded line, or
-whose policy promises no TTFT, pays nothing."""
+PROBE_TIMEOUT_S, or one that fails, is logged and readiness goes on without it. A start whose policy promises no TTFT
+pays nothing.
+
+A start with a recorded line checks it (`check`): three short prefills (16, 128, 128 tokens) at once, their times
+against the record's line. The median ratio, within CHECK_RATIO, scales the recorded lines alone and beside decoding
+(TTFTPredictor.check_record). Measured (issue 47): a freshly started worker's first prefills ran 1.5-2.6x the line the
+earlier start recorded while warm, so a burst right after start was over-admitted from the record alone; the check's
+prefills also take those first-call costs off the burst's."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from edge.core.lifecycle import InFlight
 
 log = logging.getLogger("edge.core.prefill_probe")
 PROBE_TOKENS = (16, 128, 16, 128)  # two sizes, so the line's fixed part and per-token part can be told apart
+CHECK_TOKENS = (16, 128, 128)  # a recorded line's check at start
 PROBE_TIMEOUT_S = 5.0  # on a busy box; about 1 s of prefill on a 2-core one
 PROBE_POLL_S = 0.05  # how often the start-up looks whether the engine and a worker are up
 FIRST_TOKEN_ID = 1000  # the probe prompts' token ids start past the special tokens at the vocabulary's start
@@ -37,10 +44,9 @@ async def measure_at_start(gateway, timeout_s: float = PROBE_TIMEOUT_S, poll_s: 
     try:
         while not gateway.components_ready:
             await asyncio.sleep(poll_s)
-        if gateway.slo.predictor.known():
-            return  # an earlier run's record (prefill_line logged it)
+        recorded = gateway.slo.predictor.known()  # an earlier run's record (prefill_line logged it)
         try:
-            await asyncio.wait_for(probe(gateway), timeout_s)
+            await asyncio.wait_for(check(gateway) if recorded else probe(gateway), timeout_s)
         except TimeoutError:
             log.warning("slo: the prefill line was not measured at start within %.0f s; TTFT predictions start with "
                         "the first real prefill", timeout_s)
@@ -53,12 +59,35 @@ async def measure_at_start(gateway, timeout_s: float = PROBE_TIMEOUT_S, poll_s: 
 
 async def probe(gateway) -> None:
     """PROBE_TOKENS prompts through the pool at once; each PrefillDone goes to the predictor's line."""
+    for done in await prefills(gateway, PROBE_TOKENS):
+        gateway.slo.probed(done)
+    line = gateway.slo.predictor.prefill
+    if line.measured:
+        fixed_s, per_token_s = line.line()
+        log.info("slo: prefill line measured at start: %.0f ms + %.2f ms/token (%d prefills of %s tokens)",
+                 fixed_s * 1e3, per_token_s * 1e3, line.num_measured, "/".join(map(str, sorted(set(PROBE_TOKENS)))))
+
+
+async def check(gateway) -> None:
+    """CHECK_TOKENS prompts through the pool at once, against the recorded line (TTFTPredictor.check_record)."""
+    done = await prefills(gateway, CHECK_TOKENS)
+    ratio = gateway.slo.predictor.check_record(done)
+    if ratio is not None:
+        fixed_s, per_token_s = gateway.slo.predictor.prefill.line()
+        log.info("slo: the recorded prefill line checked at start: %d prefills took %.2fx its prediction (median); "
+                 "predictions start from %.0f ms + %.2f ms/token", len(done), ratio, fixed_s * 1e3,
+                 per_token_s * 1e3)
+
+
+async def prefills(gateway, sizes: tuple[int, ...]) -> list[PrefillDone]:
+    """Prompts of these sizes through the pool at once (probe_job); the PrefillDone of each that did not fail."""
     pool, registry = gateway.pool, gateway.registry
-    jobs = [probe_job(tokens, pool.vocab_size or 32000) for tokens in PROBE_TOKENS]
+    jobs = [probe_job(tokens, pool.vocab_size or 32000) for tokens in sizes]
     waiting = [InFlight(job.request_id, job.priority, needs_engine=False) for job in jobs]
     for inflight in waiting:
         registry.add(inflight)
     answered: set[str] = set()
+    done: list[PrefillDone] = []
     try:
         for job in jobs:
             pool.submit(job)
@@ -66,7 +95,7 @@ async def probe(gateway) -> None:
             message = await inflight.events.get()
             answered.add(inflight.request_id)
             if isinstance(message, PrefillDone):
-                gateway.slo.probed(message)
+                done.append(message)
             else:
                 log.warning("slo: a prefill of the start-up probe failed: %s", getattr(message, "message", message))
     finally:
@@ -74,11 +103,7 @@ async def probe(gateway) -> None:
             if inflight.request_id not in answered:
                 await pool.cancel(inflight.request_id)
             registry.remove(inflight.request_id)
-    line = gateway.slo.predictor.prefill
-    if line.measured:
-        fixed_s, per_token_s = line.line()
-        log.info("slo: prefill line measured at start: %.0f ms + %.2f ms/token (%d prefills of %s tokens)",
-                 fixed_s * 1e3, per_token_s * 1e3, line.num_measured, "/".join(map(str, sorted(set(PROBE_TOKENS)))))
+    return done
 
 
 def probe_job(num_tokens: int, vocab_size: int) -> PrefillJob:

@@ -31,6 +31,9 @@ SEED_TOKENS = (32, 256)  # a recorded line enters the fit as two prompts of thes
 # a prefill beside CPU decoding, before one was measured: the worker gives decode half its threads
 # (contracts/cpu_share.py), and both share the memory bandwidth
 BESIDE_CPU_DECODE = 2.0
+# a recorded line checked at start (edge.core.prefill_probe.check) is scaled by the check's ratio within these bounds:
+# a few short prefills are never trusted alone, and real prefills move the line from the first one on
+CHECK_RATIO = (0.5, 3.0)
 
 
 def recent_errors(errors: collections.deque[tuple[float, float]] | None, now: float) -> list[float]:
@@ -107,6 +110,11 @@ class PrefillTime:
             if per_token > 0 and fixed >= 0:
                 return fixed, per_token
         return 0.0, mean_s / max(mean_t, 1.0)
+
+    def scale(self, factor: float) -> None:
+        """Every prefill it was fitted on taken as `factor` times as long: the line's both parts scaled."""
+        self.sums[2] *= factor
+        self.sums[4] *= factor
 
     def seconds(self, tokens: float) -> float:
         fixed, per_token = self.line()
@@ -258,6 +266,22 @@ class TTFTPredictor:
         the line alone, and nothing else, since its handoff, cache hits and text are no real request's."""
         if done.prefill_ms > 0 and done.num_prompt_tokens:
             self.prefill.add(done.num_prompt_tokens - done.cached_tokens, done.prefill_ms / 1e3)
+
+    def check_record(self, done: list[PrefillDone]) -> float | None:
+        """A recorded line checked by prefills at start: the median of (measured / the line's seconds) over them,
+        within CHECK_RATIO, scales the lines alone and beside decoding alike (the same box, cold or busier than when
+        it was recorded). None, and nothing changed, without a line or a measured prefill."""
+        if not self.prefill.measured:
+            return None
+        ratios = sorted(d.prefill_ms / 1e3 / self.prefill.seconds(d.num_prompt_tokens - d.cached_tokens)
+                        for d in done if d.prefill_ms > 0 and d.num_prompt_tokens > d.cached_tokens)
+        if not ratios:
+            return None
+        ratio = min(max(ratios[len(ratios) // 2], CHECK_RATIO[0]), CHECK_RATIO[1])
+        self.prefill.scale(ratio)
+        if self.beside.measured:
+            self.beside.scale(ratio)
+        return ratio
 
     def known(self) -> bool:
         """A prefill line is known: measured in this run, or recorded by an earlier one for the ready workers'

@@ -103,7 +103,9 @@ def test_a_first_start_measures_the_prefill_line_before_it_is_ready(tmp_path, ca
     assert not list((tmp_path / prefill_line.FOLDER).glob("*"))  # a probe alone is never recorded
 
 
-def test_a_start_with_a_recorded_line_sends_no_probe(tmp_path):
+def test_a_start_with_a_recorded_line_checks_it_and_a_slower_box_scales_it(tmp_path, caplog):
+    """Recorded: 30 ms + 1 ms a token. The check's prefills take 20 ms + 2 ms a token: 16 tokens 1.13x, 128 tokens
+    1.75x (twice): the median 1.75 scales the recorded line."""
     earlier = TTFTPredictor(gateway_on(tmp_path).pool, cache_dir=tmp_path, threads=default_threads(ServeConfig()))
     for i in range(prefill_line.MIN_RECORDED):
         tokens = 40 if i % 2 else 400
@@ -112,11 +114,36 @@ def test_a_start_with_a_recorded_line_sends_no_probe(tmp_path):
     async def scenario():
         gateway = gateway_on(tmp_path)
         worker = FakeWorker(gateway.pool)
+        worker.go.set()
         await asyncio.wait_for(prefill_probe.measure_at_start(gateway), 5)
         return gateway, worker.jobs
 
-    gateway, jobs = asyncio.run(scenario())
-    assert jobs == [] and gateway.ready and gateway.slo.predictor.predict(0, 0.0, 130, {}) is not None
+    with caplog.at_level(logging.INFO, logger="edge.core.prefill_probe"):
+        gateway, jobs = asyncio.run(scenario())
+    assert sorted(len(job.prompt_tokens) for job in jobs) == [16, 128, 128]
+    assert all(job.sampling.max_tokens == 0 for job in jobs) and gateway.ready
+    fixed_s, per_token_s = gateway.slo.predictor.prefill.line()
+    assert fixed_s == pytest.approx(0.030 * 1.75, rel=0.01) and per_token_s == pytest.approx(0.001 * 1.75, rel=0.01)
+    assert gateway.slo.predictor.prefill.num_measured == 0  # a check is no measurement of its own: never recorded
+    assert "took 1.75x its prediction" in caplog.text
+
+
+def test_the_check_ratio_is_bounded_and_scales_the_beside_line_too():
+    predictor = TTFTPredictor(None)
+    predictor.prefill.add(40, 0.070)
+    predictor.prefill.add(400, 0.430)
+    predictor.beside.add(40, 0.140)
+    predictor.beside.add(400, 0.860)
+    before = predictor.beside.seconds(100)
+    slow = [PrefillDone("c", 128, 100 * (30 + 128), 0, 0.0, handed_off=False)]  # 100x: bounded
+    assert predictor.check_record(slow) == prefill_probe_ratio_max()
+    assert predictor.beside.seconds(100) == pytest.approx(before * prefill_probe_ratio_max())
+    assert predictor.check_record([]) is None
+
+
+def prefill_probe_ratio_max() -> float:
+    from edge.core.ttft_predictor import CHECK_RATIO
+    return CHECK_RATIO[1]
 
 
 def test_a_probe_that_takes_too_long_is_cancelled_and_readiness_goes_on(tmp_path, caplog):

@@ -1,0 +1,122 @@
+"""Multi-turn chats: what the answer's KV coming back to the prefill worker saves (issue 46).
+
+    .venv/bin/python -m bench.kv_return_bench [--conversations 8] [--turns 6] [--max-tokens 32] [--no-llama-server]
+
+8 conversations of 6 turns, growing: each turn resends the whole conversation (its system prompt, every earlier
+question and answer) plus a new question. The turns go round-robin (turn 1 of every conversation, then turn 2, ...),
+one request at a time, greedy, streamed. Systems, one after the other on the embedded model: `edge serve` as
+configured by default (the engine returns each answer's KV to the worker: kv_return_bytes 64 MiB), the same with
+kv_return_bytes = 0, and llama-server (-np 8 slots, its prompt cache on) when checks.llama_server finds a binary.
+Per system: TTFT p50/p99 of turn 1 and of turns 2..6, and the prompt tokens computed per turn (ours: prompt minus
+cached tokens in the usage; llama-server: timings.prompt_n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.systems import System
+from prefill_cpu.embedded_model import embedded_model_path
+
+QUESTIONS = ("What does a load balancer do?", "Why would it fail?", "How do I notice that?", "What should I log?",
+             "Which metric matters most?", "Summarize that in one line.", "Give an example.", "Anything else?")
+
+
+def edge(name: str, gguf: str, extra: str) -> System:
+    config = Path(tempfile.mkstemp(suffix=".toml")[1])
+    config.write_text(f'log_level = "WARNING"\nkv_type = "f16"\nkv_cache_tokens = 16384\n{extra}')
+    return System(name, Path(gguf).name.removesuffix(".gguf"), lambda p: [
+        sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p), "--config", str(config)],
+        ready_path="/health")
+
+
+def llama_server(binary: str, gguf: str) -> System:
+    return System("llama-server (-np 8, prompt cache)", Path(gguf).name.removesuffix(".gguf"), lambda p: [
+        binary, "-m", gguf, "--port", str(p), "-t", "2", "-np", "8", "-c", "16384", "-ctk", "f16", "-ctv", "f16",
+        "--log-disable"], ready_path="/health")
+
+
+def one_turn(system: System, messages: list[dict], max_tokens: int) -> tuple[float, int, str]:
+    """(TTFT s, prompt tokens computed, answer text) of one streamed greedy request."""
+    body = {"model": system.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started, ttft, text, computed = time.perf_counter(), None, [], None
+    with httpx.stream("POST", system.url + "/v1/chat/completions", json=body, timeout=300) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - started
+                text.append(piece)
+            if "timings" in chunk:  # llama-server: the prompt tokens it computed
+                computed = chunk["timings"]["prompt_n"]
+            elif chunk.get("usage") and computed is None:
+                usage = chunk["usage"]
+                computed = usage["prompt_tokens"] - (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return ttft or time.perf_counter() - started, computed or 0, "".join(text)
+
+
+def run(system: System, conversations: int, turns: int, max_tokens: int) -> dict:
+    chats = [[{"role": "system", "content": f"You are assistant number {i} of a support team. Answer briefly."}]
+             for i in range(conversations)]
+    rows = {t: [] for t in range(turns)}
+    system.start()
+    try:
+        for t in range(turns):
+            for i, chat in enumerate(chats):
+                chat.append({"role": "user", "content": QUESTIONS[(i + t) % len(QUESTIONS)]})
+                ttft, computed, answer = one_turn(system, chat, max_tokens)
+                chat.append({"role": "assistant", "content": answer})
+                rows[t].append((ttft, computed))
+    finally:
+        system.stop()
+    return rows
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--no-llama-server", action="store_true")
+    args = parser.parse_args()
+    gguf = embedded_model_path()
+    systems = [edge("ours (answer KV returned)", gguf, ""), edge("ours (kv_return_bytes = 0)", gguf,
+                                                                  "kv_return_bytes = 0\n")]
+    if not args.no_llama_server:
+        from checks.llama_server import binary_path
+        if (binary := binary_path()) is not None and Path(binary).exists():
+            systems.append(llama_server(str(binary), gguf))
+    results = {s.name: run(s, args.conversations, args.turns, args.max_tokens) for s in systems}
+    print(f"\n{args.conversations} conversations x {args.turns} turns, {args.max_tokens} answer tokens, greedy, "
+          "one request at a time")
+    print(f"| system | turn 1 TTFT p50 / p99 ms | turns 2-{args.turns} TTFT p50 / p99 ms | prompt tokens computed "
+          f"per turn (mean, turns 1..{args.turns}) |")
+    print("|---|---|---|---|")
+    for name, rows in results.items():
+        first = [r[0] * 1e3 for r in rows[0]]
+        later = [r[0] * 1e3 for t in range(1, args.turns) for r in rows[t]]
+        computed = " / ".join(f"{statistics.mean(r[1] for r in rows[t]):.0f}" for t in range(args.turns))
+        print(f"| {name} | {pct(first, 0.5):.0f} / {pct(first, 0.99):.0f} | {pct(later, 0.5):.0f} / "
+              f"{pct(later, 0.99):.0f} | {computed} |")
+
+
+if __name__ == "__main__":
+    main()

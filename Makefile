@@ -15,7 +15,7 @@ export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX
 	-DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
 	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
-.PHONY: install browser serve test test-fast lint soak gpu-check bench-handoff bench-decode bench-serving bench-sizes llama-server llama-server-tests clean
+.PHONY: install browser serve test test-fast lint soak gpu-check bench-handoff bench-decode bench-serving bench-sizes bench-kv-tiers llama-server llama-server-tests clean
 
 install: $(STAMP)
 
@@ -99,6 +99,12 @@ bench-serving: $(STAMP)
 # scheduling to objectives: ours with objectives vs priorities only vs llama-server, at 0.5x/1.5x/3x capacity
 bench-slo: $(STAMP)
 	$(PY) -m bench.slo_bench $(ARGS)
+
+# KV that outlives its request: multi-turn chats with the answer's KV returned, without it, and llama-server; then
+# the disk tier's documents after a worker restart, with and without it (docs/benchmarks.md, issue 46)
+bench-kv-tiers: $(STAMP)
+	$(PY) -m bench.kv_return_bench $(ARGS)
+	$(PY) -m bench.kv_tiers_bench --baseline
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -96,7 +96,8 @@ class StatusBoard:
         return {
             "time": now, "model": gateway.model_name, "ready": gateway.ready, "shutting_down": gateway.shutting_down,
             "window_s": WINDOW_S, "tier": self._tier(), "transitions": list(self.transitions),
-            "prefill": {"queue": gateway.pool.queue_length, "tokens_per_s": round(gateway.pool.tokens_per_s, 1)},
+            "prefill": {"queue": gateway.pool.queue_length, "tokens_per_s": round(gateway.pool.tokens_per_s, 1),
+                        "cache_tiers": self._cache_tiers(stats)},
             "decode": {"running": stats.num_running, "waiting": stats.num_waiting, "swapped": stats.num_swapped,
                        "preemptions": stats.num_preemptions, "tokens_per_s": round(stats.tokens_per_s, 1),
                        "last_step_ms": round(stats.last_step_ms, 2)},
@@ -111,6 +112,20 @@ class StatusBoard:
             "processes": self._processes(),
             "sample_fields": SAMPLE_FIELDS, "samples": [s for s in self.samples if s[0] > since],
         }
+
+    def _cache_tiers(self, stats) -> dict:
+        """The KV tiers' counts since start: each prompt cache tier summed over the workers (their heartbeats), and
+        the engine's prefix blocks (hits and lookups in tokens)."""
+        tiers: dict[str, dict] = {}
+        for worker in self.gateway.pool.workers.values():
+            for tier in worker.cache_tiers:
+                into = tiers.setdefault(tier.name, dict.fromkeys(("hits", "misses", "entries", "bytes", "max_bytes",
+                                                                  "evictions"), 0))
+                for name in into:
+                    into[name] += getattr(tier, name)
+        tiers["engine_prefix"] = {"hits": stats.prefix_cache_hits,
+                                  "misses": stats.prefix_cache_queries - stats.prefix_cache_hits}
+        return tiers
 
     def _tier(self) -> dict:
         enforcer = self.gateway.enforcer

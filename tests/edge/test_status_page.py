@@ -494,3 +494,17 @@ def test_a_forced_tier_change_shows_within_3_s(server, browser):
         asyncio.run(scenario())
     finally:
         server.policy.write_text(POLICY)
+
+
+def test_the_kv_tiers_are_summed_over_the_workers():
+    from contracts.messages import CacheTier
+    board, gateway, _ = _board()
+    gateway.pool.workers = {
+        "w0": SimpleNamespace(state="ready", last_error=None,
+                              cache_tiers=(CacheTier("ram", 3, 1, 2, 100, 1000, 0), CacheTier("returned", 2, 1))),
+        "w1": SimpleNamespace(state="ready", last_error=None, cache_tiers=(CacheTier("ram", 1, 4, 1, 50, 1000, 2),)),
+    }
+    tiers = board.snapshot()["prefill"]["cache_tiers"]
+    assert tiers["ram"] == {"hits": 4, "misses": 5, "entries": 3, "bytes": 150, "max_bytes": 2000, "evictions": 2}
+    assert tiers["returned"]["hits"] == 2 and tiers["returned"]["misses"] == 1
+    assert set(tiers["engine_prefix"]) == {"hits", "misses"}

@@ -144,6 +144,7 @@ class DecodeEngine:
             num_decoded = self._run(step, events)
         except Exception as err:  # the batched forward (or a device fault): no one sequence to blame
             log.exception("decode step failed")
+            self._finished_kv.clear()  # their blocks may be anyone's by the next step's end
             return events + self.fail_all(f"decode step failed: {err}")
         self._throughput.record(num_decoded, time.perf_counter() - started)
         self._return_finished()

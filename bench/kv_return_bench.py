@@ -96,10 +96,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-llama-server", action="store_true")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=None, help="ours: the worker's RAM prompt cache")
     args = parser.parse_args()
     gguf = embedded_model_path()
-    systems = [edge("ours (answer KV returned)", gguf, ""), edge("ours (kv_return_bytes = 0)", gguf,
-                                                                  "kv_return_bytes = 0\n")]
+    cache = f"prefix_cache_tokens = {args.prefix_cache_tokens}\n" if args.prefix_cache_tokens is not None else ""
+    systems = [edge("ours (answer KV returned)", gguf, cache),
+               edge("ours (kv_return_bytes = 0)", gguf, cache + "kv_return_bytes = 0\n")]
     if not args.no_llama_server:
         from checks.llama_server import binary_path
         if (binary := binary_path()) is not None and Path(binary).exists():

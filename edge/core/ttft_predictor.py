@@ -269,8 +269,10 @@ class TTFTPredictor:
 
     def check_record(self, done: list[PrefillDone]) -> float | None:
         """A recorded line checked by prefills at start: the median of (measured / the line's seconds) over them,
-        within CHECK_RATIO, scales the lines alone and beside decoding alike (the same box, cold or busier than when
-        it was recorded). None, and nothing changed, without a line or a measured prefill."""
+        within CHECK_RATIO, scales the line alone; the line beside decoding only upward (a box colder or busier than
+        when it was recorded slows both; prefills alone that ran faster say nothing of decode's share of the cores,
+        and a promise is better kept by a line too slow than too fast: measured, a 0.87x check run beside decoding
+        at 1.0x the record). None, and nothing changed, without a line or a measured prefill."""
         if not self.prefill.measured:
             return None
         ratios = sorted(d.prefill_ms / 1e3 / self.prefill.seconds(d.num_prompt_tokens - d.cached_tokens)
@@ -279,7 +281,7 @@ class TTFTPredictor:
             return None
         ratio = min(max(ratios[len(ratios) // 2], CHECK_RATIO[0]), CHECK_RATIO[1])
         self.prefill.scale(ratio)
-        if self.beside.measured:
+        if self.beside.measured and ratio > 1.0:
             self.beside.scale(ratio)
         return ratio
 

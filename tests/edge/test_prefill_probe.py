@@ -17,7 +17,7 @@ from edge.core.gateway import Gateway
 from edge.core.lifecycle import InFlightRegistry
 from edge.core.metrics import Metrics
 from edge.core.prefill_pool import PrefillPool
-from edge.core.ttft_predictor import TTFTPredictor
+from edge.core.ttft_predictor import CHECK_RATIO, TTFTPredictor
 from policies.enforcer import PolicyEnforcer
 from policies.loader import parse_policy
 from policies.schema import ClientClass, Policy
@@ -128,7 +128,7 @@ def test_a_start_with_a_recorded_line_checks_it_and_a_slower_box_scales_it(tmp_p
     assert "took 1.75x its prediction" in caplog.text
 
 
-def test_the_check_ratio_is_bounded_and_scales_the_beside_line_too():
+def test_the_check_ratio_is_bounded_and_scales_the_beside_line_only_upward():
     predictor = TTFTPredictor(None)
     predictor.prefill.add(40, 0.070)
     predictor.prefill.add(400, 0.430)
@@ -136,14 +136,13 @@ def test_the_check_ratio_is_bounded_and_scales_the_beside_line_too():
     predictor.beside.add(400, 0.860)
     before = predictor.beside.seconds(100)
     slow = [PrefillDone("c", 128, 100 * (30 + 128), 0, 0.0, handed_off=False)]  # 100x: bounded
-    assert predictor.check_record(slow) == prefill_probe_ratio_max()
-    assert predictor.beside.seconds(100) == pytest.approx(before * prefill_probe_ratio_max())
+    assert predictor.check_record(slow) == CHECK_RATIO[1]
+    assert predictor.beside.seconds(100) == pytest.approx(before * CHECK_RATIO[1])
     assert predictor.check_record([]) is None
-
-
-def prefill_probe_ratio_max() -> float:
-    from edge.core.ttft_predictor import CHECK_RATIO
-    return CHECK_RATIO[1]
+    scaled = predictor.beside.seconds(100)
+    fast = [PrefillDone("c", 128, 0.01, 0, 0.0, handed_off=False)]  # far faster alone: bounded, beside unchanged
+    assert predictor.check_record(fast) == CHECK_RATIO[0]
+    assert predictor.beside.seconds(100) == pytest.approx(scaled)
 
 
 def test_a_probe_that_takes_too_long_is_cancelled_and_readiness_goes_on(tmp_path, caplog):

@@ -143,6 +143,18 @@ class WorkerStatus:  # prefill worker -> gateway, right after the handshake
 
 
 @dataclass(frozen=True)
+class ForgetSalt:  # gateway -> prefill worker: an operator deletes a tenant's cached prompts (RAM and disk tier)
+    salt: str
+
+
+@dataclass(frozen=True)
+class SaltForgotten:  # prefill worker -> gateway: the answer to ForgetSalt
+    salt: str
+    entries: int  # prompt cache entries (llama.cpp sequences) dropped
+    files: int  # disk tier files deleted
+
+
+@dataclass(frozen=True)
 class CacheTier:  # one tier of a worker's prompt cache, counts since the worker started
     name: str  # "ram" (llama.cpp cells), "disk" (kv_disk_bytes), "returned" (answers' KV from the engine)
     hits: int = 0  # prompts that reused KV of this tier (returned: answers' KV kept)
@@ -211,7 +223,7 @@ class Stats:  # decode engine -> gateway, periodically
     stats: EngineStats
 
 
-MESSAGES = (Challenge, Hello, Welcome, Refused, PrefillJob, PrefillDone, PrefillFailed, CancelPrefill, WorkerStatus,
-            Heartbeat, PromptLogprobs, EmbedDone, Handoff, ReturnedKV, Abort, DecodeYield, Speculate, Recompute, Token,
-            Stats)
+MESSAGES = (Challenge, Hello, Welcome, Refused, ForgetSalt, SaltForgotten, PrefillJob, PrefillDone, PrefillFailed,
+            CancelPrefill, WorkerStatus, Heartbeat, PromptLogprobs, EmbedDone, Handoff, ReturnedKV, Abort,
+            DecodeYield, Speculate, Recompute, Token, Stats)
 HEARTBEAT_INTERVAL_S = 1.0

@@ -18,10 +18,12 @@ from contracts.messages import (
     HEARTBEAT_INTERVAL_S,
     CancelPrefill,
     EmbedDone,
+    ForgetSalt,
     Heartbeat,
     PrefillDone,
     PrefillFailed,
     PrefillJob,
+    SaltForgotten,
     WorkerStatus,
 )
 from contracts.tasks import spawn
@@ -55,6 +57,17 @@ class JobServer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
+    async def forget_salt(self, salt: str) -> tuple[int, int]:
+        """Drop a salt's cached prompts: (entries, files). A worker without a prompt cache holds none."""
+        return 0, 0
+
+    async def _forget_salt(self, salt: str, writer: asyncio.StreamWriter) -> None:
+        entries, files = await self.forget_salt(salt)
+        try:
+            await send_message(writer, SaltForgotten(salt, entries, files))
+        except (ConnectionError, RuntimeError):
+            pass  # the gateway went away; its request ends with the connection
+
     def cache_tiers(self) -> tuple:
         """Its prompt cache's tiers (contracts.messages.CacheTier) for the heartbeat; none for a worker without."""
         return ()
@@ -75,6 +88,8 @@ class JobServer:
                     task = spawn(self.run_job(message, writer), f"prefill job {message.request_id}", log)
                     jobs[message.request_id] = task
                     task.add_done_callback(lambda _, rid=message.request_id: self._forget(jobs, rid))
+                elif isinstance(message, ForgetSalt):
+                    spawn(self._forget_salt(message.salt, writer), "forgetting a salt's cached prompts", log)
                 elif isinstance(message, CancelPrefill) and message.request_id in jobs:
                     self.cancelled.add(message.request_id)  # llama.cpp's abort callback sees it within a graph node
         except ProtocolError as err:

@@ -122,11 +122,13 @@ class PrefillWorker(JobServer):
                 log.info("%s", describe_tiers(self.prefiller))
                 last = now
 
-    async def forget_salt(self, salt: str) -> int:
-        """Forget a cache salt's (tenant's) prompts: its cells in the prompt cache and its disk tier's files; how
-        many files went. Between jobs, on the llama.cpp thread (the context is that thread's)."""
+    async def forget_salt(self, salt: str) -> tuple[int, int]:
+        """Forget a cache salt's (tenant's) prompts: its cells in the prompt cache and its disk tier's files; (entries,
+        files) dropped. Between jobs, on the llama.cpp thread (the context is that thread's)."""
         async with self.lock:
-            return await asyncio.get_running_loop().run_in_executor(self.thread, self.prefiller.forget_salt, salt)
+            before = len(self.prefiller.cache.entries)
+            files = await asyncio.get_running_loop().run_in_executor(self.thread, self.prefiller.forget_salt, salt)
+            return before - len(self.prefiller.cache.entries), files
 
     async def close_disk_tier(self) -> None:
         """At shutdown: the disk tier writes what it has queued (bounded by its queue's bytes)."""

@@ -37,11 +37,13 @@ from contracts.framing import PeerRefusedError, ProtocolError, connect_when_list
 from contracts.messages import (
     CancelPrefill,
     EmbedDone,
+    ForgetSalt,
     Heartbeat,
     PrefillDone,
     PrefillFailed,
     PrefillJob,
     PromptLogprobs,
+    SaltForgotten,
     WorkerStatus,
 )
 from contracts.reconnect import Streams, stay_connected
@@ -121,6 +123,7 @@ class PrefillPool:
         self.choose_engine = choose_engine
         # prompt prefix -> the worker that prefilled it last: a conversation's next turn goes back to it when free
         self.affinity = PrefixAffinity()
+        self._forgetting: dict[tuple[str, str], asyncio.Future] = {}  # (worker, salt) -> its SaltForgotten
 
     @property
     def queue_length(self) -> int:
@@ -178,6 +181,25 @@ class PrefillPool:
             if worker.current_id == request_id:
                 await self._send(worker, CancelPrefill(request_id))
 
+    async def forget_salt(self, salt: str, timeout_s: float = 30.0) -> dict[str, SaltForgotten | None]:
+        """Ask every ready worker to drop a salt's cached prompts (an operator deleting a tenant's); each worker's
+        answer, None for one that did not answer in time (it does so between two prefills)."""
+        waits = {}
+        for worker in self.workers.values():
+            if worker.state == "ready" and worker.writer is not None:
+                future = asyncio.get_running_loop().create_future()
+                self._forgetting[(worker.name, salt)] = future
+                waits[worker.name] = future
+                await self._send(worker, ForgetSalt(salt))
+        answers = {}
+        for name, future in waits.items():
+            try:
+                answers[name] = await asyncio.wait_for(future, timeout_s)
+            except TimeoutError:
+                answers[name] = None
+            self._forgetting.pop((name, salt), None)
+        return answers
+
     async def run(self) -> None:
         await asyncio.gather(*(self._maintain(w) for w in self.workers.values()))
 
@@ -229,6 +251,10 @@ class PrefillPool:
             log.info("prefill worker %s ready (%s, KV %s)", worker.name, worker.address, message.kv_type)
         elif isinstance(message, (PrefillDone, PrefillFailed, EmbedDone)):
             self._finished(worker, message)
+        elif isinstance(message, SaltForgotten):
+            future = self._forgetting.pop((worker.name, message.salt), None)
+            if future is not None and not future.done():
+                future.set_result(message)
         elif isinstance(message, PromptLogprobs):  # the job goes on: its PrefillDone follows
             self.registry.deliver(message.request_id, message)
         elif not isinstance(message, Heartbeat):

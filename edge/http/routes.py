@@ -7,7 +7,7 @@ from aiohttp import web
 
 from edge.api.response_store import ResponseStore
 from edge.api.structured import GrammarChecks
-from edge.http import embeddings, generate, health, status_page, tokenize
+from edge.http import embeddings, generate, health, kv_cache, status_page, tokenize
 from edge.http.count_tokens import count_tokens
 from edge.http.middleware import error_middleware
 from edge.http.tokenizers import Tokenizers
@@ -32,6 +32,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/health", health.health)
     app.router.add_get("/metrics", health.metrics)
+    app.router.add_delete("/v1/kv_cache", kv_cache.delete_tenant)
     app.router.add_get("/", status_page.status_page)
     app.router.add_get("/status", status_page.status_page)
     app.router.add_get("/status.json", status_page.status_json)

@@ -139,7 +139,7 @@ def test_another_tenants_entry_is_a_miss_and_a_tenant_can_be_forgotten(tiny_gguf
     after = Prefiller(config(model, tmp_path, entries=2))
     worker = PrefillWorker(after, "prefill-0", None)
     assert run(after, DOC, salt="b").cached_tokens == 0  # tenant a's prompt, asked by tenant b
-    assert asyncio.run(worker.forget_salt("a")) == 1
+    assert asyncio.run(worker.forget_salt("a"))[1] == 1
     assert run(after, DOC, salt="a").cached_tokens == 0  # forgotten, on disk and in RAM
     assert run(after, OTHER, salt="b").cached_tokens == len(OTHER)
     tiers = {tier.name: tier for tier in worker.cache_tiers()}

@@ -13,7 +13,9 @@
    must be at least 0.8x that count;
 3. the same burst (fresh prompts) again after a warm-up, on the same server;
 4. fair decode slots: a plain request of 8 tokens alone (its idle time), sent while one request of n = 32 decodes,
-   and sent together with four requests of n = 32 (64 tokens each): its whole-answer time.
+   and sent together with four requests of n = 32 (64 tokens each): its whole-answer time. These requests name a
+   class of the same priority without objectives (a tenant header), so that none is refused; one that is not served
+   fails the bench.
 
 The server keeps its default max_num_seqs (32), so one n = 32 request alone fills the decode batch.
 """
@@ -33,14 +35,20 @@ from bench.loadgen import RequestResult, RequestSpec, percentiles, send
 from bench.systems import System
 from bench.workloads import text_of
 
+TENANT_HEADER, FAIR_TENANT = "x-bench-tenant", "fair"
+
 
 def fresh_server(gguf: str, threads: int, ttft_slo_ms: int, log_level: str) -> System:
     """ttft_slo_ms 0: a class without objectives (the earlier start's: nothing it sends is refused, so its prefills
     beside decoding are measured and recorded too)."""
     folder = Path(tempfile.mkdtemp(prefix="slo-burst-"))
     objective = f'ttft_slo_ms = {ttft_slo_ms}\non_slo_miss = "reject"\n' if ttft_slo_ms else ""
+    # the fair-share phase's requests name the tenant FAIR_TENANT: a class of the same priority without objectives,
+    # so none of its n = 32 requests or its plain one is refused (else "beside four" measures beside fewer)
     (folder / "policy.toml").write_text('version = 1\ndefault_class = "chat"\n[classes.chat]\npriority = 0\n'
-                                        + objective)
+                                        + objective + '[classes.plain]\npriority = 0\n'
+                                        f'[tenants]\nheader = "{TENANT_HEADER}"\n[tenants.classes]\n'
+                                        f'{FAIR_TENANT} = "plain"\n')
     (folder / "serve.toml").write_text(f'log_level = "{log_level}"\npolicy = "{folder / "policy.toml"}"\n'
                                        f"threads_per_worker = {threads}\n[limits]\nprefill_queue_size = 512\n")
     return System("ours, first burst", Path(gguf).name.removesuffix(".gguf"), lambda port: [
@@ -48,8 +56,9 @@ def fresh_server(gguf: str, threads: int, ttft_slo_ms: int, log_level: str) -> S
         "--config", str(folder / "serve.toml")], ready_path="/health")
 
 
-async def _all(system: System, specs: list[RequestSpec], extras: list[dict], timeout_s: float) -> list[RequestResult]:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+async def _all(system: System, specs: list[RequestSpec], extras: list[dict], timeout_s: float,
+               headers: dict | None = None) -> list[RequestResult]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         async def one(spec: RequestSpec, extra: dict) -> RequestResult:
             sent = time.perf_counter()
@@ -109,18 +118,22 @@ async def beside_big_n(system: System, args) -> dict:
     big = RequestSpec(({"role": "user", "content": "Tell a story about " + text_of(20, rng)},), 64, ignore_eos=True)
     plain = RequestSpec(({"role": "user", "content": "Say hello."},), 8, ignore_eos=True)
     big_extra = {"n": 32, "temperature": 1.0}
-    idle = [(await _all(system, [plain], [{}], 120))[0] for _ in range(3)]
+    fair = {TENANT_HEADER: FAIR_TENANT}
+    idle = [(await _all(system, [plain], [{}], 120, fair))[0] for _ in range(3)]
 
-    async def one_decoding() -> RequestResult:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async def one_decoding() -> list[RequestResult]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), headers=fair) as session:
             big_task = asyncio.ensure_future(send(session, system.url, system.model, big, big_extra))
             await _decoding(system, session, big_task)
-            (result,) = await _all(system, [plain], [{}], 120)
-            await big_task
-            return result
+            (result,) = await _all(system, [plain], [{}], 120, fair)
+            return [result, await big_task]
 
     beside_one = await one_decoding()
-    results = await _all(system, [big] * 4 + [plain], [big_extra] * 4 + [{}], 600)
+    results = await _all(system, [big] * 4 + [plain], [big_extra] * 4 + [{}], 600, fair)
+    failed = [f"{r.status} {r.error}" for r in idle + beside_one + results if not r.ok]
+    if failed:
+        raise RuntimeError(f"fair-share phase: {len(failed)} requests were not served: {failed[:3]}")
+    beside_one = beside_one[0]
     ok_idle = [r.e2e_s for r in idle if r.ok]
     return {"idle_s": float(np.median(ok_idle)) if ok_idle else None,
             "one_s": beside_one.e2e_s if beside_one.ok else None,

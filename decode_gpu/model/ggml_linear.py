@@ -48,6 +48,12 @@ class _CPlan(ctypes.Structure):  # struct ggml_cplan (ggml-cpu.h)
                 ("abort_callback", _P), ("abort_callback_data", _P), ("use_ref", ctypes.c_bool)]
 
 
+class TypeTraits(ctypes.Structure):  # struct ggml_type_traits (ggml.h); checked against ggml_type_size on use
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool),
+                ("to_float", ctypes.CFUNCTYPE(None, _P, _P, ctypes.c_int64)), ("from_float_ref", _P)]
+
+
 class _GGML:
     """The ggml functions used here, with their C signatures."""
 
@@ -65,6 +71,9 @@ class _GGML:
             (base, "ggml_get_data"): (_P, [_P]),
             (base, "ggml_tensor_overhead"): (ctypes.c_size_t, []),
             (base, "ggml_row_size"): (ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]),
+            (base, "ggml_type_size"): (ctypes.c_size_t, [ctypes.c_int]),
+            (base, "ggml_blck_size"): (ctypes.c_int64, [ctypes.c_int]),
+            (base, "ggml_get_type_traits"): (ctypes.POINTER(TypeTraits), [ctypes.c_int]),
             (base, "ggml_quantize_chunk"): (ctypes.c_size_t, [ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int64,
                                                               ctypes.c_int64, _P]),
             (cpu, "ggml_cpu_init"): (None, []),
@@ -101,6 +110,14 @@ def _ggml() -> _GGML | None:
 
 def available() -> bool:
     return _ggml() is not None
+
+
+def library() -> _GGML:
+    """The ggml bindings; RuntimeError where they do not load (available())."""
+    lib = _ggml()
+    if lib is None:
+        raise RuntimeError("ggml weights need llama-cpp-python's ggml libraries (0.3.36)")
+    return lib
 
 
 class _MatMulGraph:
@@ -166,9 +183,11 @@ def quantize(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
     return blocks
 
 
-def matmul_graph(blocks: torch.Tensor, weight_dtype: str, in_features: int, out_features: int,
+def matmul_graph(blocks: torch.Tensor, weight_dtype: str | int, in_features: int, out_features: int,
                  rows: int) -> _MatMulGraph:
-    return _MatMulGraph(_ggml(), GGML_TYPES[weight_dtype], blocks.data_ptr(), in_features, out_features, rows)
+    """weight_dtype: a GGML_TYPES name, or a ggml_type id (a GGUF tensor's own type, gguf_layers.py)."""
+    ggml_type = weight_dtype if isinstance(weight_dtype, int) else GGML_TYPES[weight_dtype]
+    return _MatMulGraph(_ggml(), ggml_type, blocks.data_ptr(), in_features, out_features, rows)
 
 
 class GGMLLinear(QuantizedLinear):

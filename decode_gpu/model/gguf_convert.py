@@ -61,6 +61,43 @@ def model_skeleton(gguf_path: str | Path, dtype: torch.dtype) -> PreTrainedModel
     return _skeleton(config_dict, dtype, str(gguf_path))
 
 
+def layout_of(gguf_path: str | Path) -> tuple[object, dict[str, np.ndarray], dict[str, tuple]]:
+    """What the engine needs to serve a GGUF's own blocks (decode_gpu/model/gguf_weights.py), as this converter
+    would name and process them: the config; the 1-D tensors (norms, biases) processed, by parameter name; and each
+    matrix as parameter name -> (GGUF name, [out, in], row order or None). A matrix is not dequantized: its
+    processor runs on a probe of its row indices, which comes back permuted as the matrix would be (a LLaMA q/k);
+    ValueError for a processor that changes a matrix's values otherwise."""
+    config_dict = load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"]
+    skeleton = _skeleton(config_dict, torch.float32, str(gguf_path))
+    arch, tensors = _read_tensors(gguf_path)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config_dict)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    small, matrices = {}, {}
+    for tensor in tensors:
+        matrix = len(tensor.shape) == 2
+        rows = int(tensor.shape[1]) if matrix else 0
+        probe = np.arange(rows, dtype=np.float64)[:, None]  # [out, 1]: row i holds i
+        weights = probe if matrix else gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters={"tensors": {}})
+        if result.name not in names:
+            continue
+        if not matrix:
+            small[names[result.name]] = np.array(result.weights, dtype=np.float32)
+            continue
+        order = np.asarray(result.weights).reshape(-1)
+        if order.shape != (rows,) or not np.array_equal(np.sort(order), probe[:, 0]):
+            raise ValueError(f"{gguf_path}: the converter changes {tensor.name}'s values, not only its rows' order: "
+                             f"its blocks cannot be served as they lie (weight_dtype gguf)")
+        in_place = np.array_equal(order, probe[:, 0])
+        matrices[names[result.name]] = (tensor.name, (rows, int(tensor.shape[0])),
+                                        None if in_place else order.astype(np.int64).tolist())
+    missing = set(skeleton.state_dict()) - set(skeleton.all_tied_weights_keys) - set(small) - set(matrices)
+    if missing:
+        raise ValueError(f"{gguf_path}: no tensor for {sorted(missing)[:5]} ({len(missing)} in all)")
+    return skeleton.config, small, matrices
+
+
 def _skeleton(config_dict: dict, dtype: torch.dtype, gguf_path: str) -> PreTrainedModel:
     """The model on the meta device: it only lends its config and parameter names."""
     config = AutoConfig.for_model(**config_dict)

@@ -130,6 +130,14 @@ def serving_model_from(config, generation_config, tensors: dict[str, torch.Tenso
     """A ServingModel holding `tensors` as they are (named as in transformers' state dict; their device and dtype
     kept): the converted files' tensors, or a transformers model's own (the GPU check builds random models with
     transformers, then serves the native forward on this model over the same storage)."""
+    device = next(iter(tensors.values())).device
+    model = serving_model_skeleton(config, generation_config, tensors)
+    return model.to(device).eval()  # the rotary's inverse frequencies, made on the CPU
+
+
+def serving_model_skeleton(config, generation_config, tensors: dict[str, torch.Tensor]) -> ServingModel:
+    """The ServingModel's modules over `tensors` as they are, left where they are (meta tensors stay meta: the GGUF's
+    own layers replace them, gguf_weights.py)."""
     if config.model_type not in SUPPORTED_TYPES:
         raise ValueError(f"the native forward does not know model type {config.model_type!r}: set forward = "
                          f"\"transformers\"")
@@ -137,8 +145,7 @@ def serving_model_from(config, generation_config, tensors: dict[str, torch.Tenso
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     model = ServingModel(config, generation_config)
     _build(model, config, tensors)
-    device = next(iter(tensors.values())).device
-    return model.to(device).eval()  # the rotary's inverse frequencies, made on the CPU
+    return model.eval()
 
 
 def _build(model: ServingModel, config, tensors: dict[str, torch.Tensor]) -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from decode_gpu.model import gguf_plan
+from decode_gpu.model.gguf_layers import GGUFEmbedding
 from decode_gpu.model.int4_linear import Int4Linear
 from decode_gpu.model.int8_linear import Int8Embedding, Int8Linear, int8_kernel_works, int8_rows
 from decode_gpu.model.native_decoder import DETERMINISTIC_ROWS
@@ -38,7 +40,7 @@ from decode_gpu.model.weight_plan import (
 
 log = logging.getLogger(__name__)
 
-WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0")
+WEIGHT_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "int4", "q8_0", "gguf")
 QUANTIZED_WEIGHTS = ("int8", "int4", "q8_0")  # q8_0: ggml's Q8_0 blocks and CPU kernels (ggml_linear.py), CPU only
 FLOAT_WEIGHTS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -80,7 +82,7 @@ def weights_by_precision(model: nn.Module) -> dict[str, int]:
     seen, totals = set(), {}
     for module in model.modules():
         quantized = module.held_as if isinstance(module, QuantizedLinear) else \
-            "int8" if isinstance(module, Int8Embedding) else None
+            "int8" if isinstance(module, Int8Embedding) else "gguf" if isinstance(module, GGUFEmbedding) else None
         held = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for name, tensor in held:
             key = id(tensor) if tensor.is_meta or tensor.is_mkldnn else tensor.data_ptr()
@@ -130,8 +132,8 @@ def quantize_model(model: nn.Module, weight_dtype: str, device: torch.device, dt
 
 
 def _check_device(weight_dtype: str, device: torch.device) -> None:
-    if weight_dtype == "q8_0" and device.type != "cpu":
-        raise ValueError(f"weight_dtype q8_0 runs on ggml's CPU kernels only, not on {device.type}")
+    if weight_dtype in ("q8_0", "gguf") and device.type != "cpu":
+        raise ValueError(f"weight_dtype {weight_dtype} runs on ggml's CPU kernels only, not on {device.type}")
 
 
 def held_weight_dtype(model: nn.Module) -> str:
@@ -168,6 +170,15 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     if weight_dtype == "auto" and device.type == "cuda":
         plan = auto_weight_plan(device, types, float_set=float_set)
     measure = weight_dtype == "auto" and device.type == "cpu"
+    gguf = gguf_plan.configured(identity, serving) if weight_dtype == "gguf" else \
+        gguf_plan.for_memory(identity, serving, second_set) if measure else None
+    if gguf is not None:  # the file's own blocks: nothing converted, nothing loaded but the norms
+        try:
+            return _gguf_model(identity, dtype, gguf)
+        except ValueError as err:  # a family whose converter changes a matrix's values: auto goes on without
+            if weight_dtype == "gguf":
+                raise
+            log.info("auto: not the GGUF's own blocks: %s", err)
     on_cpu = plan.weight_dtype != "float" or measure
     model = load_decode_model(identity, torch.device("cpu") if on_cpu else device, dtype, serving=serving)
     fuse_projections(model)  # before packing and quantizing, which then see the stacked layers
@@ -177,6 +188,10 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         plan = within_memory(plan, cpu_kinds(types)[0], second_set, float_set, types.head_int8)
         if fixed_precision and plan.float_above is not None:
             plan = _one_precision(plan)
+        gguf = gguf_plan.measured(identity, serving, model, plan, dtype)
+        if gguf is not None:  # at least as fast at one row as the plan measured: the float model goes
+            del model
+            return _gguf_model(identity, dtype, gguf)
     if plan.weight_dtype == "float":
         model.to(device)
         pack_linears(model, plan.packed)
@@ -185,6 +200,14 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
                        plan.weight_dtype == "int4" and plan.head_int8 and _int8_head_fits(device, dtype), plan.packed)
     own_memory(model)  # what the plan kept, out of the loaded file's mapping (which then goes)
     report = WeightReport(held_weight_dtype(model), weight_bytes(model), plan.why)
+    log.info("decode %s", report.describe())
+    return model, report
+
+
+def _gguf_model(identity, dtype: torch.dtype, why: str) -> tuple[nn.Module, WeightReport]:
+    from decode_gpu.model.gguf_weights import load_gguf_model
+    model = load_gguf_model(identity, dtype)
+    report = WeightReport(held_weight_dtype(model), weight_bytes(model), why)
     log.info("decode %s", report.describe())
     return model, report
 

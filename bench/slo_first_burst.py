@@ -123,8 +123,10 @@ async def beside_big_n(system: System, args) -> dict:
 
     async def one_decoding() -> list[RequestResult]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), headers=fair) as session:
-            big_task = asyncio.ensure_future(send(session, system.url, system.model, big, big_extra))
-            await _decoding(system, session, big_task)
+            decoding = asyncio.Event()  # its first content chunk came: it decodes (no longer in prefill)
+            big_task = asyncio.ensure_future(send(session, system.url, system.model, big, big_extra,
+                                                  on_token=decoding.set))
+            await _decoding(decoding, big_task)
             (result,) = await _all(system, [plain], [{}], 120, fair)
             return [result, await big_task]
 
@@ -141,15 +143,15 @@ async def beside_big_n(system: System, args) -> dict:
             "big_s": max((r.e2e_s for r in results[:4] if r.ok), default=None)}
 
 
-async def _decoding(system: System, session: aiohttp.ClientSession, task: asyncio.Future) -> None:
-    """Until the engine decodes (its /health says sequences are running), polled; the request must not end first."""
-    while not task.done():
-        async with session.get(system.url + "/health") as response:
-            engine = (await response.json()).get("engine") or {}
-        if engine.get("num_running", 0) > 0:
-            return
-        await asyncio.sleep(0.02)
-    raise RuntimeError("the n = 32 request ended before it was seen decoding")
+async def _decoding(decoding: asyncio.Event, task: asyncio.Future) -> None:
+    """Until the request streams its first tokens (/health's engine stats come with a heartbeat every 0.5 s, so a
+    count seen there may be an earlier request's: the plain one was then sent during the n = 32 prefill and
+    refused); it must not end first."""
+    waiting = asyncio.ensure_future(decoding.wait())
+    await asyncio.wait([waiting, task], return_when=asyncio.FIRST_COMPLETED)
+    if not decoding.is_set():
+        waiting.cancel()
+        raise RuntimeError("the n = 32 request ended before it streamed a token")
 
 
 async def earlier_start(system: System, args, seed: int | None = None, alone: int = 8) -> None:

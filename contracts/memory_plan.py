@@ -39,6 +39,11 @@ KV_FLOOR_TOKENS = 8192  # the pool's floor: this, or 4 x max_model_len if more (
 GGUF_INT8 = {"Q8_0", "Q8_1", "Q8_K"}  # weight_dtype auto on CUDA follows the GGUF (decode_gpu/model/weight_plan.py)
 GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
 COPIES = ("f16", "q8_0")  # prefill_weights auto's copies, best first
+# the matrix types the engine multiplies where they lie in the mapped GGUF (weight_dtype gguf,
+# decode_gpu/model/gguf_layers.py GGUF_LAYER_TYPES: contracts imports nothing of decode_gpu)
+GGUF_IN_PLACE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                           "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"})
+MAPPED = "the GGUF's own blocks, mapped"
 
 
 class MemoryRefused(ValueError):
@@ -152,6 +157,9 @@ def weight_options(sizes: ModelSizes, device: str, weight_dtype: str, dtype: str
     """Best first; the last is the least the config allows. auto on a CPU measures int4 (every layer matrix affine
     4-bit) or int8, and ggml's q8_0, against the float weights (decode_gpu/model/weight_plan.py): room for the
     larger of the quantized ones until only the smaller fits."""
+    in_place = device == "cpu" and bool(sizes.layer_types) and sizes.layer_types | {sizes.head_type} <= GGUF_IN_PLACE
+    if weight_dtype == "gguf":
+        return [WeightOption("gguf", ((MAPPED, sizes.file_bytes),), False, False, "one set (weight_dtype = 'gguf')")]
     if weight_dtype != "auto" or device == "cuda":
         told = weight_dtype
         if weight_dtype == "auto":  # CUDA: the GGUF's own quantization
@@ -163,8 +171,12 @@ def weight_options(sizes: ModelSizes, device: str, weight_dtype: str, dtype: str
     least, q8_0 = sizes.decode_weight_bytes(kind, dtype), sizes.decode_weight_bytes("q8_0", dtype)
     most, floating = max(least, q8_0), sizes.decode_weight_bytes(dtype, dtype)
     quantized = f"{kind} or q8_0" if q8_0 > least else kind
-    options = [WeightOption("auto", ((quantized, most), (dtype, floating)), True, True,
-                            f"auto: the {quantized} and {dtype} sets both fit"),
+    both = WeightOption("auto", ((quantized, most), (dtype, floating)), True, True,
+                        f"auto: the {quantized} and {dtype} sets both fit (or {MAPPED}, where they measure as fast)")
+    if in_place:  # one set: the file's pages, which the workers map too: nothing smaller can be held
+        return [both, WeightOption("auto", ((MAPPED, sizes.file_bytes),), False, False,
+                                   f"auto, one set: both do not fit; {MAPPED} (no second copy)")]
+    options = [both,
                WeightOption("auto", ((f"{quantized} or {dtype}", floating),), False, True,
                             "auto, one set: both do not fit; it keeps the one faster at one row"),
                WeightOption("auto", ((quantized, most),), False, False,
@@ -214,7 +226,11 @@ class _Planner:
         given, on_device = copy is None, self.engine_at == "device"
         worker_each = (WORKER_RUNTIME + kv_cells * sizes.handoff_kv_bytes(config.kv_type) + self._compute_buffer()
                        + (sizes.repacked_bytes if given else 0))  # llama.cpp repacks the given file's Q4_K etc.
-        parts = [*weights.parts(self.engine_at),
+        held = weights.parts(self.engine_at)
+        if given and weights.sets[0][0] == MAPPED:  # the same pages as the workers' mapping: counted there, once
+            held = [Part(f"decode weights, {MAPPED}", 0, self.engine_at,
+                         "the given GGUF's pages, shared with the workers (counted under prefill weights)")]
+        parts = [*held,
                  Part("engine runtime", ENGINE_RUNTIME + (0 if on_device else activations), "host",
                       "Python, torch, tokenizer" + ("" if on_device else ", a step's activations")),
                  Part("swap space (at most)", self.swap_bytes, "host",

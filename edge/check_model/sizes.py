@@ -14,7 +14,8 @@ from contracts.kv_dtypes import KV_DTYPES
 from contracts.options import AUTO, KNOBS
 
 log = logging.getLogger("edge.check_model.command")
-WEIGHT_DTYPES = KNOBS["weight_dtype"].allowed(exclude=(AUTO,))  # every one the engine takes, sized
+# every one the engine takes and holds a copy in, sized (gguf holds none: the file's mapped pages, its file size)
+WEIGHT_DTYPES = KNOBS["weight_dtype"].allowed(exclude=(AUTO, "gguf"))
 QUANTIZED_ACTIVATIONS = "bfloat16"  # int8/int4 layers' scales and activations: the engine's dtype on CUDA
 
 

@@ -69,10 +69,12 @@ def test_engine_weight_bytes_match_the_engines_own_sizing(tmp_path) -> None:
 EXPECTED = {
     ("135m", 4): ("auto", True, True, "f16"), ("135m", 8): ("auto", True, True, "f16"),
     ("135m", 16): ("auto", True, True, "f16"), ("135m", 24): ("auto", True, True, "f16"),
-    ("1b", 4): None, ("1b", 8): ("auto", False, True, "f16"),
+    # one set, where both do not fit: the GGUF's own blocks, mapped (the engine holds no copy of its own)
+    ("1b", 4): ("auto", False, False, None), ("1b", 8): ("auto", False, False, "f16"),
     ("1b", 16): ("auto", True, True, "f16"), ("1b", 24): ("auto", True, True, "f16"),
-    ("3b", 4): None, ("3b", 8): None, ("3b", 16): ("auto", False, True, "f16"), ("3b", 24): ("auto", True, True, "f16"),
-    ("8b", 4): None, ("8b", 8): None, ("8b", 16): None, ("8b", 24): ("auto", False, False, "q8_0"),
+    ("3b", 4): None, ("3b", 8): ("auto", False, False, "q8_0"), ("3b", 16): ("auto", False, False, "f16"),
+    ("3b", 24): ("auto", True, True, "f16"),
+    ("8b", 4): None, ("8b", 8): None, ("8b", 16): ("auto", False, False, None), ("8b", 24): ("auto", False, False, "q8_0"),
 }
 
 
@@ -109,14 +111,13 @@ def test_the_pool_takes_what_is_left_up_to_every_sequence_at_its_longest(models,
 
 def test_a_refusal_names_every_part_and_the_budget(models) -> None:
     with pytest.raises(MemoryRefused) as refused:
-        _plan(models["8b"], 16)
+        _plan(models["8b"], 8)
     message = str(refused.value)
-    for part in ("decode weights, int8", "engine runtime", "swap space", "gateway runtime",
+    for part in ("decode weights, the GGUF's own blocks, mapped 0 MiB", "engine runtime", "swap space", "gateway runtime",
                  "prefill weights, the given GGUF", "prefill workers x1", "decode KV pool, 16384 tokens"):
         assert part in message
-    assert "ladder-8b-q4_k_m.gguf does not fit" in message and "budget host 16384 MiB" in message
-    int8 = models["8b"].decode_weight_bytes("int8")
-    assert f"decode weights, int8 {int8 / MIB:.0f} MiB (host)" in message
+    assert "ladder-8b-q4_k_m.gguf does not fit" in message and "budget host 8192 MiB" in message
+    assert f"prefill weights, the given GGUF {models['8b'].file_bytes / MIB:.0f} MiB (host)" in message
 
 
 def test_workers_that_do_not_fit_are_fewer_with_a_reason(models) -> None:
@@ -156,7 +157,8 @@ def test_settings_asked_for_by_name_are_required(models) -> None:
 
 def test_auto_keeps_the_smaller_quantized_kind_before_refusing(models) -> None:
     # between the room for int8 and for q8_0 (its 34-byte blocks): int8 alone, told as such
-    sizes = models["8b"]
+    # a GGUF of a type the engine does not multiply in place (GGUF_IN_PLACE): auto's own quantized kinds
+    sizes = dataclasses.replace(models["8b"], layer_types=frozenset({"Q4_K", "IQ2_S"}))
     roomy = _plan(sizes, 24)
     needed = roomy.used("host") - roomy.part_bytes()[f"decode KV pool, {roomy.kv_cache_tokens} tokens"]
     q8_0, int8 = sizes.decode_weight_bytes("q8_0"), sizes.decode_weight_bytes("int8")
@@ -188,3 +190,18 @@ def test_describe_lists_every_part_the_totals_and_the_reasons(models) -> None:
     assert f"of the {8 * 1024:.1f} MiB budget" in table
     for decision, why in plan.reasons.items():
         assert f"{decision}: {why}" in table
+
+
+def test_the_ggufs_own_blocks_count_once_beside_the_workers_mapping_and_in_full_beside_a_copy(models) -> None:
+    """weight_dtype gguf (or auto's one set): the engine maps the given file; with the workers on that file too its
+    pages are counted once (under the prefill weights), beside a copy they are the engine's own."""
+    sizes, name = models["1b"], "decode weights, the GGUF's own blocks, mapped"
+    shared = _plan(sizes, 24, weight_dtype="gguf", prefill_weights="given")
+    assert (shared.weight_dtype, shared.second_set, shared.float_set) == ("gguf", False, False)
+    assert shared.part_bytes()[name] == 0
+    assert shared.part_bytes()["prefill weights, the given GGUF"] == sizes.file_bytes
+    beside = _plan(sizes, 24, weight_dtype="gguf", prefill_weights="f16")
+    assert beside.part_bytes()[name] == sizes.file_bytes
+    # the one set auto falls to where both do not fit is the same, and needs no float set
+    tight = _plan(sizes, 4)
+    assert tight.part_bytes()[name] == 0 and "no second copy" in tight.reasons["weights"]

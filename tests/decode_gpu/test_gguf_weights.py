@@ -149,3 +149,26 @@ def test_auto_with_room_for_both_takes_the_files_blocks_only_where_they_measure_
         monkeypatch.setattr(gguf_plan, "_turns", lambda theirs, ours, inputs, s=gguf_s: (1.0, s))
         model, report = load_weights(identity, CPU, torch.float32, "auto", 8, serving=True)
         assert (held_weight_dtype(model) == "gguf") == (expected == "gguf"), report.why
+
+
+@pytest.mark.slow
+def test_the_embedded_models_own_blocks_decode_within_the_fidelity_bounds(embedded_identity, embedded_float32,
+                                                                          embedded_greedy_runs, tmp_path, monkeypatch):
+    """The embedded SmolLM2 (Q4_1 layers, a tied Q8_0 table) on its own blocks against its float32 conversion, both
+    decoding from the float model's prompt KV over the float model's own greedy continuations (the teacher-forced
+    fidelity tests' inputs): check-model's bounds over every position."""
+    monkeypatch.setenv("EDGE_LLM_CACHE", str(tmp_path))
+    identity = dataclasses.replace(embedded_identity, rope_layout="neox")
+    from decode_gpu.model.serving_model import serving_model_from
+    floats = serving_model_from(embedded_float32.config, embedded_float32.generation_config,
+                                dict(embedded_float32.state_dict()))
+    mapped = load_gguf_model(identity, torch.float32)
+    want, got = [], []
+    for run in embedded_greedy_runs:
+        tokens = run[0].tolist()
+        prompt, fed = tokens[:-32], tokens[-32:]
+        handoff = handoff_of(embedded_float32, identity, prompt)
+        want.append(verify_logits(floats, identity, handoff, fed))
+        got.append(verify_logits(mapped, identity, handoff, fed))
+    top1, kl = fidelity(torch.cat(want), torch.cat(got))
+    assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)

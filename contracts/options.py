@@ -148,6 +148,9 @@ _KNOBS = (
     Knob("memory_budget", int, 0, "bytes the processes of edge serve may hold together, planned before anything "
          "loads (docs/sizes.md); a model that cannot fit is refused at start (0: 85% of the RAM on a CPU, 90% of the "
          "device's memory on CUDA)", ge=0, flag=True, metavar="BYTES"),
+    Knob("keep_alive", str, "5m", "with [[models]]: how long a model stays loaded after its last request unless its "
+         "table says (Ollama's meaning: \"30s\", \"5m\", \"1h\"; \"0\" unloads after the answer, \"-1\" keeps it; "
+         "docs/models.md)"),
     Knob("gpu_memory_utilization", float, 0.9, "on CUDA without kv_cache_tokens: the engine's share of total GPU "
          "memory", gt=0, le=1),
     Knob("enforce_eager", bool, False, "no CUDA graphs in the decode step (slower; for debugging a GPU problem)",

@@ -27,6 +27,7 @@ from edge.config import ConfigError, load_config, open_without_authentication, p
 from edge.http.tls import TLSError, server_context
 from edge.observe.process_memory import MEMORY_PLAN, MEMORY_REPORTS, MemoryReport
 from policies.loader import PolicyError, load_policy
+from policies.validation import Issue
 from prefill_cpu.embedded_model import embedded_model_path
 
 ALLOW_OPEN_FLAG = "--allow-unauthenticated"
@@ -48,6 +49,9 @@ def main(argv=None) -> None:
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)
+        if config.models:  # checked by load_config; the registry that serves them is not built yet
+            raise ConfigError(args.config, [Issue("models", "[[models]] tables are checked but not served yet "
+                                                  "(issue 45): serve one model with `model`")])
         policy = load_policy(policy_path(config))  # refuse a bad policy before starting anything
         ssl_context = server_context(config)  # ... and bad TLS files, before the model loads
         model = config.model or embedded_model_path()

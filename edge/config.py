@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, create_model
+from pydantic import Field, PlainValidator, create_model
 
 from contracts.control_tls import is_loopback
 from contracts.options import conflicts, field_knob, knob
+from edge.models.spec import DEFAULT_KEEP_ALIVE, FOREVER, PER_MODEL_KEYS, ModelSpec, keep_alive_seconds
 from policies.validation import FileError, Invalid, Issue, Strict, parse_toml, read_text, validate
+
+MODEL_KV_TOKENS = 8192  # a [[models]] model's decode KV pool unless it (or the server) sets kv_cache_tokens
 
 
 class ConfigError(FileError):
@@ -109,6 +112,9 @@ class ServeConfig:
     policy: str = knob("policy")
     limits: Limits = field(default_factory=Limits)
     log_level: str = knob("log_level")
+    # several models (issue 45; checked, not served yet): the [[models]] tables; empty: the one model of `model`
+    models: tuple[ModelSpec, ...] = ()
+    keep_alive: str = knob("keep_alive")  # a [[models]] table's default (Ollama's meaning)
     # set by the memory plan at start (edge/check_model/memory.py), not by the file or a flag; the launcher copies them
     # by name into the process configs
     weight_second_set: bool = planned(True)  # the engine may hold the float set beside the quantized one
@@ -129,17 +135,37 @@ def _file_model(cls, **extra):
 
 
 def _file_field(f: dataclasses.Field, hint) -> tuple:
-    entry, exclude = field_knob(f)
+    hint, bounds = _checked_hint(f, hint)
     default = list(f.default) if isinstance(f.default, tuple) else f.default
+    return hint, Field(default, **bounds)
+
+
+def _checked_hint(f: dataclasses.Field, hint) -> tuple:
+    """The type a file's value must have (its knob's choices as a Literal) and its knob's bounds."""
+    entry, exclude = field_knob(f)
     if entry is not None and entry.allowed(exclude):
         hint = Literal[entry.allowed(exclude)]
     elif typing.get_origin(hint) is tuple:  # TOML arrays are lists; the dataclass keeps a tuple
         hint = list[typing.get_args(hint)[0]]
-    return hint, Field(default, **(entry.bounds if entry else {}))
+    return hint, (entry.bounds if entry else {})
 
 
+def _keep_alive(value):
+    keep_alive_seconds(value)  # ValueError: the message names what is accepted
+    return value
+
+
+KeepAlive = typing.Annotated[str | int | float, PlainValidator(_keep_alive)]  # one message, not one a type
+_SERVE_HINTS = typing.get_type_hints(ServeConfig)
+# a [[models]] table: its name and GGUF, keep_alive and pinned, and the per-model settings (unset: the server's)
+ModelFile = create_model(
+    "ModelFile", __base__=Strict, name=(str, Field(min_length=1, max_length=256)), model=(str, Field(min_length=1)),
+    keep_alive=(KeepAlive | None, None), pinned=(bool, False),
+    **{f.name: (hint | None, Field(None, **bounds)) for f in dataclasses.fields(ServeConfig)
+       if f.name in PER_MODEL_KEYS for hint, bounds in [_checked_hint(f, _SERVE_HINTS[f.name])]})
 LimitsFile = _file_model(Limits)
-ServeFile = _file_model(ServeConfig, limits=(LimitsFile, LimitsFile()))
+ServeFile = _file_model(ServeConfig, limits=(LimitsFile, LimitsFile()), models=(list[ModelFile], []),
+                        keep_alive=(KeepAlive, DEFAULT_KEEP_ALIVE))
 
 
 def load_config(path: str | None, overrides: dict) -> ServeConfig:
@@ -157,7 +183,38 @@ def load_config(path: str | None, overrides: dict) -> ServeConfig:
         raise ConfigError(path or "command line", [Issue("decode_engines", "several decode engines need ray (one "
                                                    "engine per GPU across the cluster's nodes, docs/cluster.md)")])
     limits = Limits(**values.pop("limits"))
-    return ServeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}, limits=limits)
+    values["keep_alive"] = str(values["keep_alive"])  # a number in the file: seconds, as Ollama reads it
+    models = _model_specs(values.pop("models"), values, path or "command line")
+    return ServeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}, limits=limits,
+                       models=models)
+
+
+# keys that name one model's processes: with [[models]] each model's are made and named by the server
+_ONE_MODEL_KEYS = {"model": "give each model's GGUF in its [[models]] table",
+                   "model_name": "give each model's name in its [[models]] table",
+                   "engine_address": "each model's engine is launched by the server", "ray": "not with ray yet",
+                   "worker_addresses": "each model's workers are launched by the server"}
+
+
+def _model_specs(tables: list[dict], values: dict, where: str) -> tuple[ModelSpec, ...]:
+    """The [[models]] tables as ModelSpecs, each name once, none beside the keys of a single model's processes."""
+    if not tables:
+        return ()
+    issues = [Issue(key, f"not with [[models]]: {why}") for key, why in _ONE_MODEL_KEYS.items() if values.get(key)]
+    if not values["launch"]:
+        issues.append(Issue("launch", "not with [[models]]: the server starts and stops each model's processes"))
+    seen: set[str] = set()
+    for i, table in enumerate(tables):
+        if table["name"] in seen:
+            issues.append(Issue(f"models[{i}].name", f"the name {table['name']!r} is given to two models"))
+        seen.add(table["name"])
+    if issues:
+        raise ConfigError(where, issues)
+    default_s = keep_alive_seconds(values["keep_alive"])
+    return tuple(ModelSpec(t["name"], t["model"], tuple((k, t[k]) for k in PER_MODEL_KEYS if t.get(k) is not None),
+                           default_s if t.get("keep_alive") is None else keep_alive_seconds(t["keep_alive"]),
+                           t["pinned"], str(values["keep_alive"] if t.get("keep_alive") is None else t["keep_alive"]))
+                 for t in tables)
 
 
 def _file_values(path: str) -> dict:
@@ -167,10 +224,34 @@ def _file_values(path: str) -> dict:
         values = validate(ServeFile, data, lines).model_dump(exclude_unset=True)
     except Invalid as err:
         raise ConfigError(path, err.issues) from None
+    here = os.path.dirname(os.path.abspath(path))
     for key in PATH_KEYS:  # a relative path in the file is relative to the file, not to where edge serve starts
         if values.get(key) and not os.path.isabs(values[key]):
-            values[key] = os.path.join(os.path.dirname(os.path.abspath(path)), values[key])
+            values[key] = os.path.join(here, values[key])
+    for table in values.get("models", ()):
+        table["model"] = os.path.join(here, table["model"])  # an absolute one stays as it is
     return values
+
+
+def configured_models(config: ServeConfig, default_path: str) -> tuple[ModelSpec, ...]:
+    """The models this server serves: the [[models]] tables, or the single model as a one-entry table (loaded at
+    start, never unloaded). default_path: the embedded GGUF, for a config without `model`."""
+    if config.models:
+        return config.models
+    path = config.model or default_path
+    return (ModelSpec(config.model_name or Path(path).name.removesuffix(".gguf"), path, (), FOREVER, True,
+                      "-1"),)
+
+
+def model_config(config: ServeConfig, spec: ModelSpec) -> ServeConfig:
+    """The single-model config of one configured model: the server's settings, the model's own over them; its
+    run dir, audit log and quota state apart from the other models' (each model's stack has its own)."""
+    own = dict(spec.settings)
+    if config.models and "kv_cache_tokens" not in own and not config.kv_cache_tokens:
+        own["kv_cache_tokens"] = MODEL_KV_TOKENS  # else the plan would give each model all the budget left
+    apart = {key: f"{value}.{spec.name}" if key == "audit_log" else os.path.join(value, spec.name)
+             for key in ("audit_log", "run_dir") if (value := getattr(config, key))}
+    return dataclasses.replace(config, model=spec.model, model_name=spec.name, models=(), **own, **apart)
 
 
 def policy_path(config: ServeConfig) -> str:

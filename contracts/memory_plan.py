@@ -149,7 +149,8 @@ class WeightOption:
         return sum(held for _, held in self.sets)
 
     def parts(self, where: str) -> list[Part]:
-        notes = ["", "for the batches the quantized kernels lose at"]
+        notes = ["", "for the batches the quantized kernels lose at",
+                 "a first start only: auto measures every quantized kind beside the float set, then keeps one"]
         return [Part(f"decode weights, {name}", held, where, note) for (name, held), note in zip(self.sets, notes)]
 
 
@@ -171,7 +172,10 @@ def weight_options(sizes: ModelSizes, device: str, weight_dtype: str, dtype: str
     least, q8_0 = sizes.decode_weight_bytes(kind, dtype), sizes.decode_weight_bytes("q8_0", dtype)
     most, floating = max(least, q8_0), sizes.decode_weight_bytes(dtype, dtype)
     quantized = f"{kind} or q8_0" if q8_0 > least else kind
-    both = WeightOption("auto", ((quantized, most), (dtype, floating)), True, True,
+    # auto's first start builds every kind it measures beside the float set (a recorded plan skips it): the
+    # smaller kind is held beside the larger until the plan is made
+    measured = ((f"{kind}, while auto measures", least),) if q8_0 > least else ()
+    both = WeightOption("auto", ((quantized, most), (dtype, floating), *measured), True, True,
                         f"auto: the {quantized} and {dtype} sets both fit (or {MAPPED}, where they measure as fast)")
     if in_place:  # one set: the file's pages, which the workers map too: nothing smaller can be held
         return [both, WeightOption("auto", ((MAPPED, sizes.file_bytes),), False, False,

@@ -50,10 +50,11 @@ def test_a_model_that_cannot_fit_is_refused_at_start_with_each_part(capsys, star
         plan_memory(sizes, machine("cpu"), plan_config(ServeConfig(memory_budget=300 * MIB), machine("cpu"), "f16"))
     expected = str(refused.value)
     assert message == f"edge: {expected}"
-    for part in ("decode weights, int4", "engine runtime", "swap space", "gateway runtime",
+    for part in ("decode weights, the GGUF's own blocks, mapped", "engine runtime", "swap space", "gateway runtime",
                  "prefill weights, the given GGUF", "prefill workers x1", "decode KV pool, 16384 tokens"):
         assert part in message
-    assert "budget host 300 MiB, " in message and "decode weights, int4 90 MiB (host)" in message
+    # the engine's one set is the given file's pages, counted once under the workers' mapping
+    assert "budget host 300 MiB, " in message and "decode weights, the GGUF's own blocks, mapped 0 MiB (host)" in message
 
 
 def test_the_plans_decisions_reach_the_process_configs(capsys, caplog, started, embedded_model_path):
@@ -65,12 +66,12 @@ def test_the_plans_decisions_reach_the_process_configs(capsys, caplog, started, 
     plan = plan_memory(model_sizes(embedded_model_path), box,
                        plan_config(ServeConfig(memory_budget=BUDGET_MIB * MIB, prefill_workers=3), box, "f16"))
     assert (plan.prefill_workers, plan.weight_dtype, plan.second_set, plan.float_set, plan.prefill_copy_kinds) == \
-        (1, "int4", False, False, ())  # the budget leaves each choice at its least
+        (1, "auto", False, False, ())  # the budget leaves each choice at its least: one set, the file's blocks
     assert config.prefill_workers == 1 and config.kv_cache_tokens == plan.kv_cache_tokens > 8192
     assert config.swap_space_gib * 2**30 == plan.swap_bytes
     engine = engine_config(config, "m.gguf", "unix:/e")
     assert (engine.weight_dtype, engine.weight_second_set, engine.weight_float_set, engine.kv_cache_tokens) == \
-        ("int4", False, False, plan.kv_cache_tokens)
+        ("auto", False, False, plan.kv_cache_tokens)
     worker = worker_config(config, "m.gguf", "prefill-0", "unix:/w", "unix:/e", "f16", 2)
     assert worker.prefill_copy_kinds == ()
     logged = "\n".join(r.getMessage() for r in caplog.records)

@@ -158,7 +158,8 @@ def test_float_weights_may_not_contradict_the_dtype_anywhere():
 def test_check_model_sizes_and_checks_every_choice():
     from edge.check_model.command import add_arguments
     from edge.check_model.sizes import WEIGHT_DTYPES
-    assert WEIGHT_DTYPES == KNOBS["weight_dtype"].allowed(exclude=(AUTO,))
+    # gguf holds no weights of its own (the engine multiplies the file's mapped blocks): nothing to size
+    assert WEIGHT_DTYPES == KNOBS["weight_dtype"].allowed(exclude=(AUTO, "gguf"))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     kv_type = next(a for a in parser._actions if a.dest == "kv_type")

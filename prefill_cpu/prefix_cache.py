@@ -25,6 +25,9 @@ class CachedPrompt:
     # the last prompt token's logits when the whole prompt was computed ([vocab] float32): the same prompt again
     # takes them with every cell and computes nothing, so it gets the bits the first computation gave
     last_logits: Any = None
+    # how many of `tokens` the last_logits follow (None: all): an answer's KV kept after its prompt (keep_returned)
+    # extends the prompt's entry and carries its logits, so the same prompt again still computes nothing
+    logits_len: int | None = None
 
 
 class PrefixCache:
@@ -61,7 +64,9 @@ class PrefixCache:
         """The entry of this salt holding exactly these tokens with their last logits, or None."""
         tokens = tuple(tokens)
         for entry in self.entries.values():
-            if entry.salt == salt and entry.last_logits is not None and entry.tokens == tokens:
+            n = len(entry.tokens) if entry.logits_len is None else entry.logits_len
+            if entry.salt == salt and entry.last_logits is not None and n == len(tokens) \
+                    and entry.tokens[:n] == tokens:
                 entry.last_used = next(self._clock)
                 return entry
         return None
@@ -73,7 +78,15 @@ class PrefixCache:
         recently used entries go until the budget holds. last_logits: the last token's, for a whole prompt."""
         if not self.enabled or not tokens or len(tokens) > self.max_tokens:
             return None, []
-        evicted = [e.seq_id for e in self.entries.values() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens]
+        extended = [e for e in self.entries.values() if e.salt == salt and tokens[:len(e.tokens)] == e.tokens]
+        logits_len = None
+        if last_logits is None:  # keep the logits of the longest whole prompt this one extends
+            with_logits = [e for e in extended if e.last_logits is not None]
+            if with_logits:
+                carried = max(with_logits, key=lambda e: len(e.tokens) if e.logits_len is None else e.logits_len)
+                last_logits = carried.last_logits
+                logits_len = len(carried.tokens) if carried.logits_len is None else carried.logits_len
+        evicted = [e.seq_id for e in extended]
         for seq_id in evicted:
             self._drop(seq_id)
         while self.entries and (not self.free_ids or self.num_tokens + len(tokens) > self.max_tokens):
@@ -82,7 +95,7 @@ class PrefixCache:
             evicted.append(oldest)
             self.num_evictions += 1
         seq_id = self.free_ids.pop()
-        self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock), salt, last_logits)
+        self.entries[seq_id] = CachedPrompt(seq_id, tuple(tokens), next(self._clock), salt, last_logits, logits_len)
         return seq_id, evicted
 
     def clear(self, salt: str | None = None) -> list[int]:

@@ -33,3 +33,19 @@ def test_only_an_exact_prompt_of_the_same_salt_with_its_logits_is_a_repeat():
     assert cache.repeat(PROMPT + (1,), salt="a") is None and cache.repeat(PROMPT[:-1], salt="a") is None
     again, evicted = cache.place(PROMPT, salt="a", last_logits=logits)  # replaces its own entry (and the cut one)
     assert seq_id in evicted and cache.repeat(PROMPT, salt="a").seq_id == again
+
+
+def test_an_answer_kept_after_its_prompt_carries_the_prompts_logits():
+    """keep_returned places prompt + answer without logits: the prompt's entry goes, its logits stay with the longer
+    entry, so the same prompt again is still a whole repeat (its cells are the first ones of the longer entry)."""
+    cache = PrefixCache([1, 2, 3], max_tokens=1000)
+    logits = [0.5, 1.5]
+    cache.place(PROMPT, salt="a", last_logits=logits)
+    answer, evicted = cache.place(PROMPT + (7, 8, 9), salt="a")
+    assert len(evicted) == 1 and set(cache.entries) == {answer}
+    repeat = cache.repeat(PROMPT, salt="a")
+    assert repeat is not None and repeat.seq_id == answer and repeat.last_logits is logits
+    assert cache.repeat(PROMPT + (7, 8, 9), salt="a") is None  # the answer's own last logits are not known
+    assert cache.repeat(PROMPT, salt="b") is None and cache.repeat(PROMPT[:-1], salt="a") is None
+    longer, _ = cache.place(PROMPT + (7, 8, 9, 10), salt="a")  # the next turn: still the first prompt's logits
+    assert cache.repeat(PROMPT, salt="a").seq_id == longer

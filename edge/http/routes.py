@@ -7,7 +7,7 @@ from aiohttp import web
 
 from edge.api.response_store import ResponseStore
 from edge.api.structured import GrammarChecks
-from edge.http import embeddings, generate, health, kv_cache, status_page, tokenize
+from edge.http import embeddings, generate, health, kv_cache, ollama, status_page, tokenize
 from edge.http.count_tokens import count_tokens
 from edge.http.middleware import error_middleware
 from edge.http.tokenizers import Tokenizers
@@ -38,6 +38,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/status.json", status_page.status_json)
     app.router.add_post("/status/login", status_page.status_login)
     app.router.add_post("/status/logout", status_page.status_logout)
+    ollama.add_routes(app)  # Ollama's /api/... for the clients that speak it
     app[SESSIONS] = StatusSessions()
     app[TOKENIZERS] = Tokenizers()
     if RESPONSES not in app:

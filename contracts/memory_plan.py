@@ -5,7 +5,8 @@ config, the plan decides what each process may hold, and refuses a model that ca
 part's bytes and the budget named). Pure Python: `edge serve` plans before it starts a process, `edge check-model
 --memory` prints the same plan.
 
-Required, in this order: the decode weights (one set), each process's runtime, the swap space, the prefill workers
+Required, in this order: the decode weights (one set), each process's runtime, the swap space, the answers' KV on
+its way back to the workers (kv_return_bytes, host memory: a bounded queue of copies), the prefill workers
 with the given GGUF (fewer workers if they do not fit, at least one) and the KV pool's floor. Then, each only where
 it fits beside everything before it: the prefill workers' copy of the weights (f16, else q8_0; mmap'd by llama.cpp,
 so every worker shares one copy; 1.85x prefill on the embedded model, 330 against 178 tok/s), then the decode
@@ -75,6 +76,7 @@ class PlanConfig:
     max_num_seqs: int = 32
     max_model_len: int = 4096
     swap_space_gib: float = 4.0
+    kv_return_bytes: int = 64 * MIB  # finished answers' KV copied out by the engine, waiting to go back (at most)
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,8 @@ class _Planner:
                       "Python, torch, tokenizer" + ("" if on_device else ", a step's activations")),
                  Part("swap space (at most)", self.swap_bytes, "host",
                       "preempted sequences' KV: swap_space_gib or the pool's floor, the lesser"),
+                 Part("answers' KV going back (at most)", config.kv_return_bytes, "host",
+                      "finished answers' blocks copied out for their worker's prompt cache: kv_return_bytes"),
                  Part("gateway runtime", GATEWAY_RUNTIME, "host", "and its grammar compile processes"),
                  Part(f"prefill weights, {'the given GGUF' if given else copy + ' copy'}",
                       sizes.file_bytes if given else sizes.copy_bytes(copy), "host", "mmap'd: shared by the workers"),

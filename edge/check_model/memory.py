@@ -84,7 +84,7 @@ def plan_config(config, box: Machine, kv_type: str) -> PlanConfig:
                       kv_cache_tokens=config.kv_cache_tokens or 0, prefill_workers=config.prefill_workers,
                       n_ctx=config.n_ctx, n_batch=config.n_batch, prefix_cache_tokens=config.prefix_cache_tokens,
                       max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                      swap_space_gib=config.swap_space_gib)
+                      swap_space_gib=config.swap_space_gib, kv_return_bytes=config.kv_return_bytes)
 
 
 def serve_plan(config, model_path: str, box: Machine) -> MemoryPlan:

@@ -115,11 +115,26 @@ def test_a_refusal_names_every_part_and_the_budget(models) -> None:
     with pytest.raises(MemoryRefused) as refused:
         _plan(models["8b"], 8)
     message = str(refused.value)
-    for part in ("decode weights, the GGUF's own blocks, mapped 0 MiB", "engine runtime", "swap space", "gateway runtime",
+    for part in ("decode weights, the GGUF's own blocks, mapped 0 MiB", "engine runtime", "swap space",
+                 "answers' KV going back (at most) 64 MiB", "gateway runtime",
                  "prefill weights, the given GGUF", "prefill workers x1", "decode KV pool, 16384 tokens"):
         assert part in message
     assert "ladder-8b-q4_k_m.gguf does not fit" in message and "budget host 8192 MiB" in message
     assert f"prefill weights, the given GGUF {models['8b'].file_bytes / MIB:.0f} MiB (host)" in message
+
+
+def test_the_answers_kv_going_back_is_planned_on_the_host_and_the_pool_gets_the_rest(models) -> None:
+    """kv_return_bytes (decode_gpu/kv/kv_return.py): the engine's copies of finished answers' blocks waiting to go
+    back to their worker; host memory on either device, and the pool takes what they leave."""
+    sizes, per_token = models["1b"], models["1b"].pool_kv_bytes("bfloat16")
+    default, off, large = (_plan(sizes, 8, **config) for config in ({}, {"kv_return_bytes": 0},
+                                                                     {"kv_return_bytes": 512 * MIB}))
+    assert default.part_bytes()["answers' KV going back (at most)"] == 64 * MIB
+    assert off.part_bytes()["answers' KV going back (at most)"] == 0
+    assert off.kv_cache_tokens - default.kv_cache_tokens == pytest.approx(64 * MIB / per_token, abs=1)
+    assert default.kv_cache_tokens - large.kv_cache_tokens == pytest.approx(448 * MIB / per_token, abs=1)
+    cuda = _plan(models["1b"], 4, Machine("cuda", 24 * GIB, 6 * GIB))
+    assert next(p for p in cuda.parts if p.name.startswith("answers' KV going back")).where == "host"
 
 
 def test_workers_that_do_not_fit_are_fewer_with_a_reason(models) -> None:

@@ -8,6 +8,7 @@ from edge.config import ServeConfig
 from edge.core.gateway import Gateway
 from edge.http.tokenizers import Tokenizers
 from edge.launch.launcher import Supervisor
+from edge.models.registry import ModelRegistry
 from policies.reloader import PolicyReloader
 
 CONFIG = web.AppKey("config", ServeConfig)
@@ -17,3 +18,4 @@ RELOADER = web.AppKey("policy_reloader", PolicyReloader)
 GRAMMAR_CHECKS = web.AppKey("grammar_checks", GrammarChecks)  # the gateway's structured-output compile processes
 TOKENIZERS = web.AppKey("tokenizers", Tokenizers)  # one vocabulary per GGUF for /tokenize and count_tokens
 RESPONSES = web.AppKey("responses", ResponseStore)  # stored Responses conversations, per API key
+MODELS = web.AppKey("models", ModelRegistry)  # the configured models, their states and stacks (edge.models.registry)

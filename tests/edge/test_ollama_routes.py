@@ -1,0 +1,131 @@
+"""Ollama's /api/... routes on an aiohttp test server over a real gateway on fakes (no worker ready: a request that
+passes every check is answered 503): the key, the model check (404, also for a model the policy's allowed_models
+leave out, and the model left out of /api/tags), the refusals of model management, load requests, and every error
+in Ollama's shape, counted as the gateway counts refusals (edge/http/ollama.py)."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from fake_gateway import fake_gateway, keyed, rejected_count
+
+from edge.http.routes import add_routes
+from edge.state import GATEWAY
+from policies.schema import Filters, Policy
+
+KEY = {"Authorization": "Bearer k"}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def serve(scenario, policy: Policy | None = None):
+    async def run():
+        app = web.Application()
+        app[GATEWAY], refused = fake_gateway(policy)
+        add_routes(app)
+        async with TestClient(TestServer(app)) as client:
+            return await scenario(client, app[GATEWAY]), refused
+    return asyncio.run(run())
+
+
+async def answer(response) -> tuple[int, dict]:
+    return response.status, await response.json()
+
+
+def test_version_needs_no_key_and_the_rest_do():
+    async def scenario(client, gateway):
+        out = [await answer(await client.get("/api/version"))]
+        for method, path, body in (("GET", "/api/tags", None), ("GET", "/api/ps", None),
+                                   ("POST", "/api/show", {"model": "m"}), ("POST", "/api/chat", {"model": "m"}),
+                                   ("POST", "/api/generate", {"model": "m", "prompt": "x"}),
+                                   ("POST", "/api/embed", {"model": "m", "input": "x"}),
+                                   ("POST", "/api/pull", {"model": "m"})):
+            out.append(await answer(await client.request(method, path, json=body)))
+        return out
+    (version, *denied), _ = serve(scenario, keyed({"k": False}))
+    assert version == (200, {"version": "0.13.0"})
+    assert all(status == 401 and set(body) == {"error"} and "API key" in body["error"] for status, body in denied)
+
+
+def test_tags_and_show_describe_the_served_gguf():
+    async def scenario(client, gateway):
+        return (await answer(await client.get("/api/tags", headers=KEY)),
+                await answer(await client.post("/api/show", json={"name": "m:latest"}, headers=KEY)))
+    ((status, tags), (shown_status, shown)), _ = serve(scenario, keyed({"k": False}))
+    assert status == 200 and [m["name"] for m in tags["models"]] == ["m:latest"]
+    assert tags["models"][0]["details"]["family"] == "llama" and tags["models"][0]["size"] > 0
+    assert shown_status == 200 and shown["capabilities"] == ["completion", "tools"]
+    assert shown["model_info"]["general.architecture"] == "llama" and "general.name" not in shown["model_info"]
+
+
+@pytest.mark.parametrize(("model", "policy"), [("nope", None), ("m", Policy("t", Filters(allowed_models=("x",))))],
+                         ids=["not served", "not allowed"])
+def test_a_model_not_served_or_not_allowed_is_a_404_everywhere(model, policy):
+    async def scenario(client, gateway):
+        out = []
+        for path, body in (("/api/chat", {"messages": HI}), ("/api/chat", {"messages": []}),
+                           ("/api/generate", {"prompt": "x"}), ("/api/show", {}), ("/api/embed", {"input": "x"}),
+                           ("/api/embeddings", {"prompt": "x"})):
+            out.append(await answer(await client.post(path, json={"model": model, **body})))
+        tags = await answer(await client.get("/api/tags"))
+        return out, tags, rejected_count(gateway, "model_not_found")
+    (answers, tags, counted), refused = serve(scenario, policy)
+    assert all(status == 404 and set(body) == {"error"} and repr(model) in body["error"] for status, body in answers)
+    assert counted == len(answers) and refused == [(404, "model_not_found")] * len(answers)
+    assert tags == (200, {"models": [] if policy else [tags[1]["models"][0]]})
+
+
+def test_a_served_model_passes_every_check_and_waits_for_its_workers():
+    async def scenario(client, gateway):
+        return [await answer(await client.post(path, json={"model": "m:latest", **body}))
+                for path, body in (("/api/chat", {"messages": HI}), ("/api/generate", {"prompt": "x"}),
+                                   ("/api/embed", {"input": ["a", "b"]}))]
+    answers, refused = serve(scenario)
+    assert all(status == 503 and set(body) == {"error"} for status, body in answers)  # admission's own answer
+    assert [status for status, _ in refused] == [503] * 3
+
+
+def test_bad_bodies_are_400s_naming_the_field():
+    async def scenario(client, gateway):
+        out = []
+        for path, body in (("/api/chat", {"model": "m", "messages": HI, "options": {"num_predict": 0}}),
+                           ("/api/chat", {"model": "m", "messages": "hi"}),
+                           ("/api/generate", {"model": "m", "prompt": "x", "suffix": "y"}),
+                           ("/api/embed", {"model": "m", "input": 5}),
+                           ("/api/embed", {"model": "m", "input": "x", "dimensions": 3}),
+                           ("/api/show", {}), ("/api/chat", {"messages": HI})):
+            out.append(await answer(await client.post(path, json=body)))
+        out.append(await answer(await client.post("/api/chat", data=b"{not json")))
+        return out
+    answers, _ = serve(scenario)
+    assert [status for status, _ in answers] == [400] * 8
+    assert [next(w for w in ("num_predict", "messages", "suffix", "input", "dimensions", "model", "model", "JSON")
+                 if w in body["error"]) for _, body in answers] == [
+        "num_predict", "messages", "suffix", "input", "dimensions", "model", "model", "JSON"]
+
+
+def test_load_requests_load_and_keep_alive_zero_is_refused():
+    async def scenario(client, gateway):
+        return [await answer(await client.post(path, json=body)) for path, body in (
+            ("/api/chat", {"model": "m:latest", "messages": []}), ("/api/generate", {"model": "m"}),
+            ("/api/embed", {"model": "m", "input": []}), ("/api/chat", {"model": "m", "keep_alive": 0}))]
+    (chat, generate, embed, unload), _ = serve(scenario)
+    assert chat[0] == 200 and chat[1]["done_reason"] == "load" and chat[1]["message"] == {"role": "assistant",
+                                                                                          "content": ""}
+    assert chat[1]["model"] == "m:latest" and chat[1]["done"] is True
+    assert generate[0] == 200 and generate[1]["response"] == "" and generate[1]["done_reason"] == "load"
+    assert embed == (200, {"model": "m", "embeddings": []})
+    assert unload[0] == 400 and "unloaded" in unload[1]["error"]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/api/pull", {"model": "llama3"}), ("POST", "/api/push", {"model": "m"}),
+    ("POST", "/api/create", {"model": "x", "from": "m"}), ("POST", "/api/copy", {"source": "m", "destination": "x"}),
+    ("DELETE", "/api/delete", {"model": "m"}), ("HEAD", "/api/blobs/sha256:ab", None),
+    ("POST", "/api/blobs/sha256:ab", None)])
+def test_model_management_is_refused(method, path, body):
+    async def scenario(client, gateway):
+        response = await client.request(method, path, json=body)
+        return response.status, (await response.json() if method != "HEAD" else {"error": "config"})
+    (status, answer_body), refused = serve(scenario)
+    assert status == 403 and "config" in answer_body["error"] and refused == [(403, "model_management_unsupported")]

@@ -33,11 +33,17 @@ class SchedulerConfig:
     # for a prefill of its tokens (prompt and output but the newest) at its priority: the engine's owner must send
     # that handoff back (KVHandoff.resume_index)
     preemption_mode: str = "swap"
+    # while the request with the most choices (n > 1) decodes beside others at least as important, its choices take no
+    # more rows than keep the measured step within this many times the others' own step (fair_share.step_budget);
+    # 0: no bound (its share of the slots only)
+    share_step_factor: float = 2.0
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"not {self.preemption_mode!r}")
+        if self.share_step_factor and self.share_step_factor < 1:
+            raise ValueError(f"share_step_factor must be 0 (off) or at least 1, not {self.share_step_factor}")
 
 
 @dataclass
@@ -98,16 +104,24 @@ class Scheduler:
         # may preempt lower ones. Within one priority the earliest deadline ranks first (Sequence.rank); a waiter
         # without a TPOT objective joins only while the batch stays within the tightest running objective's measured
         # step time (batch_limit). A request's choices (n > 1) count against its share of the batch when others
-        # want slots (fair_share): the choices beyond it are paused, keeping their blocks.
+        # want slots (fair_share): the choices beyond it are paused, keeping their blocks; where a step's cost grows
+        # with its rows, the request with the most choices also takes no more rows than keep the others' step within
+        # share_step_factor of their own (fair_share.step_budget).
         self._time_last_step()
         step = ScheduledStep()
         self._swapped_this_step: set[str] = set()
         self._grow_running(step)
         self._admit_waiting(step)
-        step.decode = fair_share.choose(list(self.running.values()), self.config.max_num_seqs)
+        step.decode = fair_share.choose(list(self.running.values()), self.config.max_num_seqs, self._rows_within)
         self.paused = set(self.running) - {s.seq_id for s in step.decode}
         self._last_step = (self.clock(), len(step.decode))
         return step
+
+    def _rows_within(self, base: int) -> int | None:
+        """The largest batch whose measured step stays within share_step_factor of a step of `base` rows (None: no
+        bound known, or none asked for)."""
+        factor = self.config.share_step_factor
+        return self.step_times.rows_within(base, factor) if factor else None
 
     def _time_last_step(self) -> None:
         """The previous step took from its scheduling until now, for sequences that kept running through it; when

@@ -22,6 +22,9 @@ class StepTimes:
         # with the engine's stats after every step, so kept as running sums rather than summed again each time
         self.steps: dict[int, collections.deque[tuple[float, float]]] = {}
         self._sums: dict[int, float] = {}
+        # batch size -> smoothed step time, never forgotten: the curve's shape (how the step grows with the batch),
+        # which fair_share reads for a request's share of a step; the load scales every size alike, the shape stays
+        self.shape: dict[int, float] = {}
 
     def record(self, batch: int, seconds: float, now: float) -> None:
         if batch <= 0 or not 0 < seconds < MAX_INTERVAL_S:
@@ -34,6 +37,25 @@ class StepTimes:
             before = None  # measured again: an old time is of another load, not a sample to smooth with
         smoothed = seconds if before is None else before[0] + self.smoothing * (seconds - before[0])
         self.seconds[batch] = (smoothed, now)
+        shape = self.shape.get(batch)
+        self.shape[batch] = seconds if shape is None else shape + self.smoothing * (seconds - shape)
+
+    def rows_within(self, base: int, factor: float) -> int | None:
+        """The largest batch whose step costs at most `factor` times a step of `base` rows, by a line (a fixed part
+        and a part per row) fitted to every size measured; None while fewer than two sizes were measured or the step
+        does not grow with the batch (a GPU's, nearly): no bound."""
+        if len(self.shape) < 2:
+            return None
+        sizes = sorted(self.shape)
+        mean_b = sum(sizes) / len(sizes)
+        mean_t = sum(self.shape[b] for b in sizes) / len(sizes)
+        spread = sum((b - mean_b) ** 2 for b in sizes)
+        per_row = sum((b - mean_b) * (self.shape[b] - mean_t) for b in sizes) / spread
+        fixed = mean_t - per_row * mean_b
+        if per_row <= 0:
+            return None
+        fixed = max(0.0, fixed)
+        return max(base, math.floor((factor * (fixed + per_row * base) - fixed) / per_row))
 
     def batch_limit(self, limit_s: float, now: float) -> int:
         """The largest batch whose step stays within limit_s: a larger batch is taken to be no faster than any

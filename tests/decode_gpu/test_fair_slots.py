@@ -132,3 +132,106 @@ def test_paused_choices_do_not_count_as_running():
     s.finish(s.running["plain"], "stop")
     decode_one(s)
     assert (s.num_running, s.num_paused) == (4, 0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cpu_like_scheduler(factor: float = 2.0) -> tuple[Scheduler, FakeClock]:
+    """A scheduler whose steps cost what this box's CPU decode measured: about 10 ms plus 2.3 ms a row (13 ms at
+    1 row, 85 ms at 32)."""
+    clock = FakeClock()
+    s = Scheduler(SchedulerConfig(max_num_seqs=32, share_step_factor=factor), BlockManager(4096, block_size=4),
+                  clock=clock)
+    return s, clock
+
+
+def cpu_step(s: Scheduler, clock: FakeClock) -> list[Sequence]:
+    decoded = decode_one(s)
+    clock.now += 0.0104 + 0.0023 * len(decoded)  # the step's cost, timed at the next schedule()
+    return decoded
+
+
+def test_a_plain_request_beside_n_32_steps_at_most_twice_its_own_measured_step_on_a_cpu():
+    s, clock = cpu_like_scheduler()
+    s.add(request("alone"))
+    for _ in range(3):
+        cpu_step(s, clock)  # a batch of one measured
+    s.finish(s.running["alone"], "stop")
+    s.add(request("big", n=32))
+    for _ in range(3):
+        assert len(cpu_step(s, clock)) == 32  # alone, every choice decodes
+    s.add(request("plain"))
+    cpu_step(s, clock)
+    decoded = cpu_step(s, clock)
+    # two rows (plain + one big) step in 15 ms; twice that holds 8 rows (28.8 ms): the plain one and 7 big choices
+    assert "plain" in {seq.seq_id for seq in decoded} and len(decoded) == 8
+    assert s.num_paused == 25 and all(s.running[seq_id].state is SeqState.RUNNING for seq_id in s.paused)
+    s.finish(s.running["plain"], "stop")
+    cpu_step(s, clock)
+    assert len(cpu_step(s, clock)) == 32 and not s.paused  # the plain one ended: the big request has the batch again
+
+
+def test_where_the_step_does_not_grow_with_the_batch_the_big_request_keeps_its_slots():
+    """On a GPU a step of 32 rows costs about what one of 1 does: no bound beyond the share of the slots."""
+    s, clock = cpu_like_scheduler()
+    for batch, seconds in ((1, 0.010), (32, 0.0101)):
+        s.step_times.record(batch, seconds, clock.now)
+    s.add(request("big", n=32))
+    decode_one(s)
+    s.add(request("plain"))
+    decoded = decode_one(s)
+    assert len(decoded) == 32 and "plain" in {seq.seq_id for seq in decoded}
+
+
+def test_the_step_bound_is_off_at_factor_0_and_ignores_a_less_important_request():
+    off, clock = cpu_like_scheduler(factor=0)
+    for batch in (1, 32):
+        off.step_times.record(batch, 0.0104 + 0.0023 * batch, clock.now)
+    off.add(request("big", n=32))
+    decode_one(off)
+    off.add(request("plain"))
+    assert len(decode_one(off)) == 32
+    on, clock = cpu_like_scheduler()
+    for batch in (1, 32):
+        on.step_times.record(batch, 0.0104 + 0.0023 * batch, clock.now)
+    on.add(request("big", n=32, priority=0))
+    decode_one(on)
+    on.add(request("low", priority=3))  # less important than the big request: it does not bound its share
+    decoded = decode_one(on)
+    assert len(decoded) == 32 and {seq.request_id for seq in decoded} == {"big"}  # priorities first, as before
+
+
+def test_two_big_requests_share_the_slots_without_a_step_bound():
+    """Neither is a small request to protect: each other's 32 choices are the 'others', past the batch limit."""
+    s, clock = cpu_like_scheduler()
+    for batch in (1, 32):
+        s.step_times.record(batch, 0.0104 + 0.0023 * batch, clock.now)
+    s.add(request("a", n=32))
+    s.add(request("b", n=32))
+    decoded = decode_one(s)
+    assert len(decoded) == 32 and sum(seq.request_id == "a" for seq in decoded) == 16
+
+
+def test_rows_within_fits_a_line_to_the_measured_sizes():
+    from decode_gpu.core.step_times import StepTimes
+    times = StepTimes()
+    assert times.rows_within(2, 2.0) is None  # nothing measured
+    times.record(32, 0.084, 1.0)
+    assert times.rows_within(2, 2.0) is None  # one size: no line
+    times.record(1, 0.013, 2.0)
+    assert times.rows_within(2, 2.0) == 8  # 10.7 ms + 2.29 ms a row: 2 rows 15.3 ms, twice that at 8 rows
+    assert times.rows_within(2, 1.0) == 2
+    flat = StepTimes()
+    flat.record(1, 0.010, 1.0)
+    flat.record(32, 0.009, 2.0)
+    assert flat.rows_within(2, 2.0) is None  # no growth with the batch: no bound
+    assert SchedulerConfig(share_step_factor=0).share_step_factor == 0
+    import pytest
+    with pytest.raises(ValueError, match="share_step_factor"):
+        SchedulerConfig(share_step_factor=0.5)

@@ -17,7 +17,6 @@ from edge.api.sampling_request import SamplingRequest
 from edge.api.structured import json_schema
 from edge.chat.tool_formats import ChatFormat
 from edge.chat.tools import ToolError, parse_tools
-from edge.models.spec import keep_alive_seconds
 
 # SamplingRequest's field -> the Ollama option that sets it (Ollama's names: num_predict, repeat_penalty)
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
@@ -37,22 +36,21 @@ class OllamaRequest:
     request: GenerateRequest
     sent_model: str  # the name as the client sent it, echoed in every answer (Ollama echoes it too)
     think: bool | None  # None: the model's way; False: its thinking is not returned
-    keep_alive_s: float | None  # None: the model's own keep_alive
 
 
 def parse_chat(body, served, vocab_size: int | None, chat: ChatFormat | None) -> OllamaRequest:
     """served(name): the served name a client's name stands for (ours, or with Ollama's ':latest'), else None."""
-    model, sent, stream, think, keep_alive = _common(body, served, chat)
+    model, sent, stream, think = _common(body, served, chat)
     messages = _messages(get_field(body, "messages", list, required=True))
     tools = _tools(body, chat)
     parts = ChatParts(model, messages, _sampling(body, vocab_size), stream, tools, _format(body),
                       priority=priority(body), cache_salt=cache_salt(body))
-    return OllamaRequest(chat_request(parts, chat), sent, think, keep_alive)
+    return OllamaRequest(chat_request(parts, chat), sent, think)
 
 
 def parse_generate(body, served, vocab_size: int | None, chat: ChatFormat | None) -> OllamaRequest:
     """The prompt under the model's chat template (with `system` before it), or with `raw` the prompt alone."""
-    model, sent, stream, think, keep_alive = _common(body, served, chat)
+    model, sent, stream, think = _common(body, served, chat)
     for name in ("suffix", "template", "context", "images"):  # what needs a model or a template we do not have
         if body.get(name) not in (None, "", []):
             raise ApiError(400, _UNSUPPORTED[name], name, "unsupported_parameter")
@@ -62,13 +60,13 @@ def parse_generate(body, served, vocab_size: int | None, chat: ChatFormat | None
                        "invalid_value")
     sampling = _sampling(body, vocab_size)
     if get_field(body, "raw", bool, default=False):
-        return OllamaRequest(_raw(body, model, prompt, sampling, stream), sent, think, keep_alive)
+        return OllamaRequest(_raw(body, model, prompt, sampling, stream), sent, think)
     system = checked_text(get_field(body, "system", str, default=""), "system")
     messages = ({"role": "system", "content": system, "tool_calls": ()},) if system else ()
     messages += ({"role": "user", "content": prompt, "tool_calls": ()},)
     parts = ChatParts(model, messages, sampling, stream, None, _format(body), priority=priority(body),
                       cache_salt=cache_salt(body), messages_param="prompt")
-    return OllamaRequest(chat_request(parts, chat), sent, think, keep_alive)
+    return OllamaRequest(chat_request(parts, chat), sent, think)
 
 
 _UNSUPPORTED = {
@@ -91,26 +89,16 @@ def _raw(body: dict, model: str, prompt: str, sampling: SamplingRequest, stream:
                            cache_salt=cache_salt(body), asked_logprobs=sampling.logprobs is not None)
 
 
-def _common(body, served, chat: ChatFormat | None) -> tuple[str, str, bool, bool | None, float | None]:
-    """(the served model's name, the name as sent, stream, think, keep_alive in seconds)."""
+def _common(body, served, chat: ChatFormat | None) -> tuple[str, str, bool, bool | None]:
+    """(the served model's name, the name as sent, stream, think). keep_alive is the route's (edge.http.ollama),
+    checked before the body comes here."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     sent = checked_text(get_field(body, "model", str, required=True), "model")
     if not sent:
         raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
     stream = get_field(body, "stream", bool, default=True)  # Ollama streams unless told not to
-    return served(sent) or sent, sent, stream, _think(body, sent, chat), keep_alive(body)
-
-
-def keep_alive(body: dict) -> float | None:
-    """Ollama's keep_alive (edge.models.spec: "5m", seconds, 0, -1) in seconds; None when the body has none."""
-    value = body.get("keep_alive")
-    if value is None:
-        return None
-    try:
-        return keep_alive_seconds(value)
-    except ValueError as err:
-        raise ApiError(400, f"'keep_alive': {err}", "keep_alive", "invalid_value") from None
+    return served(sent) or sent, sent, stream, _think(body, sent, chat)
 
 
 def _think(body: dict, model: str, chat: ChatFormat | None) -> bool | None:

@@ -25,7 +25,7 @@ from edge.api.generate_request import GenerateRequest
 from edge.api.ollama import OllamaApi, OllamaChatApi, OllamaGenerateApi, created_at, error_response
 from edge.api.ollama_models import details, digest, display_name, listed
 from edge.api.ollama_models import show as show_body
-from edge.api.ollama_request import keep_alive
+from edge.config import keep_alive_seconds  # edge.models.spec's, as the config reads [[models]] keep_alive
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import RequestStatus
 from edge.http import generate
@@ -99,6 +99,8 @@ async def _generation(request: web.Request, api: OllamaApi, field: str) -> web.S
     try:
         gateway.check_key(request)
         body = await read_json(request, gateway)
+        if isinstance(body, dict):
+            keep_alive(body)
     except ApiError as err:
         return _refused(request, gateway, err)
     if isinstance(body, dict) and body.get(field) in (None, [], ""):
@@ -119,6 +121,17 @@ async def _load(request: web.Request, body: dict, text: str) -> web.Response:
     answer = {"role": "assistant", "content": ""} if text == "message" else ""
     return web.json_response({"model": body["model"], "created_at": created_at(), text: answer, "done_reason": "load",
                               "done": True})
+
+
+def keep_alive(body: dict) -> float | None:
+    """Ollama's keep_alive (edge.models.spec: "5m", seconds, 0, -1) in seconds; None when the body has none."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return keep_alive_seconds(value)
+    except ValueError as err:
+        raise ApiError(400, f"'keep_alive': {err}", "keep_alive", "invalid_value") from None
 
 
 def _model(request: web.Request, body) -> tuple[str, Gateway]:

@@ -90,7 +90,6 @@ def test_ollamas_special_values_and_ignored_options():
     ({"options": {"typical_p": 0.7}}, "options.typical_p"),
     ({"options": "hot"}, "options"),
     ({"format": "xml"}, "format"),
-    ({"keep_alive": "forever"}, "keep_alive"),
     ({"think": "very"}, "think"),
     ({"think": True}, "think"),  # the model has no thinking
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
@@ -116,12 +115,11 @@ def test_generate_refusals(body, param):
     assert refused.value.status == 400 and refused.value.param == param
 
 
-def test_model_names_and_keep_alive():
-    api, request = chat(model="m:latest", keep_alive="10m")
-    assert request.model == "m" and api.parsed.sent_model == "m:latest" and api.parsed.keep_alive_s == 600
-    api, request = chat(model="other", keep_alive=-1)
+def test_model_names():
+    api, request = chat(model="m:latest")
+    assert request.model == "m" and api.parsed.sent_model == "m:latest"
+    api, request = chat(model="other")
     assert request.model == "other"  # not served: the gateway's model check answers 404
-    assert api.parsed.keep_alive_s == float("inf")
     assert display_name("m") == "m:latest" and display_name("m:q8") == "m:q8" and display_name("a/b") == "a/b:latest"
 
 

@@ -93,15 +93,15 @@ def test_bad_bodies_are_400s_naming_the_field():
                            ("/api/generate", {"model": "m", "prompt": "x", "suffix": "y"}),
                            ("/api/embed", {"model": "m", "input": 5}),
                            ("/api/embed", {"model": "m", "input": "x", "dimensions": 3}),
-                           ("/api/show", {}), ("/api/chat", {"messages": HI})):
+                           ("/api/show", {}), ("/api/chat", {"messages": HI}),
+                           ("/api/chat", {"model": "m", "messages": HI, "keep_alive": "forever"})):
             out.append(await answer(await client.post(path, json=body)))
         out.append(await answer(await client.post("/api/chat", data=b"{not json")))
         return out
     answers, _ = serve(scenario)
-    assert [status for status, _ in answers] == [400] * 8
-    assert [next(w for w in ("num_predict", "messages", "suffix", "input", "dimensions", "model", "model", "JSON")
-                 if w in body["error"]) for _, body in answers] == [
-        "num_predict", "messages", "suffix", "input", "dimensions", "model", "model", "JSON"]
+    words = ["num_predict", "messages", "suffix", "input", "dimensions", "model", "model", "keep_alive", "JSON"]
+    assert [status for status, _ in answers] == [400] * len(words)
+    assert [next(w for w in words if w in body["error"]) for _, body in answers] == words
 
 
 def test_load_requests_load_and_keep_alive_zero_is_refused():

@@ -151,6 +151,8 @@ _KNOBS = (
     Knob("keep_alive", str, "5m", "with [[models]]: how long a model stays loaded after its last request unless its "
          "table says (Ollama's meaning: \"30s\", \"5m\", \"1h\"; \"0\" unloads after the answer, \"-1\" keeps it; "
          "docs/models.md)"),
+    Knob("model_load_timeout_s", float, 300.0, "with [[models]]: how long a request waits for its model to load (the "
+         "wait counts in its TTFT); a load that takes longer fails (docs/models.md)", gt=0),
     Knob("gpu_memory_utilization", float, 0.9, "on CUDA without kv_cache_tokens: the engine's share of total GPU "
          "memory", gt=0, le=1),
     Knob("enforce_eager", bool, False, "no CUDA graphs in the decode step (slower; for debugging a GPU problem)",

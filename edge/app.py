@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -26,7 +27,7 @@ from contracts.process_config import config_argv
 from contracts.startup_clock import since_start
 from contracts.tasks import spawn
 from edge.api.structured import GrammarChecks
-from edge.config import ServeConfig, default_threads, policy_path, worker_kv_type
+from edge.config import ServeConfig, configured_models, default_threads, policy_path, worker_kv_type
 from edge.core import prefill_probe
 from edge.core.engine_client import EngineClient
 from edge.core.gateway import Gateway
@@ -36,8 +37,10 @@ from edge.core.prefill_pool import PrefillPool
 from edge.http.routes import add_routes
 from edge.http.tls import warn_if_expiring
 from edge.launch.launcher import Supervisor, engine_config, start_embedding_workers, worker_config
+from edge.models.registry import ModelRegistry
+from edge.models.stack import ServedStack
 from edge.observe.audit import AuditLog, quota_state_path
-from edge.state import CONFIG, GATEWAY, GRAMMAR_CHECKS, RELOADER, SUPERVISOR
+from edge.state import CONFIG, GATEWAY, GRAMMAR_CHECKS, MODELS, RELOADER, SUPERVISOR
 from policies.enforcer import PolicyEnforcer
 from policies.loader import load_policy
 from policies.quota import TokenQuotas
@@ -189,16 +192,25 @@ def _observe(gateway: Gateway, app: web.Application, audit: AuditLog | None, tra
     app.on_cleanup.append(close)  # after the drain: the last requests' lines and spans are written
 
 
-def make_app(config: ServeConfig) -> web.Application:
-    model_path = config.model or embedded_model_path()
-    model_name = config.model_name or Path(model_path).name.removesuffix(".gguf")
-    enforcer = _enforcer(config)  # these two before the run dir: a refusal here leaves nothing behind
+def observers_of(config: ServeConfig, enforcer: PolicyEnforcer) -> tuple[AuditLog | None, object]:
+    """The audit log and the tracer, when configured."""
     audit = (AuditLog(config.audit_log, config.audit_log_max_bytes, config.audit_log_backups, enforcer,
                       config.audit_log_keep_days) if config.audit_log else None)
     tracer = None
     if config.otlp_traces_endpoint:  # OpenTelemetry is imported only then (an optional dependency)
         from edge.observe.tracing import RequestTracer
         tracer = RequestTracer(config.otlp_traces_endpoint)
+    return audit, tracer
+
+
+def make_app(config: ServeConfig) -> web.Application:
+    if config.models:  # several models, each loaded on demand (issue 45)
+        from edge.models.app import make_models_app
+        return make_models_app(config)
+    model_path = config.model or embedded_model_path()
+    model_name = config.model_name or Path(model_path).name.removesuffix(".gguf")
+    enforcer = _enforcer(config)  # these two before the run dir: a refusal here leaves nothing behind
+    audit, tracer = observers_of(config, enforcer)
     registry = InFlightRegistry()
     _control_tls(config)
     kind = model_kind(model_path) if os.path.isfile(model_path) else None
@@ -244,6 +256,8 @@ def make_app(config: ServeConfig) -> web.Application:
     app.on_startup.append(_graceful_sigterm)
     app.on_shutdown.append(_drain)
     app[GRAMMAR_CHECKS] = GrammarChecks()  # the gateway's structured-output compile processes, this app's own
+    spec = dataclasses.replace(configured_models(config, model_path)[0], name=model_name)
+    app[MODELS] = ModelRegistry.single(spec, ServedStack(gateway, supervisor))  # one model, loaded, pinned
     add_routes(app)
     return app
 
@@ -266,18 +280,27 @@ def _local_components(config: ServeConfig, registry: InFlightRegistry, engine_ad
 def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str,
                embedding_only: bool = False):
     async def context(app: web.Application):
-        config, supervisor = app[CONFIG], app[SUPERVISOR]
-        if embedding_only:  # the workers alone: no engine, no handoff, no structured outputs
-            start_embedding_workers(supervisor, config, model_path, worker_addresses)
-        else:
-            _add_engine_and_workers(supervisor, config, model_path, engine_address, worker_addresses, run_dir)
-        watcher = spawn(supervisor.watch(), "the process supervisor", log)
-        if not embedding_only:
-            app[GRAMMAR_CHECKS].warm(model_path)  # the gateway's compile processes load the vocabulary meanwhile
+        watcher = start_processes(app[SUPERVISOR], app[CONFIG], model_path, engine_address, worker_addresses,
+                                  run_dir, embedding_only, app[GRAMMAR_CHECKS])
         yield
         watcher.cancel()
-        await supervisor.shutdown()
+        await app[SUPERVISOR].shutdown()
     return context
+
+
+def start_processes(supervisor, config: ServeConfig, model_path: str, engine_address: str,
+                    worker_addresses: dict[str, str], run_dir: str, embedding_only: bool,
+                    grammar_checks: GrammarChecks) -> asyncio.Task:
+    """One model's engine and workers launched (its workers alone for an embedding model); the task that watches
+    them (cancel it after supervisor.shutdown())."""
+    if embedding_only:  # the workers alone: no engine, no handoff, no structured outputs
+        start_embedding_workers(supervisor, config, model_path, worker_addresses)
+    else:
+        _add_engine_and_workers(supervisor, config, model_path, engine_address, worker_addresses, run_dir)
+    watcher = spawn(supervisor.watch(), "the process supervisor", log)
+    if not embedding_only:
+        grammar_checks.warm(model_path)  # the gateway's compile processes load the vocabulary meanwhile
+    return watcher
 
 
 def _add_engine_and_workers(supervisor, config: ServeConfig, model_path: str, engine_address: str,
@@ -302,16 +325,23 @@ def _add_engine_and_workers(supervisor, config: ServeConfig, model_path: str, en
 
 async def _connections(app: web.Application):
     gateway = app[GATEWAY]
+    tasks = connection_tasks(gateway)
+    yield
+    gateway.engine.closing = gateway.pool.closing = True
+    for task in tasks:
+        task.cancel()
+
+
+def connection_tasks(gateway: Gateway, announce: bool = True) -> list[asyncio.Task]:
+    """One model's connections to its workers and engine, its start-up probe, and (announce) the ready line."""
     tasks = [spawn(gateway.pool.run(), "the prefill worker connections", log)]
     if not gateway.embedding_only:  # an embedding model has no engine to connect to
         tasks.append(spawn(gateway.engine.run(), "the decode engine connection", log))
     if gateway.probe_pending:  # ready once the prefill line is known (a record, or measured now; bounded)
         tasks.append(spawn(prefill_probe.measure_at_start(gateway), "the prefill line's start-up probe", log))
-    tasks.append(spawn(_announce_ready(gateway), "the readiness announcement", log))
-    yield
-    gateway.engine.closing = gateway.pool.closing = True
-    for task in tasks:
-        task.cancel()
+    if announce:
+        tasks.append(spawn(_announce_ready(gateway), "the readiness announcement", log))
+    return tasks
 
 
 async def _announce_ready(gateway: Gateway, poll_s: float = READY_POLL_S) -> None:
@@ -339,7 +369,7 @@ async def _policy_loop(app: web.Application):
             await asyncio.sleep(0.5)
             ticks += 1
             try:
-                gateway.update_policy_signals()
+                gateway.update_policy_signals(_other_models(app))
                 if ticks % 2 == 0 and reloader.poll() is False:
                     gateway.metrics.label(gateway.metrics.policy_reload_failures).inc()
             except Exception:  # one bad tick (a psutil hiccup) must not end load-based degradation for good
@@ -348,6 +378,12 @@ async def _policy_loop(app: web.Application):
     yield
     task.cancel()
     loop.remove_signal_handler(signal.SIGHUP)
+
+
+def _other_models(app: web.Application) -> tuple[Gateway, ...]:
+    """With [[models]]: the loaded models' gateways, whose load the tiers see beside the app's front gateway."""
+    registry = app.get(MODELS)
+    return tuple(stack.gateway for stack in registry.loaded()) if registry is not None and registry.several else ()
 
 
 async def _graceful_sigterm(app: web.Application) -> None:
@@ -372,14 +408,17 @@ def _raise_graceful_exit() -> None:
 async def _drain(app: web.Application) -> None:
     """Runs once the listener is closed: in-flight requests get a grace period to finish, then the rest
     end with an explicit abort in their stream (aiohttp waits for their handlers before cleanup)."""
-    gateway = app[GATEWAY]
-    gateway.shutting_down = True
+    gateways = (app[GATEWAY], *_other_models(app))
+    for gateway in gateways:
+        gateway.shutting_down = True
     app[GRAMMAR_CHECKS].close()  # a compile never holds the exit: its request ends now with a 503
     grace_s = app[CONFIG].limits.shutdown_grace_s
-    log.info("shutting down: %d requests in flight, %.0f s to finish", len(gateway.registry.requests), grace_s)
+    log.info("shutting down: %d requests in flight, %.0f s to finish",
+             sum(len(g.registry.requests) for g in gateways), grace_s)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
-    while gateway.registry.requests and loop.time() < deadline:
+    while any(g.registry.requests for g in gateways) and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    for request_id in list(gateway.registry.requests):
-        gateway.registry.deliver_ending(request_id, FinishReason.ABORT)
+    for gateway in gateways:
+        for request_id in list(gateway.registry.requests):
+            gateway.registry.deliver_ending(request_id, FinishReason.ABORT)

@@ -112,9 +112,10 @@ class ServeConfig:
     policy: str = knob("policy")
     limits: Limits = field(default_factory=Limits)
     log_level: str = knob("log_level")
-    # several models (issue 45; checked, not served yet): the [[models]] tables; empty: the one model of `model`
+    # several models (issue 45; edge.models): the [[models]] tables; empty: the one model of `model`
     models: tuple[ModelSpec, ...] = ()
     keep_alive: str = knob("keep_alive")  # a [[models]] table's default (Ollama's meaning)
+    model_load_timeout_s: float = knob("model_load_timeout_s")  # a request's wait for its model's load, at most
     # set by the memory plan at start (edge/check_model/memory.py), not by the file or a flag; the launcher copies them
     # by name into the process configs
     weight_second_set: bool = planned(True)  # the engine may hold the float set beside the quantized one

@@ -98,8 +98,8 @@ class PolicyEnforcer:
         key_rule = self._authenticate(facts.api_key)
         self._check_quota(key_rule)
         cls = self._class_for(key_rule, facts.tenant)
-        if facts.model not in served_models or (filters.allowed_models and facts.model not in filters.allowed_models):
-            allowed = sorted(set(filters.allowed_models or served_models) & served_models)
+        if not self.model_allowed(key_rule, cls, facts.model, served_models):
+            allowed = sorted(m for m in served_models if self.model_allowed(key_rule, cls, m, served_models))
             raise PolicyRejection(404, "model_not_found", f"model {facts.model!r} is not available; available: "
                                   f"{allowed}", param="model")
         if self.content_filter.check(facts.text) is not None:
@@ -155,6 +155,29 @@ class PolicyEnforcer:
         hold = (key_id(rule.key), prompt + n * max_tokens)
         self.quotas.hold(*hold)
         return dataclasses.replace(decision, max_tokens=max_tokens, notes=decision.notes + notes, quota_hold=hold)
+
+    def model_allowed(self, key_rule: ApiKeyRule | None, cls: ClientClass, model: str, served: set[str]) -> bool:
+        """Served here, and admitted by the filters' allowed_models, the key's models (when it names any, else its
+        class's) (issue 45). A model refused here is answered as one that does not exist (404, no existence leak)."""
+        allowed = self.policy.filters.allowed_models
+        own = key_rule.models if key_rule is not None and key_rule.models else cls.models
+        return model in served and (not allowed or model in allowed) and (not own or model in own)
+
+    def models_for(self, api_key: str | None, tenant: str | None, served: set[str]) -> set[str]:
+        """The served models this key (or tenant) may use; none for a key the policy does not know."""
+        try:
+            key_rule = self._authenticate(api_key)
+        except PolicyRejection:
+            return set()
+        cls = self._class_for(key_rule, tenant)
+        return {m for m in served if self.model_allowed(key_rule, cls, m, served)}
+
+    def priority_for(self, api_key: str | None, tenant: str | None) -> int:
+        """The priority of this key's (or tenant's) class, for ordering before its request is decided; 0 unknown."""
+        try:
+            return self._class_for(self._authenticate(api_key), tenant).priority
+        except (PolicyRejection, KeyError):
+            return 0
 
     def _authenticate(self, api_key: str | None) -> ApiKeyRule | None:
         if not self.policy.keys:

@@ -110,6 +110,7 @@ class ClassFile(ClassSloFields):
     max_concurrent: NonNegative = 0
     max_output_tokens: NonNegative = 0
     degradable: list[str] = list(ACTIONS)
+    models: list[Annotated[str, Field(min_length=1)]] = []  # empty: every served model
 
     @field_validator("degradable")
     @classmethod
@@ -122,7 +123,7 @@ class ClassFile(ClassSloFields):
     def build(self, name: str) -> ClientClass:
         return ClientClass(name, self.priority, self.requests_per_minute, self.max_concurrent,
                            self.max_output_tokens, tuple(self.degradable), self.ttft_slo_ms, self.tpot_slo_ms,
-                           self.on_slo_miss, self.min_ttft_slo_ms)
+                           self.on_slo_miss, self.min_ttft_slo_ms, tuple(self.models))
 
 
 class KeyFile(Strict):
@@ -134,10 +135,11 @@ class KeyFile(Strict):
     tokens_per_month: NonNegative = 0
     id: Annotated[str, Field(min_length=1), AfterValidator(_key_name)] | None = None
     admin: bool = False
+    models: list[Annotated[str, Field(min_length=1)]] = []  # empty: what its class allows
 
     def build(self) -> ApiKeyRule:
         return ApiKeyRule(self.key, self.client_class, self.requests_per_minute, self.max_concurrent,
-                          self.tokens_per_day, self.tokens_per_month, self.id or "", self.admin)
+                          self.tokens_per_day, self.tokens_per_month, self.id or "", self.admin, tuple(self.models))
 
 
 class AuditFile(Strict):

@@ -51,6 +51,7 @@ class ClientClass:
     tpot_slo_ms: int = 0  # time-per-output-token objective after the first; 0: none
     on_slo_miss: str = "serve"  # reject | degrade | serve: a request predicted to miss its TTFT objective
     min_ttft_slo_ms: int = 0  # the tightest TTFT objective the x-slo-ttft-ms header may ask for; 0: not accepted
+    models: tuple[str, ...] = ()  # the models its requests may use; empty: every served one (issue 45)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ApiKeyRule:
     tokens_per_month: int = 0  # ... per UTC calendar month
     id: str = ""  # the name logs show instead of the key's hash; "": the hash
     admin: bool = False  # may see the operator's status page
+    models: tuple[str, ...] = ()  # the models this key may use (beside its class's); empty: its class's (issue 45)
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,16 @@ class Gateway:
             raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                            error_type="authentication_error", code="invalid_api_key")
 
-    def check_model(self, name: str) -> None:
-        """A 404 (model_not_found) unless the model is served here and the policy's allowed_models admit it."""
-        allowed = self.enforcer.policy.filters.allowed_models
-        available = [self.model_name] if not allowed or self.model_name in allowed else []
+    def check_model(self, name: str, http: web.Request | None = None) -> None:
+        """A 404 (model_not_found) unless the model is served here and the policy admits it (its allowed_models,
+        and with `http` its key's or class's models)."""
+        served = {self.model_name}
+        if http is None:
+            allowed = self.enforcer.policy.filters.allowed_models
+            available = [self.model_name] if not allowed or self.model_name in allowed else []
+        else:
+            available = sorted(self.enforcer.models_for(bearer_key(http), tenant_of(http, self.enforcer.policy),
+                                                        served))
         if name not in available:
             raise model_not_found(name, available)
 
@@ -211,17 +217,26 @@ class Gateway:
         """The engine's last stats, or zeros while it is not connected."""
         return self.engine.stats or EMPTY_STATS
 
-    def update_policy_signals(self) -> None:
+    def policy_signals(self) -> dict[str, float]:
         waiting, used, total = self.load()
-        signals = {"kv_cache_usage": used / total if total else 0.0,
-                   "waiting_requests": float(waiting),
-                   "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
-                   **box_signals(), **self.slo.signals()}
+        return {"kv_cache_usage": used / total if total else 0.0, "waiting_requests": float(waiting),
+                "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
+                **box_signals(), **self.slo.signals()}
+
+    def update_policy_signals(self, others: tuple[Gateway, ...] = ()) -> None:
+        """The tier evaluator fed this gateway's load; with `others` (the other models' stacks, issue 45) each
+        signal is the highest of any model's, so the tiers see the most loaded model."""
+        signals = self.policy_signals()
+        for other in others:
+            for name, value in other.policy_signals().items():
+                worst = min if name == "slo_attainment_below" else max  # attainment: the lower, the worse
+                signals[name] = worst(signals.get(name, value), value)
         if (transition := self.enforcer.update_signals(signals)) is not None:
             m = self.metrics
             m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
-        if self.enforcer.speculation_allowed != self.engine.speculation:
-            self.engine.speculation_changed(self.enforcer.speculation_allowed)
+        for gateway in (self, *others):
+            if self.enforcer.speculation_allowed != gateway.engine.speculation:
+                gateway.engine.speculation_changed(self.enforcer.speculation_allowed)
 
     async def next_event(self, run: Run) -> TokenEvent:
         """The next engine event for this run (edge.core.request_events); failures raise ApiError."""

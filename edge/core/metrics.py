@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -85,6 +87,13 @@ class Metrics:
         self.engine_requests = Counter("edge:engine_requests", "Requests ended that were routed to this engine "
                                        "(through the prefill worker that hands off to it)", engine,
                                        registry=r)
+
+    def for_model(self, model_name: str) -> Metrics:
+        """The same collectors (one /metrics page) with this model's name in every series (issue 45: a stack per
+        model); the running totals mirrored from its engine are its own."""
+        other = copy.copy(self)
+        other.model_name, other.preemptions_seen, other.engine_totals_seen = model_name, 0, {}
+        return other
 
     def label(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)

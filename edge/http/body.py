@@ -10,8 +10,12 @@ from aiohttp import web
 from edge.api.fields import ApiError
 from edge.core.gateway import Gateway
 
+BODY = "edge.body"  # request key: a body read already (edge.http.model_pick reads it to find its model)
+
 
 async def read_json(request: web.Request, gateway: Gateway):
+    if BODY in request:
+        return request[BODY]
     limits = gateway.config.limits
     if request.content_length is not None and request.content_length > limits.max_body_bytes:
         raise ApiError(413, f"the body has {request.content_length} bytes, more than the limit of "

@@ -12,17 +12,18 @@ from edge.api.openai_request import ApiError, GenerateRequest
 from edge.core.gateway import Gateway
 from edge.http.body import read_json
 from edge.http.model_file import chat_format, model_path
+from edge.http.model_pick import gateway_of
 from edge.http.tokenizers import Tokenizers
-from edge.state import GATEWAY, TOKENIZERS
+from edge.state import TOKENIZERS
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    gateway: Gateway = request.app[GATEWAY]
+    gateway: Gateway = gateway_of(request)
     parsed = None
     try:
         gateway.check_key(request)
         parsed = parse_count(await read_json(request, gateway), await chat_format(gateway))
-        gateway.check_model(parsed.model)
+        gateway.check_model(parsed.model, request)
         tokens = await prompt_tokens(request.app[TOKENIZERS], gateway, parsed)
     except ApiError as err:
         gateway.metrics.label(gateway.metrics.rejected, reason=err.code or str(err.status)).inc()

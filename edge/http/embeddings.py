@@ -25,7 +25,7 @@ from edge.api.sampling_request import SamplingRequest
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import RequestStatus
 from edge.http.body import read_json
-from edge.state import GATEWAY
+from edge.http.model_pick import gateway_of
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request (and the documents of one rerank)
 ENCODINGS = ("float", "base64")
@@ -125,12 +125,12 @@ def generation_refused(gateway, route: str) -> ApiError:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    gateway: Gateway = request.app[GATEWAY]
+    gateway: Gateway = gateway_of(request)
     parsed = None
     try:
         gateway.check_key(request)
         parsed = parse_embeddings(await read_json(request, gateway), gateway.pool.vocab_size)
-        gateway.check_model(parsed.request.model)
+        gateway.check_model(parsed.request.model, request)
         status = gateway.pool.embedding
         if status is not None and status.pooling == "rank":
             raise ApiError(400, f"{gateway.model_name} is a reranker (a rank head scores query and document pairs): "
@@ -229,13 +229,13 @@ async def rerank(request: web.Request) -> web.Response:
     """llama-server's /v1/rerank: each document scored against the query by the reranker's rank head, the results
     sorted by relevance_score, best first. A model without a rank head has nothing to score with: 400, not a ranking
     by something else."""
-    gateway: Gateway = request.app[GATEWAY]
+    gateway: Gateway = gateway_of(request)
     parsed = None
     try:
         gateway.check_key(request)
         body = await read_json(request, gateway)
         if isinstance(body, dict) and isinstance(body.get("model"), str):  # an unknown model first: 404
-            gateway.check_model(body["model"])
+            gateway.check_model(body["model"], request)
         status = gateway.pool.embedding
         pooling = status.pooling if status is not None else "unknown"
         if pooling != "rank":

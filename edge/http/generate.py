@@ -23,6 +23,7 @@ from edge.http.body import read_json
 from edge.http.completion_batch import serve_batch, stream_batch
 from edge.http.embeddings import generation_refused
 from edge.http.model_file import chat_format, model_path
+from edge.http.model_pick import gateway_of
 from edge.http.stream import collect, stream
 from edge.state import GATEWAY, GRAMMAR_CHECKS, RESPONSES
 from policies.quota import key_id
@@ -49,7 +50,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request, api: ClientApi, body: dict | None = None) -> web.StreamResponse:
     """body: one prompt of a completions batch (edge.http.completion_batch), already read."""
-    gateway: Gateway = request.app[GATEWAY]
+    gateway: Gateway = gateway_of(request)
     try:
         gateway.check_key(request)
         if gateway.embedding_only:
@@ -75,7 +76,7 @@ async def _admitted(request: web.Request, gateway: Gateway, api: ClientApi, body
     try:
         earlier = _earlier(request, api, body)
         parsed = api.parse(body, gateway.pool.vocab_size, await chat_format(gateway) if api.chat else None, earlier)
-        gateway.check_model(parsed.model)  # before a structured output's compile
+        gateway.check_model(parsed.model, request)  # before a structured output's compile
         await _check_structured(request, gateway, parsed)
         return gateway.admit(request, parsed)
     except ApiError as err:

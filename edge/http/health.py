@@ -30,7 +30,7 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model_id"]
     try:
         gateway.check_key(request)
-        gateway.check_model(name)
+        gateway.check_model(name, request)
     except ApiError as err:
         return err.response()
     return web.json_response(_model_card(name, gateway))

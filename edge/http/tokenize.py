@@ -23,25 +23,26 @@ from edge.api.openai_request import parse_request
 from edge.core.gateway import Gateway
 from edge.http.body import read_json
 from edge.http.model_file import model_path
+from edge.http.model_pick import gateway_of
 from edge.http.tokenizers import Tokenizer
-from edge.state import GATEWAY, TOKENIZERS
+from edge.state import TOKENIZERS
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body (the body's byte limit bounds it too)
 
 
-def _checked_model(body, gateway: Gateway) -> None:
+def _checked_model(body, gateway: Gateway, request: web.Request) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = checked_text(get_field(body, "model", str, default=gateway.model_name), "model")
-    gateway.check_model(model)
+    gateway.check_model(model, request)
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    gateway: Gateway = request.app[GATEWAY]
+    gateway: Gateway = gateway_of(request)
     try:
         gateway.check_key(request)
         body = await read_json(request, gateway)
-        _checked_model(body, gateway)
+        _checked_model(body, gateway, request)
         tokenizer = request.app[TOKENIZERS].get(model_path(gateway))
         if body.get("messages") is not None:
             add_special = get_field(body, "add_special_tokens", bool, default=False)
@@ -74,11 +75,11 @@ def _rendered(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    gateway: Gateway = request.app[GATEWAY]
+    gateway: Gateway = gateway_of(request)
     try:
         gateway.check_key(request)
         body = await read_json(request, gateway)
-        _checked_model(body, gateway)
+        _checked_model(body, gateway, request)
         tokens = get_field(body, "tokens", list, required=True)
         if len(tokens) > MAX_DETOKENIZE:
             raise ApiError(400, f"'tokens' may hold at most {MAX_DETOKENIZE} ids, got {len(tokens)}", "tokens",

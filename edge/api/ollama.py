@@ -45,23 +45,20 @@ def created_at() -> str:
 
 
 class OllamaApi(ClientApi):
-    """served(name): (the served name, its gateway) for a client's model name, else None (edge.http.ollama); the
-    gateway's registry holds the request's timestamps until its terminal state, which the durations read."""
+    """resolve(name): the served name a client's name stands for (ours, or with Ollama's ':latest'), else None;
+    inflight(request_id): the request's edge.core.lifecycle.InFlight while it runs (its timestamps make the
+    durations), from the gateway that serves it (edge.http.ollama)."""
     kind = "chat"
 
-    def __init__(self, served: Callable[[str], tuple[str, object] | None]) -> None:
-        self.served = served
+    def __init__(self, resolve: Callable[[str], str | None], inflight: Callable[[str], object | None]) -> None:
+        self.resolve, self.inflight = resolve, inflight
         self.started = time.perf_counter()
         self.parsed: OllamaRequest | None = None
 
     def parse(self, body, vocab_size: int | None, chat=None, earlier: tuple[dict, ...] = ()) -> GenerateRequest:
         parse = parse_chat if self.kind == "chat" else parse_generate
-        self.parsed = parse(body, self._name, vocab_size, chat)
+        self.parsed = parse(body, self.resolve, vocab_size, chat)
         return self.parsed.request
-
-    def _name(self, name: str) -> str | None:
-        found = self.served(name)
-        return found[0] if found else None
 
     def error(self, err: ApiError) -> web.Response:
         return error_response(err)
@@ -102,9 +99,8 @@ class OllamaApi(ClientApi):
 
     def final(self, completion: Completion, reason: str | None) -> dict:
         """The last object's fields: done, done_reason and the counts and durations (durations)."""
-        found = self.served(completion.request.model)
-        inflight = found[1].registry.get(completion.request_id) if found else None
-        return {"done_reason": reason, "done": True, **durations(completion, inflight, self.started)}
+        return {"done_reason": reason, "done": True,
+                **durations(completion, self.inflight(completion.request_id), self.started)}
 
 
 class OllamaChatApi(OllamaApi):

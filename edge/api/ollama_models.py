@@ -33,20 +33,17 @@ def details(path: str | None) -> dict:
             "quantization_level": quantization(_value(header, "general.file_type", None))}
 
 
-def listed(name: str, path: str | None, fingerprint: str | None) -> dict:
+def listed(name: str, path: str | None) -> dict:
     """One /api/tags entry."""
     stat = os.stat(path) if path else None
     return {"name": display_name(name), "model": display_name(name),
             "modified_at": rfc3339(stat.st_mtime) if stat else rfc3339(0), "size": stat.st_size if stat else 0,
-            "digest": digest(path, fingerprint), "details": details(path)}
+            "digest": digest(path), "details": details(path)}
 
 
-def digest(path: str | None, fingerprint: str | None) -> str:
-    """The file's SHA-256 as the prefill workers computed it at their start (model_fingerprint), else a digest of
-    its path, size and modification time (hashing a large GGUF here would take seconds): either changes when the
-    file does."""
-    if fingerprint:
-        return fingerprint.removeprefix("sha256:")
+def digest(path: str | None) -> str:
+    """A SHA-256 of the file's path, size and modification time: it changes when the file does, the same whether the
+    model is loaded or not, and costs nothing (hashing a GGUF of gigabytes here would take seconds)."""
     if not path:
         return ""
     stat = os.stat(path)

@@ -14,26 +14,31 @@ Which gateway serves a model is decided in one place, `models`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
 from aiohttp import web
 
+from edge.api.errors import model_not_found
 from edge.api.fields import ApiError, checked_text, get_field, show
 from edge.api.generate_request import GenerateRequest
 from edge.api.ollama import OllamaApi, OllamaChatApi, OllamaGenerateApi, created_at, error_response
 from edge.api.ollama_models import details, digest, display_name, listed
 from edge.api.ollama_models import show as show_body
+from edge.chat.tool_formats import chat_format_of
 from edge.config import keep_alive_seconds  # edge.models.spec's, as the config reads [[models]] keep_alive
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import RequestStatus
 from edge.http import generate
-from edge.http.body import read_json
+from edge.http.body import BODY, read_json
 from edge.http.embeddings import parse_embeddings
 from edge.http.model_file import chat_format, model_path
-from edge.observe.process_memory import memory_report
-from edge.state import GATEWAY, SUPERVISOR
+from edge.http.model_pick import CHOSEN, gateway_of, several, use_model, visible_models
+from edge.state import GATEWAY, MODELS
 
 OLLAMA_VERSION = "0.13.0"  # the Ollama release whose API these routes follow (clients gate features on it)
 FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)  # Ollama's expires_at for a model kept loaded (keep_alive -1)
@@ -57,26 +62,81 @@ def add_routes(app: web.Application) -> None:
     app.on_response_prepare.append(_ndjson)
 
 
-def models(app: web.Application) -> dict[str, Gateway]:
-    """Every configured model by its served name, with the gateway that serves it: the one place the routes learn
-    which models exist (the multi-model registry replaces this body)."""
-    gateway = app[GATEWAY]
-    return {gateway.model_name: gateway}
+@dataclass(frozen=True)
+class Configured:
+    """A configured model as /api/tags, /api/ps and /api/show see it."""
+    name: str
+    path: str | None  # its GGUF (None: a server that does not know its file)
+    gateway: Gateway | None  # while it is loaded
+    state: str  # loaded, loading, unloaded, unloading, failed (edge.models.registry)
+    memory: dict | None  # {"rss", "pss"} its processes hold while loaded
+    expires_at: float | None  # the Unix time its keep_alive unloads it; None: never
+    pinned: bool = True
 
 
-def served(app: web.Application, name: str) -> tuple[str, Gateway] | None:
-    """(the served name, its gateway) for a client's name: ours exactly, or with Ollama's ':latest' tag (added or
-    left off); None: no model of that name here."""
-    found = models(app)
-    for candidate in (name, name.removesuffix(":latest"), f"{name}:latest"):
-        if candidate in found:
-            return candidate, found[candidate]
-    return None
+def models(app: web.Application) -> dict[str, Configured]:
+    """Every configured model by its served name: the one place the routes learn which models exist, their state
+    and their gateway (edge.models.registry; an app built without one serves its GATEWAY's model)."""
+    registry = app.get(MODELS)
+    if registry is None:
+        gateway = app[GATEWAY]
+        return {gateway.model_name: Configured(gateway.model_name, model_path(gateway), gateway, "loaded", None, None)}
+    out = {}
+    for described in registry.describe():
+        stack = registry.stack(described["name"])
+        gateway = stack.gateway if stack is not None else None
+        path = model_path(gateway) if gateway is not None else described["model"] or _embedded_path()
+        out[described["name"]] = Configured(described["name"], path, gateway, described["state"],
+                                            described["memory"]["measured"], described["expires_at"],
+                                            described["pinned"])
+    return out
 
 
-def _server(app: web.Application) -> Gateway:
-    """The gateway whose checks are the server's own (the API key, the body's limits), before a model is known."""
+def served(app: web.Application, name: str) -> str | None:
+    """The served name a client's name stands for: ours exactly, or with Ollama's ':latest' tag added or left off;
+    None: no model of that name here."""
+    registry = app.get(MODELS)
+    names = registry.names if registry is not None else [app[GATEWAY].model_name]
+    return next((c for c in (name, name.removesuffix(":latest"), f"{name}:latest") if c in names), None)
+
+
+def _visible(request: web.Request) -> list[str]:
+    """The served names this request's key may use (the others are answered as if they did not exist)."""
+    if MODELS in request.app:
+        return visible_models(request)
+    gateway = request.app[GATEWAY]
+    try:
+        gateway.check_model(gateway.model_name, request)
+    except ApiError:
+        return []
+    return [gateway.model_name]
+
+
+@contextlib.asynccontextmanager
+async def _using(request: web.Request, name: str, body: dict) -> AsyncIterator[Gateway]:
+    """The model's gateway for this request: with several models, loaded if it was not and held until the answer is
+    out, its keep_alive (the body's, if any) following (edge.http.model_pick); else the app's one."""
+    if not several(request.app):
+        yield request.app[GATEWAY]
+        return
+    priority = body.get("priority") if isinstance(body.get("priority"), int) else None
+    async with use_model(request, name, body.get("keep_alive"), priority) as gateway:
+        request[CHOSEN] = gateway
+        yield gateway
+
+
+def _front(app: web.Application) -> Gateway:
+    """The gateway whose checks are the server's own (the API key, the body's limits) and that counts a refusal
+    made before a model is chosen (with several models, the front gateway of edge.models.app)."""
     return app[GATEWAY]
+
+
+def _embedded_path() -> str | None:
+    from prefill_cpu.embedded_model import embedded_model_path
+    try:
+        return embedded_model_path()
+    except FileNotFoundError:
+        return None
 
 
 async def version(request: web.Request) -> web.Response:
@@ -85,41 +145,58 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, OllamaChatApi(lambda name: served(request.app, name)), "messages")
+    return await _generation(request, OllamaChatApi(*_hooks(request)), "messages")
 
 
 async def generate_(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, OllamaGenerateApi(lambda name: served(request.app, name)), "prompt")
+    return await _generation(request, OllamaGenerateApi(*_hooks(request)), "prompt")
+
+
+def _hooks(request: web.Request) -> tuple:
+    """What an OllamaApi asks of the server: the served name for a client's, and a request's timestamps (its
+    InFlight in the gateway that serves it, until its terminal state)."""
+    return (lambda name: served(request.app, name)), (lambda rid: gateway_of(request).registry.get(rid))
 
 
 async def _generation(request: web.Request, api: OllamaApi, field: str) -> web.StreamResponse:
     """An empty `messages` or `prompt` only loads the model (Ollama's load request); anything else is generated on
-    the OpenAI routes' path (which reads the body again from aiohttp's copy of it)."""
-    gateway = _server(request.app)
+    the OpenAI routes' path, on the named model's gateway."""
+    front = _front(request.app)
     try:
-        gateway.check_key(request)
-        body = await read_json(request, gateway)
-        if isinstance(body, dict):
-            keep_alive(body)
+        front.check_key(request)
+        body = request[BODY] = await read_json(request, front)
+        name = _model(request, body)
+        keep_alive(body)
     except ApiError as err:
-        return _refused(request, gateway, err)
-    if isinstance(body, dict) and body.get(field) in (None, [], ""):
-        return await _load(request, body, "message" if field == "messages" else "response")
-    return await generate.generate(request, api)
+        return _refused(request, front, err)
+    try:
+        if body.get(field) in (None, [], ""):
+            return await _load(request, body, name, "message" if field == "messages" else "response")
+        async with _using(request, name, body):
+            return await generate.generate(request, api)
+    except ApiError as err:  # the model could not be had (its load failed, no memory for it): before its handler
+        return _refused(request, front, err)
 
 
-async def _load(request: web.Request, body: dict, text: str) -> web.Response:
-    """Ollama's load request: the model is loaded (or, keep_alive 0, unloaded) and nothing is generated."""
-    try:
-        name, gateway = _model(request, body)
-        if keep_alive(body) == 0:
-            raise ApiError(400, f"{name} cannot be unloaded: this server serves one model, loaded while it runs "
-                                f"(keep_alive 0 with an empty request unloads a model on Ollama)", "keep_alive",
-                           "invalid_value")
-    except ApiError as err:
-        return _refused(request, _server(request.app), err)
+async def _load(request: web.Request, body: dict, name: str, text: str) -> web.Response:
+    """Ollama's load request: the model is loaded (keep_alive 0: unloaded once idle) and nothing is generated."""
+    reason = "unload" if keep_alive(body) == 0 else "load"
+    if reason == "unload":
+        configured = models(request.app)[name]
+        if not several(request.app) or configured.pinned:
+            why = "pinned" if several(request.app) else "the one model this server serves"
+            raise ApiError(400, f"{name} cannot be unloaded: it is {why}, loaded while the server runs (keep_alive 0 "
+                                f"with an empty request unloads a model on Ollama)", "keep_alive", "invalid_value")
+        if configured.state != "loaded":
+            return _loaded(body, text, reason)  # nothing to unload
+    async with _using(request, name, body):  # loaded if it was not; keep_alive 0 unloads it once it is idle
+        pass
+    return _loaded(body, text, reason)
+
+
+def _loaded(body: dict, text: str, reason: str) -> web.Response:
     answer = {"role": "assistant", "content": ""} if text == "message" else ""
-    return web.json_response({"model": body["model"], "created_at": created_at(), text: answer, "done_reason": "load",
+    return web.json_response({"model": body["model"], "created_at": created_at(), text: answer, "done_reason": reason,
                               "done": True})
 
 
@@ -134,21 +211,19 @@ def keep_alive(body: dict) -> float | None:
         raise ApiError(400, f"'keep_alive': {err}", "keep_alive", "invalid_value") from None
 
 
-def _model(request: web.Request, body) -> tuple[str, Gateway]:
-    """The model a body names (`model`, or Ollama's older `name`), checked as every route checks it: a name not
-    served here, or one the key may not use, is a 404."""
+def _model(request: web.Request, body) -> str:
+    """The served name of the model a body names (`model`, or Ollama's older `name`): a name not served here, or one
+    the key may not use, is the same 404."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     sent = body.get("model") or body.get("name")
     if not isinstance(sent, str) or not sent:
         raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
-    found = served(request.app, checked_text(sent, "model"))
-    if found is None:
-        _server(request.app).check_model(sent)  # the 404, naming the models the key may use
-        raise ApiError(404, f"the model {sent!r} does not exist here", "model", "model_not_found")
-    name, gateway = found
-    gateway.check_model(name)
-    return name, gateway
+    name = served(request.app, checked_text(sent, "model"))
+    visible = _visible(request)
+    if name not in visible:
+        raise model_not_found(sent, visible)
+    return name
 
 
 def _refused(request: web.Request, gateway: Gateway, err: ApiError,
@@ -160,65 +235,60 @@ def _refused(request: web.Request, gateway: Gateway, err: ApiError,
 
 
 async def tags(request: web.Request) -> web.Response:
-    """GET /api/tags: every configured model the key may use."""
+    """GET /api/tags: every configured model the key may use, loaded or not."""
     try:
-        _server(request.app).check_key(request)
+        _front(request.app).check_key(request)
     except ApiError as err:
         return error_response(err)
-    entries = [listed(name, model_path(gateway), _fingerprint(gateway)) for name, gateway in _usable(request)]
-    return web.json_response({"models": entries})
+    configured, visible = models(request.app), _visible(request)
+    return web.json_response({"models": [listed(name, configured[name].path) for name in visible]})
 
 
 async def ps(request: web.Request) -> web.Response:
-    """GET /api/ps: the loaded models the key may use, with the memory their processes hold (PSS, else RSS)."""
+    """GET /api/ps: the loaded models the key may use: the memory their processes hold (PSS, else RSS), when their
+    keep_alive unloads them (Ollama's far future for never)."""
     try:
-        _server(request.app).check_key(request)
+        _front(request.app).check_key(request)
     except ApiError as err:
         return error_response(err)
-    memory = memory_report(request.app, request.app.get(SUPERVISOR))["total"]
-    size = memory["pss"] if memory["pss"] is not None else memory["rss"]
-    expires = (datetime.now(UTC) + FOREVER).isoformat().replace("+00:00", "Z")
-    entries = [{"name": display_name(name), "model": display_name(name), "size": size,
-                "digest": digest(model_path(gateway), _fingerprint(gateway)), "details": details(model_path(gateway)),
-                "expires_at": expires, "size_vram": 0, "context_length": gateway.events.context_tokens()}
-               for name, gateway in _usable(request) if gateway.components_ready]
+    configured = models(request.app)
+    entries = [_running(configured[name]) for name in _visible(request) if configured[name].state == "loaded"]
     return web.json_response({"models": entries})
 
 
-def _usable(request: web.Request) -> list[tuple[str, Gateway]]:
-    usable = []
-    for name, gateway in models(request.app).items():
-        try:
-            gateway.check_model(name)
-        except ApiError:
-            continue  # the key may not use it: not listed, as if it did not exist
-        usable.append((name, gateway))
-    return usable
-
-
-def _fingerprint(gateway: Gateway) -> str | None:
-    """The GGUF's SHA-256 as a prefill worker computed it at its start (None before one reported)."""
-    return next((w.info.model_fingerprint for w in gateway.pool.workers.values() if w.info is not None), None)
+def _running(model: Configured) -> dict:
+    memory = model.memory or {}
+    expires = datetime.now(UTC) + FOREVER if model.expires_at is None else datetime.fromtimestamp(model.expires_at, UTC)
+    return {"name": display_name(model.name), "model": display_name(model.name),
+            "size": memory.get("pss") or memory.get("rss") or 0, "digest": digest(model.path),
+            "details": details(model.path), "expires_at": expires.isoformat().replace("+00:00", "Z"), "size_vram": 0,
+            "context_length": model.gateway.events.context_tokens() if model.gateway is not None else 0}
 
 
 async def show_model(request: web.Request) -> web.Response:
-    """POST /api/show: the model's details, metadata, chat template and capabilities."""
-    gateway = _server(request.app)
+    """POST /api/show: the model's details, metadata, chat template and capabilities (loaded or not)."""
+    front = _front(request.app)
     try:
-        gateway.check_key(request)
-        body = await read_json(request, gateway)
-        name, gateway = _model(request, body)
+        front.check_key(request)
+        body = await read_json(request, front)
+        name = _model(request, body)
         verbose = get_field(body, "verbose", bool, default=False)
     except ApiError as err:
-        return _refused(request, _server(request.app), err)
-    capabilities = ["embedding"] if gateway.embedding_only else await _capabilities(gateway)
-    return web.json_response(await asyncio.to_thread(show_body, model_path(gateway), verbose, capabilities))
+        return _refused(request, front, err)
+    model = models(request.app)[name]
+    capabilities = await _capabilities(model, front)
+    return web.json_response(await asyncio.to_thread(show_body, model.path, verbose, capabilities))
 
 
-async def _capabilities(gateway: Gateway) -> list[str]:
+async def _capabilities(model: Configured, front: Gateway) -> list[str]:
     """completion and tools (calls are parsed in any chat template's format, Hermes' where it has none), thinking
-    for a reasoning model."""
-    form = await chat_format(gateway)
+    for a reasoning model; embedding alone for an embedding model served on its own."""
+    if model.gateway is not None and model.gateway.embedding_only:
+        return ["embedding"]
+    if model.gateway is not None:
+        form = await chat_format(model.gateway)
+    else:  # not loaded: its template read from its GGUF
+        form = await chat_format_of(model.path, front.config.tool_call_parser, front.config.reasoning_parser)
     return ["completion", "tools"] + (["thinking"] if form.reasoning else [])
 
 
@@ -234,16 +304,38 @@ async def embeddings(request: web.Request) -> web.Response:
 
 async def _embeddings(request: web.Request, field: str) -> web.Response:
     started = time.perf_counter()
-    gateway, parsed = _server(request.app), None
+    front = _front(request.app)
     try:
-        gateway.check_key(request)
-        body = await read_json(request, gateway)
-        name, gateway = _model(request, body)
+        front.check_key(request)
+        body = request[BODY] = await read_json(request, front)
+        name = _model(request, body)
         keep_alive(body)
         texts = _texts(body.get(field), field)
-        if not texts:  # Ollama's load request: nothing to embed
-            return web.json_response({"model": body["model"], "embeddings": []} if field == "input"
-                                     else {"embedding": []})
+    except ApiError as err:
+        return _refused(request, front, err)
+    if not texts:  # Ollama's load request: nothing to embed
+        return await _load_embedder(request, body, name, field)
+    try:
+        async with _using(request, name, body) as gateway:
+            return await _embed(request, gateway, body, name, texts, field, started)
+    except ApiError as err:  # the model could not be had
+        return _refused(request, front, err)
+
+
+async def _load_embedder(request: web.Request, body: dict, name: str, field: str) -> web.Response:
+    try:
+        async with _using(request, name, body):
+            pass
+    except ApiError as err:
+        return _refused(request, _front(request.app), err)
+    return web.json_response({"model": body["model"], "embeddings": []} if field == "input" else {"embedding": []})
+
+
+async def _embed(request: web.Request, gateway: Gateway, body: dict, name: str, texts: tuple[str, ...], field: str,
+                 started: float) -> web.Response:
+    """The embeddings' checks and admission on the model's gateway, then the worker's vectors."""
+    parsed = None
+    try:
         parsed = parse_embeddings({"model": name, "input": list(texts), "priority": body.get("priority")},
                                   gateway.pool.vocab_size).request
         _check_embedding(gateway, body.get("dimensions"))
@@ -254,7 +346,7 @@ async def _embeddings(request: web.Request, field: str) -> web.Response:
 
 
 def _texts(value, field: str) -> tuple[str, ...]:
-    if value is None or value == "":
+    if value is None or value == "" or value == []:
         return ()
     if field == "input" and isinstance(value, list) and all(isinstance(text, str) for text in value):
         return tuple(value)
@@ -303,7 +395,7 @@ async def _embedded(gateway: Gateway, run, sent: str, field: str, started: float
 
 async def refused(request: web.Request) -> web.Response:
     """pull, push, create, copy, delete, blobs: the models are the config's, so none of these is done here."""
-    gateway = _server(request.app)
+    gateway = _front(request.app)
     try:
         gateway.check_key(request)
         what = REFUSED[request.match_info.route.resource.canonical]

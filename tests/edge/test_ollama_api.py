@@ -24,16 +24,16 @@ THINKING = ChatFormat(reasoning="think")
 
 
 def served(name: str):
-    return ("m", GATEWAY) if name in ("m", "m:latest") else None
+    return "m" if name in ("m", "m:latest") else None
 
 
 def chat(chat_format=None, **body):
-    api = OllamaChatApi(served)
+    api = OllamaChatApi(served, GATEWAY.registry.get)
     return api, api.parse({"model": "m", "messages": HI, **body}, 49152, chat_format or ChatFormat())
 
 
 def generate(chat_format=None, **body):
-    api = OllamaGenerateApi(served)
+    api = OllamaGenerateApi(served, GATEWAY.registry.get)
     return api, api.parse({"model": "m", "prompt": "Hi", **body}, 49152, chat_format or ChatFormat())
 
 

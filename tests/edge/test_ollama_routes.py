@@ -129,3 +129,66 @@ def test_model_management_is_refused(method, path, body):
         return response.status, (await response.json() if method != "HEAD" else {"error": "config"})
     (status, answer_body), refused = serve(scenario)
     assert status == 403 and "config" in answer_body["error"] and refused == [(403, "model_management_unsupported")]
+
+
+class FakeStack:
+    """A model's stack whose gateway is a real one on fakes (no worker: it answers 503 once admitted)."""
+
+    def __init__(self, name: str, started: list[str]) -> None:
+        self.gateway, _ = fake_gateway()
+        self.gateway.model_name, self.name, self.started = name, name, started
+
+    async def start(self) -> None:
+        self.started.append(self.name)
+
+    async def stop(self) -> None:
+        self.started.remove(self.name)
+
+    def in_flight(self) -> int:
+        return 0
+
+    def memory(self) -> dict:
+        return {"rss": 2048, "pss": 1024}
+
+
+def serve_several(scenario):
+    """Two configured models, `chat` and `code`, behind a front gateway (edge.models.app), none loaded at start."""
+    from edge.models.registry import ModelRegistry
+    from edge.models.spec import ModelSpec
+    from edge.state import MODELS
+
+    async def run():
+        started: list[str] = []
+        app = web.Application()
+        app[GATEWAY], refused = fake_gateway()
+        app[GATEWAY].model_name = ""
+        app[MODELS] = ModelRegistry((ModelSpec("chat", None), ModelSpec("code", None, keep_alive_s=60)),
+                                    lambda spec: FakeStack(spec.name, started))
+        add_routes(app)
+        async with TestClient(TestServer(app)) as client:
+            return await scenario(client, app[MODELS], started), refused
+    return asyncio.run(run())
+
+
+def test_several_models_listed_loaded_on_demand_and_unloaded_by_keep_alive_zero():
+    async def scenario(client, registry, started):
+        tags = await answer(await client.get("/api/tags"))
+        before = await answer(await client.get("/api/ps"))
+        chat = await answer(await client.post("/api/chat", json={"model": "code:latest", "messages": HI}))
+        after = await answer(await client.get("/api/ps"))
+        loaded = list(started)
+        unload = await answer(await client.post("/api/generate", json={"model": "code", "keep_alive": 0}))
+        for _ in range(100):  # the unload is a task of the registry's
+            if not started:
+                break
+            await asyncio.sleep(0.01)
+        load = await answer(await client.post("/api/chat", json={"model": "chat", "messages": []}))
+        return tags, before, chat, after, loaded, unload, list(started), load
+    (tags, before, chat, after, loaded, unload, left, load), _ = serve_several(scenario)
+    assert [m["name"] for m in tags[1]["models"]] == ["chat:latest", "code:latest"]  # loaded or not
+    assert before == (200, {"models": []})
+    assert chat[0] == 503 and loaded == ["code"]  # loaded for the request, then its gateway answered (no worker)
+    assert [(m["name"], m["size"]) for m in after[1]["models"]] == [("code:latest", 1024)]
+    assert after[1]["models"][0]["expires_at"] < "2100"  # its keep_alive (60 s) from the answer's end
+    assert unload[0] == 200 and unload[1]["done_reason"] == "unload" and left == ["chat"]
+    assert load[0] == 200 and load[1]["done_reason"] == "load"

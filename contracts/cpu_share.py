@@ -2,8 +2,9 @@
 decoding, and the best priority it decodes, in a 4-byte file in the launch's run directory; local prefill
 workers read it before each llama.cpp chunk and use half their threads while decode of at least their
 prompt's priority runs (a prompt that outranks every decoding sequence gets all the cores: that decode
-yields to it, docs/config.md). The engine halves its own threads while any prompt is queued for or in
-prefill, from the priority signal it already gets.
+yields to it, docs/config.md; a request with a TTFT objective and none per token yields to its own priority's
+prompts, so the engine publishes it at the next level: decode_gpu/core/priority_gate.py). The engine halves its
+own threads while any prompt is queued for or in prefill, from the priority signal it already gets.
 
 Two thread pools on the same cores slow each other far more than splitting the cores costs. On the 2-core
 development machine (`python -m bench.cpu_share_bench`, docs/decode.md), a batch-8 decode step next to a

@@ -1,4 +1,5 @@
-"""Decode steps yield the CPU to a more important prompt in prefill (decode_gpu.core.priority_gate says why)."""
+"""Decode steps yield the CPU to a more important prompt in prefill, or to a peer's (decode_gpu.core.priority_gate
+says why and when)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def yield_to_prefill(step: ScheduledStep, gate: PriorityGate | None) -> Schedule
     keeping their blocks; if it outranks all of them, the forward itself waits between layers."""
     if gate is None:
         return step
-    urgent = [seq for seq in step.decode if not gate.outranks(seq.priority)]
+    urgent = [seq for seq in step.decode if not gate.outranks(seq.decode_priority)]
     if not urgent or len(urgent) == len(step.decode):
         return step
     return dataclasses.replace(step, decode=urgent)

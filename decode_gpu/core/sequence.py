@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from contracts.handoff import KVHandoff, SamplingParams
 
+PEER_YIELD = 0.5  # decode_priority's half level: below its own priority's prompts, above the next level's
+
 
 class SeqState(enum.Enum):
     WAITING = "waiting"  # handed off, KV not yet in the pool
@@ -50,6 +52,13 @@ class Sequence:
     def rank(self) -> tuple[int, float, int]:
         """Priority first; within one, the earliest deadline (none: after those with one), then arrival."""
         return (self.priority, self.deadline or math.inf, self.arrival)
+
+    @property
+    def decode_priority(self) -> float:
+        """The level its decode yields by (core/priority_gate.py): its priority, or half a level below it for a
+        choice of a request with a TTFT objective and no TPOT objective: it yields to the prompts of its own
+        priority waiting for their first token (peer holds, bounded by the gate)."""
+        return self.priority + PEER_YIELD if self.deadline and not self.tpot_slo_ms else float(self.priority)
 
     @property
     def output_tokens(self) -> list[int]:

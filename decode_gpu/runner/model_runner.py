@@ -102,7 +102,7 @@ class ModelRunner:
         self.pool = KVPool(dataclasses.replace(self._shape, num_blocks=blocks + 1), device)
         self.inputs = StepInputs(self.pool, blocks, capacity, self._max_blocks, device, self.backend,
                                  config.deterministic)
-        self._batch_priority = 0  # the best priority in the batch being decoded
+        self._batch_priority = 0.0  # the best decode priority in the batch (Sequence.decode_priority)
         self.graphs = None
         if use_graphs:
             self.graphs = DecodeGraphs(self._buckets, self._forward_rows, self._pad)
@@ -204,7 +204,7 @@ class ModelRunner:
         """Thread count (decode on the CPU next to llama.cpp prefill) and the priority the gate waits with."""
         if self._threads:
             self._set_threads(seqs)
-        self._batch_priority = min(s.priority for s in seqs)
+        self._batch_priority = min(s.decode_priority for s in seqs)
 
     def _set_threads(self, seqs: list[Sequence]) -> None:
         """Halve the threads while a prompt is queued for or in prefill, unless the batch's tightest TPOT objective

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from contracts.events import EngineStats, FinishReason, TokenEvent
 from contracts.messages import Recompute
 from decode_gpu.core.admission import HandoffRejectedError
 from decode_gpu.core.priority_gate import PriorityGate
+from decode_gpu.core.sequence import SeqState
 from decode_gpu.engine import DecodeEngine
 from decode_gpu.service.commands import AbortRequest, Admit, Command, Resume, SetSpeculation
 from decode_gpu.service.memory import MemoryAccount, decisions, trim_heap
@@ -62,12 +64,19 @@ class EngineLoop:
                 if not self.engine.has_work:  # a burst ended: its freed activations go back to the system
                     trim_heap()
             if self.cpu_share is not None:
-                self.cpu_share.set_decoding(self.engine.best_running_priority)
+                self.cpu_share.set_decoding(self._decode_level())
             self.snapshot = self._stats()
         self._drain_inbox(block=False)  # opened sequences still in the inbox end with the rest
         self._publish([self.engine.abort(request_id) for request_id in list(self.engine.requests)])
         if self.cpu_share is not None:
             self.cpu_share.set_decoding(None)
+
+    def _decode_level(self) -> int | None:
+        """The level local prefill workers share the cores by (contracts/cpu_share.py): the best decode priority
+        among the running sequences, rounded down the scale (a choice yielding to its own priority's prompts,
+        Sequence.decode_priority, counts at the next level: a prompt of its priority gets every thread)."""
+        levels = [s.decode_priority for s in self.engine.sequences if s.state is SeqState.RUNNING]
+        return math.ceil(min(levels)) if levels else None
 
     def _stats(self) -> EngineStats:
         """The engine's stats, with its memory (read again every MEMORY_EVERY_S) and decisions when accounted."""

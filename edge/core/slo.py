@@ -35,7 +35,7 @@ from edge.core.lifecycle import InFlight
 from edge.core.metrics import Metrics
 from edge.core.prefill_pool import PrefillPool
 from edge.core.request_record import RequestRecord
-from edge.core.ttft_predictor import Pending, TTFTPredictor, recent_errors
+from edge.core.ttft_predictor import Pending, TTFTPredictor, recent_errors, yields_to
 from policies.enforcer import Decision, PolicyEnforcer, PolicyRejection
 
 log = logging.getLogger(__name__)
@@ -129,11 +129,13 @@ class SloControl:
 
     def prefilled(self, inflight: InFlight, done: PrefillDone) -> None:
         """A prefill's report: the predictor's line alone or beside decoding (another request of ours decoding as it
-        ended: on a CPU-only box decode then had half of the worker's threads)."""
+        ended whose steps do not yield to it, ttft_predictor.yields_to: on a CPU-only box decode then had half of the
+        worker's threads)."""
         known = self.pending.get(inflight.request_id)
         if known is not None:
             known.prefilled = True
-        beside = any(p.decoding for rid, p in self.pending.items() if rid != inflight.request_id)
+        beside = any(p.decoding and not yields_to(p, inflight.priority) for rid, p in self.pending.items()
+                     if rid != inflight.request_id)
         self.predictor.prefilled(done, None if done.resumed else known, beside)
 
     def probed(self, done: PrefillDone) -> None:

@@ -73,6 +73,16 @@ class Pending:
     tpot_predicted_ms: float | None = None  # the step ms predicted at admission (predict_tpot), if any
 
 
+def yields_to(decoding: Pending, priority: int) -> bool:
+    """Whether a decoding request's steps yield to a prompt of this priority in prefill (the engine's PriorityGate,
+    decode on the CPU): a less important request's do, and so do those of a request of the same priority whose class
+    promises a first token and nothing per token (Sequence.decode_priority). The prefill then runs on every thread,
+    at the line alone; the yields are bounded (max_hold_s, and for peers a duty of half), which the line beside
+    decoding, learned from prefills that found decode still running, covers."""
+    return decoding.priority > priority or (decoding.priority == priority and decoding.ttft_slo_ms > 0
+                                            and not decoding.tpot_slo_ms)
+
+
 class PrefillTime:
     """Seconds one worker takes for a prompt, as a line over the tokens it computes: a fixed part (rendering,
     the first token's sampling, the KV export: most of a short prompt's time) and a part per token, fitted by
@@ -178,7 +188,9 @@ class TTFTPredictor:
         In the order the queue serves (priority, deadline, arrival), ahead of it: what is left of the prefills under
         way that it cannot preempt, the prompts queued at its rank or better, and those admitted but not queued yet
         (pending), shared by the ready workers; then its own. Every prefill after the first, and the first too when
-        the engine decodes now, runs beside decoding (the requests ahead will decode by then), at that line."""
+        the engine decodes now, runs beside decoding (the requests ahead will decode by then), at that line, unless
+        the decoding requests' steps yield to it (yields_to: a less important one, or a peer whose class promises a
+        first token only), when it runs at the line alone."""
         ready = [w for w in self.pool.workers.values() if w.state == "ready" and w.engine_connected]
         if not ready:
             return None
@@ -186,7 +198,9 @@ class TTFTPredictor:
         if not self.prefill.measured:
             return None
         slowed = self._beside_factor(engine)
-        beside = (engine is not None and engine.num_running > 0) or any(p.decoding for p in pending.values())
+        decoding = [p for p in pending.values() if p.decoding]
+        beside = any(not yields_to(p, priority) for p in decoding) or \
+            (not decoding and engine is not None and engine.num_running > 0)
         rank = (priority, deadline_at or math.inf)
         ahead, ahead_s = 0.0, 0.0
         now = time.perf_counter()
@@ -199,18 +213,25 @@ class TTFTPredictor:
             left_s = max(0.0, whole_s - (now - started)) if started is not None else whole_s
             ahead_s += left_s
             ahead += tokens_there * left_s / whole_s if whole_s > 0 else 0.0
-            beside = True  # its handoff decodes while the prompts after it prefill
-        for n in self._queued_ahead(rank, pending):
+            beside = beside or self._decodes_beside(worker.current.job.request_id, priority, pending)
+        for request_id, n in self._queued_ahead(rank, pending):
             ahead, ahead_s = ahead + n, ahead_s + self._seconds(n, beside, slowed)
-            beside = True
+            beside = beside or self._decodes_beside(request_id, priority, pending)
         raw = ahead_s / len(ready) + self._seconds(tokens, beside, slowed) + (self.handoff_s.value or 0.0)
         return max(0.0, raw + self.offset(priority)), raw, ahead
 
-    def _queued_ahead(self, rank: tuple[int, float], pending: dict[str, Pending]) -> list[float]:
-        """Prompt tokens of the jobs queued at this rank or better, and of the requests admitted at it that are
-        neither queued nor at a worker yet (judged, about to be submitted), in the queue's order."""
+    @staticmethod
+    def _decodes_beside(request_id: str, priority: int, pending: dict[str, Pending]) -> bool:
+        """Whether a request prefilled ahead decodes beside the prompts of this priority after it (its handoff decodes
+        while they prefill), unless its steps yield to them (yields_to)."""
+        known = pending.get(request_id)
+        return known is None or not yields_to(known, priority)
+
+    def _queued_ahead(self, rank: tuple[int, float], pending: dict[str, Pending]) -> list[tuple[str, float]]:
+        """(request id, prompt tokens) of the jobs queued at this rank or better, and of the requests admitted at it
+        that are neither queued nor at a worker yet (judged, about to be submitted), in the queue's order."""
         pool = self.pool
-        queued = [((e.priority, e.deadline), self._tokens_of(e.job, pending)) for e in pool.queue
+        queued = [((e.priority, e.deadline), e.job.request_id, self._tokens_of(e.job, pending)) for e in pool.queue
                   if (e.priority, e.deadline) <= rank]
         placed = {e.job.request_id for e in pool.queue} | {w.current_id for w in pool.workers.values() if w.current}
         for request_id, known in pending.items():
@@ -221,8 +242,8 @@ class TTFTPredictor:
                 continue
             key = (known.priority, known.deadline or math.inf)
             if key <= rank:
-                queued.append((key, known.tokens))
-        return [n for _, n in sorted(queued, key=lambda item: item[0])]
+                queued.append((key, request_id, known.tokens))
+        return [(request_id, n) for _, request_id, n in sorted(queued, key=lambda item: item[0])]
 
     def _beside_factor(self, engine: EngineStats | None) -> float:
         """How much slower a prefill runs beside decoding until one was measured so: BESIDE_CPU_DECODE with the

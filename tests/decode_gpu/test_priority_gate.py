@@ -47,3 +47,28 @@ def test_a_disabled_gate_never_waits():
     gate = PriorityGate(enabled=False)
     gate.hold(0)
     assert waited(gate, 10) < NO_WAIT_S
+
+
+def test_a_peer_waits_for_its_own_priority_s_prompts_until_the_release():
+    """Half a level below its priority (Sequence.decode_priority): a request with a TTFT objective and none per token
+    yields to the prompts of its own priority; the next level's prompts do not hold it."""
+    gate = PriorityGate(enabled=True, max_hold_s=30.0)
+    gate.hold(0)
+    assert 0.15 < waited(gate, 0.5, release_after_s=0.2, then=None) < 10.0
+    gate.hold(1)
+    assert waited(gate, 0.5) < NO_WAIT_S  # a less important prompt: no hold
+
+
+def test_peer_holds_are_bounded_in_duty_not_restarted_by_each_new_prompt():
+    gate = PriorityGate(enabled=True, max_hold_s=0.3)
+    gate.hold(0)
+    assert 0.2 < waited(gate, 0.5) < 5.0  # the window's bound
+    gate.hold(None)
+    gate.hold(0)  # a new prompt of the same level: a strict hold would start over, a peer one does not
+    assert waited(gate, 0.5) < NO_WAIT_S
+    assert not gate.outranks(0.5)
+    time.sleep(0.35)  # the window of twice the bound has passed: peers may yield again
+    assert gate.outranks(0.5)
+    gate.hold(None)
+    gate.hold(0)
+    assert gate.outranks(10)  # a strict hold: from its own start

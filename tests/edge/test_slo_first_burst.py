@@ -4,6 +4,7 @@ serves it, each request behind those admitted before it (queued or not yet), wit
 slowed by decoding beside them on a CPU-only box; the requests past what fits in the objective are refused at once."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from edge.core.gateway import Gateway
 from edge.core.lifecycle import InFlightRegistry
 from edge.core.metrics import Metrics
 from edge.core.prefill_pool import PrefillPool
-from edge.core.ttft_predictor import BESIDE_CPU_DECODE, Pending, TTFTPredictor
+from edge.core.ttft_predictor import BESIDE_CPU_DECODE, Pending, TTFTPredictor, yields_to
 from policies.enforcer import PolicyEnforcer
 from policies.loader import parse_policy
 
@@ -51,9 +52,9 @@ def cpu_engine(num_running: int = 0) -> FakeEngine:
     return FakeEngine(stats=EngineStats(0, 100, 1600, 0, num_running, 0, 0, 0.0, 0.0, 0, memory=memory))
 
 
-def gateway_on(prefills: PrefillPool, engine: FakeEngine, cache_dir) -> Gateway:
+def gateway_on(prefills: PrefillPool, engine: FakeEngine, cache_dir, policy: str = POLICY) -> Gateway:
     gateway = Gateway(ServeConfig(), "m", prefills, engine, prefills.registry, Metrics("m"),
-                      PolicyEnforcer(parse_policy(POLICY, "slo.toml")))
+                      PolicyEnforcer(parse_policy(policy, "slo.toml")))
     gateway.slo.predictor.cache_dir = cache_dir
     return gateway
 
@@ -112,28 +113,56 @@ def test_requests_admitted_but_not_queued_yet_are_ahead_once(tmp_path):
     assert predictor.predict(0, now + 5, 40, pending)[2] == 400
 
 
-def test_a_burst_is_predicted_in_queue_order_and_refused_past_what_fits_in_the_objective(tmp_path):
-    """1 ms a token and 30 ms alone, twice that beside CPU decoding, a 50 ms handoff; 130-token prompts against
-    1000 ms: the first 160 + 50 ms, then 320 ms more for each one queued before it (the first decodes by then)."""
+def burst_of_64(tmp_path, policy: str, per_token_ms: float = 1.0):
     async def scenario():
-        gateway = gateway_on(pool(), cpu_engine(), tmp_path)
-        teach(gateway.slo.predictor)
+        gateway = gateway_on(pool(), cpu_engine(), tmp_path, policy)
+        teach(gateway.slo.predictor, per_token_ms=per_token_ms)
         served, refused = [], []
         for _ in range(64):
             started = time.perf_counter()
             try:
                 served.append(admit(gateway, 130))
+                # the worker holding the first has not started it (its reports never come): its whole prefill stays
+                # ahead, however long the burst takes to judge on a busy machine
+                served[-1].inflight.prefill_started_at = None
             except ApiError as err:
                 refused.append((err, time.perf_counter() - started))
         return gateway, served, refused
 
     gateway, served, refused = asyncio.run(scenario())
-    predictions = [gateway.slo.pending[run.inflight.request_id].predicted_s for run in served]
+    return [gateway.slo.pending[run.inflight.request_id].predicted_s for run in served], refused
+
+
+def test_a_burst_is_predicted_in_queue_order_and_refused_past_what_fits_in_the_objective(tmp_path):
+    """1 ms a token and 30 ms alone, twice that beside CPU decoding, a 50 ms handoff; 130-token prompts against
+    1000 ms: the first 160 + 50 ms, then 320 ms more for each one queued before it (the first decodes by then: its
+    class promises a pace per token too, so its steps do not yield to the prompts after it)."""
+    predictions, refused = burst_of_64(tmp_path, POLICY + "tpot_slo_ms = 10000\n")
+    served = predictions
     assert len(served) == 3 and len(refused) == 61  # 210, 530, 850 ms; the fourth 1170 ms
     slowed = BESIDE_CPU_DECODE * 0.160
     assert predictions == pytest.approx([0.210, 0.210 + slowed, 0.210 + 2 * slowed], rel=0.05)
     for err, elapsed in refused:
         assert (err.status, err.code) == (429, "slo_unattainable") and elapsed < 0.2
+
+
+def test_a_burst_of_a_class_promising_a_first_token_only_is_predicted_at_the_line_alone(tmp_path):
+    """Its first answers' decode yields to the prompts of its priority after them (Sequence.decode_priority, the
+    engine's PriorityGate), so those prefill on every thread. 2 ms a token: 290 + 50 ms, then 290 ms more each; three
+    fit in 1000 ms (920 ms), where beside decoding (580 ms more each) two would."""
+    predictions, refused = burst_of_64(tmp_path, POLICY, per_token_ms=2.0)
+    assert len(predictions) == 3 and len(refused) == 61
+    assert predictions == pytest.approx([0.340, 0.630, 0.920], rel=0.05)
+    beside, _ = burst_of_64(tmp_path, POLICY + "tpot_slo_ms = 10000\n", per_token_ms=2.0)
+    assert len(beside) == 2
+
+
+def test_yields_to():
+    peer = Pending("chat", 1000, 0, 130.0, 0, 0.2, 0.2, deadline=1.0, priority=1)
+    assert yields_to(peer, 1) and yields_to(peer, 0) and not yields_to(peer, 2)  # a more important prompt: as before
+    paced = dataclasses.replace(peer, tpot_slo_ms=80)
+    assert not yields_to(paced, 1) and yields_to(paced, 0)  # promises a pace: shares the cores with its own level
+    assert not yields_to(dataclasses.replace(peer, ttft_slo_ms=0), 1)  # no objective: shares with its level
 
 
 def test_beside_a_gpu_engine_the_prefills_are_not_slowed(tmp_path):

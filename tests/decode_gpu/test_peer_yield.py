@@ -1,0 +1,30 @@
+"""Decode of a request whose class promises a first token and nothing per token yields to its own priority's prompts
+(issue 47): Sequence.decode_priority, and the step's sequences that sit out (core/prefill_yield.py)."""
+
+from contracts.handoff import SamplingParams
+from decode_gpu.core.prefill_yield import yield_to_prefill
+from decode_gpu.core.priority_gate import PriorityGate
+from decode_gpu.core.scheduler import ScheduledStep
+from decode_gpu.core.sequence import Sequence
+
+
+def seq(seq_id: str, priority: int = 0, deadline: float = 0.0, tpot_slo_ms: int = 0) -> Sequence:
+    return Sequence(seq_id, priority, 0, prompt_len=3, tokens=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=8),
+                    deadline=deadline, tpot_slo_ms=tpot_slo_ms)
+
+
+def test_decode_priority_is_half_a_level_below_for_a_ttft_objective_alone():
+    assert seq("a", 2, deadline=1e9).decode_priority == 2.5
+    assert seq("b", 2, deadline=1e9, tpot_slo_ms=80).decode_priority == 2.0  # promises its tokens' pace: no yield
+    assert seq("c", 2).decode_priority == 2.0  # no objective: shares with its level's prompts, as before
+
+
+def test_the_peers_sit_out_while_their_level_s_prompts_wait_the_others_decode():
+    gate = PriorityGate(enabled=True, max_hold_s=30.0)
+    peer, paced, plain = seq("peer", deadline=1e9), seq("paced", deadline=1e9, tpot_slo_ms=80), seq("plain")
+    step = ScheduledStep(decode=[peer, paced, plain])
+    assert yield_to_prefill(step, gate).decode == [peer, paced, plain]  # nothing held
+    gate.hold(0)
+    assert yield_to_prefill(step, gate).decode == [paced, plain]
+    gate.hold(1)
+    assert yield_to_prefill(step, gate).decode == [peer, paced, plain]  # a less important prompt holds none

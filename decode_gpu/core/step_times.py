@@ -11,6 +11,7 @@ import math
 
 MAX_INTERVAL_S = 60.0  # longer than any step: the engine was idle in between, not stepping
 MAX_AGE_S = 30.0  # a size not run for this long is measured again (the load beside decode may have changed)
+SHAPE_CLIP = 2.0  # StepTimes.shape: a step counts for at most this many times the size's current time
 MIN_RECENT_STEPS = 8  # steps of a batch size in the last MAX_AGE_S before recent_ms reports its mean
 
 
@@ -38,7 +39,10 @@ class StepTimes:
         smoothed = seconds if before is None else before[0] + self.smoothing * (seconds - before[0])
         self.seconds[batch] = (smoothed, now)
         shape = self.shape.get(batch)
-        self.shape[batch] = seconds if shape is None else shape + self.smoothing * (seconds - shape)
+        # a step past twice the curve waited (for a more important prefill, a peer's, the gate): it moves the curve by
+        # at most what twice would, so a load that really doubled is learned over a few steps, one wait is not
+        self.shape[batch] = seconds if shape is None else \
+            shape + self.smoothing * (min(seconds, SHAPE_CLIP * shape) - shape)
 
     def rows_within(self, base: int, factor: float) -> int | None:
         """The largest batch whose step costs at most `factor` times a step of `base` rows, by a line (a fixed part

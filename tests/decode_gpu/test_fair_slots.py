@@ -4,6 +4,8 @@ their blocks and decode again later), never failed. Scheduler level, no model.""
 
 import itertools
 
+import pytest
+
 from contracts.handoff import SamplingParams
 from decode_gpu.core import fair_share
 from decode_gpu.core.block_manager import BlockManager
@@ -232,6 +234,15 @@ def test_rows_within_fits_a_line_to_the_measured_sizes():
     flat.record(32, 0.009, 2.0)
     assert flat.rows_within(2, 2.0) is None  # no growth with the batch: no bound
     assert SchedulerConfig(share_step_factor=0).share_step_factor == 0
-    import pytest
     with pytest.raises(ValueError, match="share_step_factor"):
         SchedulerConfig(share_step_factor=0.5)
+
+
+def test_a_step_that_waited_moves_the_curve_a_little_not_to_its_wait():
+    from decode_gpu.core.step_times import StepTimes
+    times = StepTimes()
+    times.record(1, 0.013, 1.0)
+    times.record(32, 0.084, 2.0)
+    times.record(1, 1.5, 3.0)  # the step waited 1.5 s for a prefill (the gate): not what a batch of one costs
+    assert times.shape[1] == pytest.approx(0.013 * 1.2)
+    assert times.rows_within(2, 2.0) is not None

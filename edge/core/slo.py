@@ -94,7 +94,8 @@ class SloControl:
         due = deadline(decision.ttft_slo_ms)
         predicted = self.predictor.predict(priority, due, tokens, self.pending, engine)
         known = Pending(decision.client_class, decision.ttft_slo_ms, decision.tpot_slo_ms, tokens, text_bytes,
-                        *(predicted[:2] if predicted else (None, None)), due, priority)
+                        *(predicted[:2] if predicted else (None, None)), due, priority,
+                        choices=request.sampling.n)
         # nothing ahead at its rank: the request would start at once, and a refusal could not make it any faster
         # (what is left is its own prompt and the noise of the offset)
         margin = self.predictor.margin(priority) if predicted is not None and decision.ttft_slo_ms else 0.0

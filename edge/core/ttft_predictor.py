@@ -71,6 +71,7 @@ class Pending:
     decoding: bool = False  # its first token came: the engine's stats count it
     prefilled: bool = False  # its worker reported its prefill done (PrefillDone)
     tpot_predicted_ms: float | None = None  # the step ms predicted at admission (predict_tpot), if any
+    choices: int = 1  # its n: with several, its decode yields to its level's prompts (yields_to)
 
 
 def yields_to(decoding: Pending, priority: int) -> bool:
@@ -78,9 +79,10 @@ def yields_to(decoding: Pending, priority: int) -> bool:
     decode on the CPU): a less important request's do, and so do those of a request of the same priority whose class
     promises a first token and nothing per token (Sequence.decode_priority). The prefill then runs on every thread,
     at the line alone; the yields are bounded (max_hold_s, and for peers a duty of half), which the line beside
-    decoding, learned from prefills that found decode still running, covers."""
-    return decoding.priority > priority or (decoding.priority == priority and decoding.ttft_slo_ms > 0
-                                            and not decoding.tpot_slo_ms)
+    decoding, learned from prefills that found decode still running, covers. A request with several choices and no
+    TPOT objective yields to its own level's prompts too (decode_gpu's Sequence.decode_priority)."""
+    return decoding.priority > priority or (decoding.priority == priority and not decoding.tpot_slo_ms
+                                            and (decoding.ttft_slo_ms > 0 or decoding.choices > 1))
 
 
 class PrefillTime:

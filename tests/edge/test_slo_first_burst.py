@@ -163,6 +163,7 @@ def test_yields_to():
     paced = dataclasses.replace(peer, tpot_slo_ms=80)
     assert not yields_to(paced, 1) and yields_to(paced, 0)  # promises a pace: shares the cores with its own level
     assert not yields_to(dataclasses.replace(peer, ttft_slo_ms=0), 1)  # no objective: shares with its level
+    assert yields_to(dataclasses.replace(peer, ttft_slo_ms=0, choices=32), 1)  # unless it has many choices
 
 
 def test_beside_a_gpu_engine_the_prefills_are_not_slowed(tmp_path):

@@ -27,7 +27,6 @@ from edge.config import ConfigError, load_config, open_without_authentication, p
 from edge.http.tls import TLSError, server_context
 from edge.observe.process_memory import MEMORY_PLAN, MEMORY_REPORTS, MemoryReport
 from policies.loader import PolicyError, load_policy
-from policies.validation import Issue
 from prefill_cpu.embedded_model import embedded_model_path
 
 ALLOW_OPEN_FLAG = "--allow-unauthenticated"
@@ -49,20 +48,11 @@ def main(argv=None) -> None:
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         config = load_config(args.config, overrides)
-        if config.models:  # checked by load_config; the registry that serves them is not built yet
-            raise ConfigError(args.config, [Issue("models", "[[models]] tables are checked but not served yet "
-                                                  "(issue 45): serve one model with `model`")])
         policy = load_policy(policy_path(config))  # refuse a bad policy before starting anything
         ssl_context = server_context(config)  # ... and bad TLS files, before the model loads
-        model = config.model or embedded_model_path()
-        check_gguf(model)  # ... and a corrupt or hostile model file, before any process reads it
-        embedding = model_kind(model).embedding
-        if not embedding:  # an embedding model is served without a handoff (no engine)
-            check_supported(model)  # ... and a model family the handoff cannot carry
-        # ... and a model that cannot fit the box's memory; the plan's decisions go to the processes
-        plan = _plan(config, model) if config.launch and not config.ray and not embedding else None
-        if plan is not None:
-            config = plan[1]
+        plan = None
+        if not config.models:  # with [[models]] each model is checked and planned as it loads: a bad one fails alone
+            config, plan = _checked_model(config)
     except (ConfigError, PolicyError, TLSError, UnsupportedModelError, GGUFError, FileNotFoundError,
             MemoryRefused, NoDeviceMemory) as err:
         sys.exit(f"edge: {err}")
@@ -132,6 +122,18 @@ def _exit_within(seconds: float, code: int) -> None:
         logging.shutdown()
         os._exit(code)
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+
+
+def _checked_model(config):
+    """The single model checked before anything starts: a corrupt or hostile file, a family the handoff cannot carry,
+    a model that cannot fit the box's memory; the config with the plan's decisions, and the plan (None: none made)."""
+    model = config.model or embedded_model_path()
+    check_gguf(model)  # a corrupt or hostile model file, before any process reads it
+    embedding = model_kind(model).embedding
+    if not embedding:  # an embedding model is served without a handoff (no engine)
+        check_supported(model)
+    plan = _plan(config, model) if config.launch and not config.ray and not embedding else None
+    return (config if plan is None else plan[1]), plan
 
 
 def _plan(config, model: str) -> tuple[MemoryPlan, object]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -88,15 +86,27 @@ class Metrics:
                                        "(through the prefill worker that hands off to it)", engine,
                                        registry=r)
 
-    def for_model(self, model_name: str) -> Metrics:
-        """The same collectors (one /metrics page) with this model's name in every series (issue 45: a stack per
-        model); the running totals mirrored from its engine are its own."""
-        other = copy.copy(self)
-        other.model_name, other.preemptions_seen, other.engine_totals_seen = model_name, 0, {}
-        return other
-
     def label(self, metric, **extra):
         return metric.labels(model_name=self.model_name, **extra)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, *others: Metrics) -> bytes:
+        """The text page; with `others` (issue 45: each loaded model's own), one page of all, each family once with
+        every model's samples (its model_name label tells them apart)."""
+        return generate_latest(_Merged([self.registry, *(m.registry for m in others)]) if others else self.registry)
+
+
+class _Merged:
+    """Several registries as one for generate_latest: a family named in several holds the samples of each."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self):
+        families = {}
+        for registry in self.registries:
+            for family in registry.collect():  # fresh objects at each collect: extending them changes nothing kept
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        return list(families.values())

@@ -10,13 +10,21 @@ from aiohttp import web
 from edge.api.fields import ApiError
 from edge.core.gateway import Gateway
 from edge.http.embeddings import model_facts
+from edge.http.model_pick import several
+from edge.http.models import model_card, model_list
+from edge.models.app import loaded_gateways
 from edge.observe.gauges import refresh_gauges
 from edge.observe.process_memory import memory_report
-from edge.state import GATEWAY, GRAMMAR_CHECKS, RELOADER, SUPERVISOR
+from edge.state import GATEWAY, GRAMMAR_CHECKS, MODELS, RELOADER, SUPERVISOR
 
 
 async def models(request: web.Request) -> web.Response:
     gateway: Gateway = request.app[GATEWAY]
+    if several(request.app):  # every configured model the key may use, with its state and memory
+        try:
+            return model_list(request)
+        except ApiError as err:
+            return err.response()
     try:
         gateway.check_key(request)
     except ApiError as err:
@@ -28,6 +36,11 @@ async def model(request: web.Request) -> web.Response:
     """GET /v1/models/{id} (the openai client's models.retrieve): the served model's card, else a 404."""
     gateway: Gateway = request.app[GATEWAY]
     name = request.match_info["model_id"]
+    if several(request.app):
+        try:
+            return model_card(request)
+        except ApiError as err:
+            return err.response()
     try:
         gateway.check_key(request)
         gateway.check_model(name, request)
@@ -43,6 +56,8 @@ def _model_card(name: str, gateway: Gateway) -> dict:
 
 async def health(request: web.Request) -> web.Response:
     gateway: Gateway = request.app[GATEWAY]
+    if several(request.app):
+        return _models_health(request)
     # each single engine by name (a down one of a group makes the service degraded); none for an embedding model
     components = {name: link.state for name, link in _engines(gateway).items()}
     components.update({name: w.state for name, w in gateway.pool.workers.items()})
@@ -94,7 +109,41 @@ def _policy_state(request: web.Request) -> dict:
             "last_reload_error": reloader.last_error if reloader else None}
 
 
+def _models_health(request: web.Request) -> web.Response:
+    """With [[models]]: ok while no pinned model is missing and none failed; each model's state, memory, load and
+    components (its processes, their errors, its engine's stats) under "models"."""
+    front, registry = request.app[GATEWAY], request.app[MODELS]
+    described = registry.describe()
+    models = {}
+    for entry in described:
+        stack = registry.stack(entry["name"])
+        models[entry["name"]] = {**entry, **(_model_health(stack) if stack is not None else {})}
+    pinned_missing = [d["name"] for d in described if d["pinned"] and d["state"] != "loaded"]
+    failed = [d["name"] for d in described if d["state"] == "failed"]
+    status = ("shutting_down" if front.shutting_down else "loading" if pinned_missing and not failed
+              else "degraded" if failed or pinned_missing else "ok")
+    body = {"status": status, "models": models, "policy": _policy_state(request),
+            "structured_outputs": request.app[GRAMMAR_CHECKS].state()}
+    return web.json_response(body, status=200 if status in ("ok", "degraded") else 503)
+
+
+def _model_health(stack) -> dict:
+    gateway = stack.gateway
+    components = {name: link.state for name, link in _engines(gateway).items()}
+    components.update({name: w.state for name, w in gateway.pool.workers.items()})
+    waiting, used, total = gateway.load()
+    return {"ready": gateway.ready, "components": components, "processes": stack.supervisor.snapshot(),
+            "errors": _component_errors(gateway), "prefill_queue": gateway.pool.queue_length,
+            "load": {"waiting": waiting, "running": gateway.engine_stats.num_running, "kv_blocks_used": used,
+                     "kv_blocks_total": total},
+            "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None,
+            **model_facts(gateway)}
+
+
 async def metrics(request: web.Request) -> web.Response:
     gateway: Gateway = request.app[GATEWAY]
-    refresh_gauges(gateway)  # the values mirrored from the engines, the pool and the policy at each scrape
-    return web.Response(body=gateway.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+    served = loaded_gateways(request.app)  # with [[models]]: each loaded model's own series, by model_name
+    for one in served:
+        refresh_gauges(one)  # the values mirrored from the engines, the pool and the policy at each scrape
+    others = [one.metrics for one in served if one is not gateway]
+    return web.Response(body=gateway.metrics.render(*others), headers={"Content-Type": "text/plain; version=0.0.4"})

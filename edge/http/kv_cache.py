@@ -14,14 +14,14 @@ from aiohttp import web
 
 from edge.api.fields import ApiError
 from edge.core.run import bearer_key
-from edge.state import GATEWAY
+from edge.state import GATEWAY, MODELS
 from policies.quota import key_id
 
 
 async def delete_tenant(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     policy = gateway.enforcer.policy
-    _check_admin(policy, bearer_key(request))
+    check_admin(policy, request, "delete cached prompts")
     key, tenant = request.query.get("key"), request.query.get("tenant")
     if (key is None) == (tenant is None):
         raise ApiError(400, "name the tenant by exactly one of ?key=<api key> or ?tenant=<tenant header value>",
@@ -34,20 +34,32 @@ async def delete_tenant(request: web.Request) -> web.Response:
                                    policy.prefix_cache_groups.get(key))
     else:
         salt = gateway.salter.salt(policy.prefix_cache_scope, None, tenant)
-    answers = await gateway.pool.forget_salt(salt)
+    answers = {}
+    for model, served in _loaded(request.app):  # every loaded model's workers (issue 45), by model/worker
+        answers.update({f"{model}/{name}" if model else name: answer
+                        for name, answer in (await served.pool.forget_salt(salt)).items()})
     workers = {name: None if a is None else {"entries": a.entries, "files": a.files} for name, a in answers.items()}
     return web.json_response({"deleted": {"entries": sum(w["entries"] for w in workers.values() if w),
                                           "files": sum(w["files"] for w in workers.values() if w)},
                               "workers": workers, "shared": salt == ""})
 
 
-def _check_admin(policy, key: str | None) -> None:
+def _loaded(app: web.Application) -> list[tuple[str, object]]:
+    """(model name or "" for the single model, its gateway) of every loaded model."""
+    registry = app.get(MODELS)
+    if registry is None or not registry.several:
+        return [("", app[GATEWAY])]
+    return [(name, registry.stack(name).gateway) for name in registry.names if registry.stack(name) is not None]
+
+
+def check_admin(policy, request: web.Request, what: str) -> None:
+    """Operator routes: 401 without a key the policy knows, 403 for a key without admin = true; open without keys."""
     if not policy.keys:
         return  # no keys: the server is open, as the status page is
-    rule = policy.keys.get(key or "")
+    rule = policy.keys.get(bearer_key(request) or "")
     if rule is None:
-        raise ApiError(401, "deleting cached prompts needs an admin API key: 'Authorization: Bearer <key>'",
+        raise ApiError(401, f"an admin API key is needed to {what}: 'Authorization: Bearer <key>'",
                        error_type="authentication_error", code="invalid_api_key")
     if not rule.admin:
-        raise ApiError(403, "this API key may not delete cached prompts (its policy rule has no admin = true)",
+        raise ApiError(403, f"this API key may not {what} (its policy rule has no admin = true)",
                        error_type="permission_error", code="not_admin")

@@ -9,10 +9,14 @@ before a model is known. Each model's gateway hands its requests' endings to it 
 from __future__ import annotations
 
 import logging
+import os
 
 from aiohttp import web
 
-from contracts.memory_plan import GATEWAY_RUNTIME, default_budgets
+from contracts.gguf_check import check_gguf
+from contracts.identity import check_supported
+from contracts.memory_plan import GATEWAY_RUNTIME, WORKER_RUNTIME, default_budgets
+from contracts.model_kind import model_kind
 from contracts.tasks import spawn
 from edge.api.structured import GrammarChecks
 from edge.config import ServeConfig, model_config, policy_path
@@ -39,7 +43,7 @@ def make_models_app(config: ServeConfig) -> web.Application:
     metrics = Metrics("")
     front = front_gateway(config, enforcer, metrics)
     checks = GrammarChecks()
-    registry = models_registry(config, enforcer, metrics, checks, front)
+    registry = models_registry(config, enforcer, checks, front)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     single._observe(front, app, audit, tracer)
     app[CONFIG], app[GATEWAY], app[MODELS], app[GRAMMAR_CHECKS] = config, front, registry, checks
@@ -61,7 +65,7 @@ def front_gateway(config: ServeConfig, enforcer, metrics: Metrics) -> Gateway:
     return front
 
 
-def models_registry(config: ServeConfig, enforcer, metrics: Metrics, checks: GrammarChecks,
+def models_registry(config: ServeConfig, enforcer, checks: GrammarChecks,
                     front: Gateway) -> ModelRegistry:
     """The registry of config.models: each model planned with its own settings (contracts/memory_plan.py) against
     the one budget, less the gateway's own runtime, which every model's plan counts."""
@@ -71,15 +75,24 @@ def models_registry(config: ServeConfig, enforcer, metrics: Metrics, checks: Gra
     priorities = SharedPriority()
 
     def cost(spec: ModelSpec) -> dict[str, int]:
+        """Checked as `edge serve` checks its one model (ValueError: GGUFError, UnsupportedModelError, MemoryRefused
+        when it cannot fit even alone), then planned."""
+        check_gguf(spec.model)
+        embedding = model_kind(spec.model).embedding
+        if not embedding:
+            check_supported(spec.model)
         own = model_config(config, spec)
-        plan = serve_plan(own, spec.model, box)  # MemoryRefused: it cannot fit even alone
+        if embedding:  # its workers alone (edge serve plans no engine for it either): the workers' share
+            planned[spec.name] = own
+            return {"host": own.prefill_workers * (os.path.getsize(spec.model) + WORKER_RUNTIME)}
+        plan = serve_plan(own, spec.model, box)
         planned[spec.name] = planned_config(own, plan, box)
         log.info("memory plan of %s:\n%s", spec.name, plan.describe())
         return {where: plan.used(where) - (GATEWAY_RUNTIME if where == "host" else 0) for where in plan.budgets}
 
     def make_stack(spec: ModelSpec) -> ModelStack:
         own = planned.get(spec.name) or model_config(config, spec)
-        return ModelStack(own, enforcer, metrics.for_model(spec.name), checks, front._notify, priorities)
+        return ModelStack(own, enforcer, Metrics(spec.name), checks, front._notify, priorities)
 
     budgets = {where: budget - (GATEWAY_RUNTIME if where == "host" else 0)
                for where, budget in default_budgets(box, config.memory_budget).items()}

@@ -93,6 +93,17 @@ class ModelRegistry:
         self.closing = False
         self._seq = itertools.count()
         self.on_change: list[Callable[[str, str], None]] = []  # (name, state) after each change
+        self.several = True  # served from [[models]]; False: the single-model config's one, loaded by the app
+        self.priorities = None  # edge.models.stack.SharedPriority of the loaded engines, when several
+
+    @classmethod
+    def single(cls, spec: ModelSpec, stack: Stack) -> ModelRegistry:
+        """The single-model config's one model: loaded (by the app's own start), pinned, never unloaded."""
+        registry = cls((spec,), lambda spec: stack)
+        slot = registry.slots[spec.name]
+        slot.state, slot.stack, slot.loaded_at = LOADED, stack, time.time()
+        registry.several = False
+        return registry
 
     @property
     def names(self) -> list[str]:
@@ -134,7 +145,8 @@ class ModelRegistry:
         can be freed now), 503 model_failed (its load failed: the reason), 503 model_loading (still loading)."""
         slot = self.slots[name]
         deadline = self.clock() + self.load_timeout_s
-        while slot.state != LOADED:
+        granted = False  # woken by its load's end with the lease taken for it (_wake)
+        while not granted and slot.state != LOADED:
             if self.closing:
                 raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down",
                                headers={"Retry-After": "5"})
@@ -142,8 +154,9 @@ class ModelRegistry:
                 raise self._failed_error(slot)
             if slot.state == UNLOADED:
                 self._begin_load(slot)
-            await self._wait_turn(slot, priority, deadline)
-        slot.leases += 1
+            granted = await self._wait_turn(slot, priority, deadline)
+        if not granted:
+            slot.leases += 1
         slot.last_used = self.clock()
         self._disarm(slot)
         if keep_alive_s is not None:
@@ -158,12 +171,18 @@ class ModelRegistry:
         if slot.leases == 0 and slot.state == LOADED:
             self._arm(slot)
 
-    async def _wait_turn(self, slot: Slot, priority: int, deadline: float) -> None:
-        """Until the slot's state changes (its load ends), woken in priority order among its waiters."""
+    async def _wait_turn(self, slot: Slot, priority: int, deadline: float) -> bool:
+        """Until the slot's state changes (its load ends), woken in priority order among its waiters. True: it is
+        loaded and this request holds a lease already (taken as it was woken, so that no idle timer runs between
+        the load's end and the request's turn)."""
         future = asyncio.get_running_loop().create_future()
         heapq.heappush(slot.waiters, (priority, next(self._seq), future))
         try:
-            await asyncio.wait_for(future, max(0.0, deadline - self.clock()))
+            return await asyncio.wait_for(future, max(0.0, deadline - self.clock()))
+        except asyncio.CancelledError:  # the client went away: a lease taken for it goes back
+            if future.done() and not future.cancelled() and future.result():
+                self.release(slot.spec.name)
+            raise
         except TimeoutError:
             raise ApiError(503, f"the model {slot.spec.name!r} is still loading after {self.load_timeout_s:.0f} s "
                                 f"(model_load_timeout_s); retry shortly", error_type="server_error",
@@ -174,7 +193,9 @@ class ModelRegistry:
         while slot.waiters:
             _, _, future = heapq.heappop(slot.waiters)
             if not future.done():
-                future.set_result(None)
+                granted = slot.state == LOADED
+                slot.leases += granted
+                future.set_result(granted)
 
     # --- loading ---
     async def load(self, name: str) -> dict:
@@ -200,7 +221,8 @@ class ModelRegistry:
         on it), and start the load task. Raises ApiError 503 model_capacity when it cannot fit now."""
         try:
             cost = self.cost(slot.spec) if self.cost is not None else {}
-        except ValueError as err:  # MemoryRefused: it cannot fit even alone; a GGUF whose header cannot be read
+        except (ValueError, OSError) as err:  # a bad or missing GGUF, an unsupported family; MemoryRefused: it
+            # cannot fit even alone
             self._set(slot, FAILED, error=str(err))
             raise self._failed_error(slot) from None
         victims = self._victims(slot, cost)
@@ -249,8 +271,8 @@ class ModelRegistry:
             return
         slot.loaded_at, slot.last_used = time.time(), self.clock()
         log.info("model %s loaded in %.1f s", slot.spec.name, self.clock() - began)
-        self._set(slot, LOADED)
-        if slot.leases == 0 and not slot.waiters:  # loaded by an operator, or its requesters gave up
+        self._set(slot, LOADED)  # its waiters hold their leases now
+        if slot.leases == 0:  # loaded by an operator, or its requesters gave up
             self._arm(slot)
 
     # --- unloading ---

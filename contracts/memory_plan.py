@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes
+from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes, worker_repacks
 
 MIB, GIB = 2**20, 2**30
 CPU_SHARE, CUDA_SHARE = 0.85, 0.90  # the default budget: this share of the RAM (CPU) or of the device's memory (CUDA)
@@ -56,6 +56,7 @@ class Machine:
     device: str  # where the decode engine runs: "cpu" or "cuda"
     host_bytes: int  # the RAM
     device_bytes: int = 0  # the GPU's memory (cuda)
+    cpu_flags: frozenset[str] = frozenset()  # whether the workers repack the GGUF's matrices (worker_repacks)
 
 
 @dataclass(frozen=True)
@@ -230,8 +231,10 @@ class _Planner:
         activations = rows * 4 * (8 * sizes.n_vocab + 4 * sizes.n_ff + 8 * sizes.n_embd)
         kv_cells = config.n_ctx + config.prefix_cache_tokens
         given, on_device = copy is None, self.engine_at == "device"
+        # llama.cpp repacks the given file's Q4_K etc., unless the worker loads it without (worker_repacks)
+        repacked = sizes.repacked_bytes if given and worker_repacks(sizes.layer_types, self.machine.cpu_flags) else 0
         worker_each = (WORKER_RUNTIME + kv_cells * sizes.handoff_kv_bytes(config.kv_type) + self._compute_buffer()
-                       + (sizes.repacked_bytes if given else 0))  # llama.cpp repacks the given file's Q4_K etc.
+                       + repacked)
         held = weights.parts(self.engine_at)
         if given and weights.sets[0][0] == MAPPED:  # the same pages as the workers' mapping: counted there, once
             held = [Part(f"decode weights, {MAPPED}", 0, self.engine_at,
@@ -248,7 +251,7 @@ class _Planner:
                       sizes.file_bytes if given else sizes.copy_bytes(copy), "host", "mmap'd: shared by the workers"),
                  Part(f"prefill workers x{workers}", workers * worker_each, "host",
                       f"each: runtime, llama.cpp KV of {kv_cells} tokens ({config.kv_type}), compute buffer"
-                      + (", repacked matrices" if given and sizes.repacked_bytes else ""))]
+                      + (", repacked matrices" if repacked else ""))]
         if on_device:
             parts.insert(len(weights.sets), Part("CUDA context, activations", CUDA_CONTEXT + activations, "device"))
         return [*parts, self._kv_part(self.kv_floor)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from contracts.gguf_header import GGUFHeader, read_header
 from contracts.kv_dtypes import KV_DTYPES
@@ -24,6 +25,28 @@ COPY_BYTES_PER_WEIGHT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 # AVX2/AVX-512: q4_0_8x8, q4_K_8x8, iq4_nl_8x8): every layer matrix of these types, not the embedding (a row
 # lookup). Measured: the 1B ladder's Q4_K_M, 445.5 MiB repacked beside its 753.8 MiB mapping; Q4_1, Q8_0 and F16 none
 REPACKED = {"Q4_0", "Q4_K", "IQ4_NL"}
+# ... but on a CPU with AVX-512 its Q4_K repack measured slower and larger than the mapped blocks as they lie (1B
+# ladder Q4_K_M, 512-token prefill at n_batch 256, 2 threads: 154-155 against 214-219 tok/s, 1354 against 917 MiB
+# RSS; docs/sizes.md), so a worker loads such a file without it. Q4_0 and IQ4_NL's repacks were not measured: kept.
+UNREPACKED_ON_AVX512 = {"Q4_K"}
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """This CPU's flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.partition(":")[2].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+def worker_repacks(layer_types: frozenset[str], flags: frozenset[str]) -> bool:
+    """Whether a prefill worker lets llama.cpp repack these layer matrices (use_extra_bufts): not on an AVX-512 CPU
+    when every repackable type among them is one measured slower there (UNREPACKED_ON_AVX512); its default
+    otherwise."""
+    repackable = layer_types & REPACKED
+    return not (repackable and "avx512f" in flags and repackable <= UNREPACKED_ON_AVX512)
 
 
 @dataclass(frozen=True)

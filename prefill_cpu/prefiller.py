@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import llama_cpp
@@ -28,6 +29,7 @@ from llama_cpp._internals import LlamaContext
 from contracts.handoff import FirstToken, KVHandoff, KVLayout, SamplingParams
 from contracts.identity import GGUFIdentity, read_gguf_identity
 from contracts.kv_dtypes import kv_dtype
+from contracts.model_sizes import cpu_flags, model_sizes, worker_repacks
 from prefill_cpu.disk_prefix import open_disk_tier, restore_prefix, seq_state_bytes, set_seq_state
 from prefill_cpu.first_token import sample_first
 from prefill_cpu.grammar import FirstTokenGrammars
@@ -124,10 +126,14 @@ class Prefiller:
             self.identity, config.weights, threads, config.n_batch, copy_kinds=config.prefill_copy_kinds)
         # the Llama object gives us the model, tokenizer and metadata; its own context stays minimal because
         # the prompt cache needs several sequences in one unified KV buffer, which Llama() cannot ask for
-        self.llm = model if model is not None else llama_cpp.Llama(
-            model_path=self.weights_path, n_ctx=MIN_LLAMA_CTX, n_batch=min(config.n_batch, MIN_LLAMA_CTX),
-            n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
-            flash_attn=flash_attn, verbose=False)
+        # llama.cpp's repack of the matrices where it measured faster (contracts.model_sizes.worker_repacks)
+        self.repacked = None if model is not None else worker_repacks(model_sizes(self.weights_path).layer_types,
+                                                                      cpu_flags())
+        with _model_params(use_extra_bufts=bool(self.repacked)):
+            self.llm = model if model is not None else llama_cpp.Llama(
+                model_path=self.weights_path, n_ctx=MIN_LLAMA_CTX, n_batch=min(config.n_batch, MIN_LLAMA_CTX),
+                n_threads=threads, n_threads_batch=threads, type_k=kv.ggml_type, type_v=kv.ggml_type,
+                flash_attn=flash_attn, verbose=False)
         self.threads = self._threads_in_use = threads
         # real chunks' tokens a second, held against what prefill_weights = auto recorded for this file
         self.rate = PrefillRate(threads, recorded_rate(self.identity, self.weights_path, threads, config.n_batch))
@@ -152,9 +158,9 @@ class Prefiller:
         # llama.cpp calls this after every graph node; kept on self so ctypes does not free it
         self._abort_callback = llama_cpp.ggml_abort_callback(lambda _data: bool(self._should_cancel()))
         llama_cpp.llama_set_abort_callback(self.ctx, self._abort_callback, None)
-        log.info("prefill worker: %s (weights %s), ctx %d, batch %d, %d threads, KV %s, flash attention %s, "
+        log.info("prefill worker: %s (weights %s, %s), ctx %d, batch %d, %d threads, KV %s, flash attention %s, "
                  "rotation K %d V %d, prompt cache %d tokens in %d entries", os.path.basename(config.model_path),
-                 self.weights_path, config.n_ctx,
+                 self.weights_path, {True: "repacked", False: "as mapped", None: "shared"}[self.repacked], config.n_ctx,
                  config.n_batch, threads, kv.name, flash_attn, self.k_rotation, self.v_rotation,
                  config.prefix_cache_tokens if cache_entries else 0, cache_entries)
 
@@ -392,6 +398,24 @@ class Prefiller:
             positions=state.positions, prompt_tokens=tuple(request.prompt_tokens), first_token=first[0].token,
             k_layers=state.k_layers, v_layers=state.v_layers, sampling=request.sampling, priority=request.priority,
             first_logprob=first[0].logprob, first_top_logprobs=first[0].top_logprobs, other_choices=tuple(first[1:]))
+
+
+@contextmanager
+def _model_params(**fields):
+    """llama_cpp.Llama builds its model params from llama_model_default_params() and takes no use_extra_bufts: for
+    the load, the defaults it reads carry `fields`."""
+    default = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        made = default()
+        for name, value in fields.items():
+            setattr(made, name, value)
+        return made
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = default
 
 
 def _free_sequences(memory, seq_ids: list[int]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from contracts.memory_plan import GIB, Machine, MemoryPlan, MemoryRefused, PlanConfig, plan_memory
-from contracts.model_sizes import model_sizes
+from contracts.model_sizes import cpu_flags, model_sizes
 from contracts.options import AUTO, FLOAT_WEIGHT_DTYPES
 from edge.config import worker_kv_type
 
@@ -68,7 +68,7 @@ def machine(device: str, gpu_bytes: int | None = None) -> Machine:
     if device == "cuda" and not gpu:
         raise NoDeviceMemory("device = \"cuda\", but no GPU's memory could be read (nvidia-smi) for the memory plan")
     resolved = "cuda" if device == "cuda" or (device == AUTO and gpu) else "cpu"
-    return Machine(resolved, psutil.virtual_memory().total, gpu if resolved == "cuda" else 0)
+    return Machine(resolved, psutil.virtual_memory().total, gpu if resolved == "cuda" else 0, cpu_flags())
 
 
 def plan_config(config, box: Machine, kv_type: str) -> PlanConfig:

@@ -17,7 +17,7 @@ from contracts.memory_plan import (
     PlanConfig,
     plan_memory,
 )
-from contracts.model_sizes import model_sizes
+from contracts.model_sizes import model_sizes, worker_repacks
 
 CPU_BOX = Machine("cpu", 24 * GIB)
 
@@ -152,6 +152,21 @@ def test_each_worker_holds_its_own_repacked_matrices_but_shares_the_mapped_file(
     assert one["prefill workers x1"] > sizes.repacked_bytes == 445.5 * MIB  # as llama.cpp reported for this file
     copied = _plan(models["1b"], 24, prefill_workers=1, prefill_weights="f16").part_bytes()
     assert copied["prefill workers x1"] == one["prefill workers x1"] - sizes.repacked_bytes  # f16 is not repacked
+
+
+def test_an_avx512_cpu_loads_q4_k_without_the_repack_and_the_plan_counts_none(models) -> None:
+    """contracts.model_sizes.worker_repacks: llama.cpp's Q4_K repack measured slower and larger on AVX-512 (the
+    worker loads without it there); Q4_0's was not measured and is kept; an AVX2-only CPU keeps llama.cpp's default."""
+    avx512, avx2 = frozenset({"avx2", "avx512f"}), frozenset({"avx2"})
+    assert not worker_repacks(frozenset({"Q4_K", "Q6_K"}), avx512)
+    assert worker_repacks(frozenset({"Q4_K", "Q6_K"}), avx2)
+    assert worker_repacks(frozenset({"Q4_0", "Q4_K"}), avx512)
+    assert worker_repacks(frozenset({"F16"}), avx512)  # nothing to repack: the default, which does nothing
+    sizes = models["1b"]
+    repacking, mapped = (plan_memory(sizes, Machine("cpu", 24 * GIB, cpu_flags=flags),
+                                     PlanConfig(memory_budget=24 * GIB, prefill_weights="given")).part_bytes()
+                         for flags in (avx2, avx512))
+    assert repacking["prefill workers x1"] - mapped["prefill workers x1"] == sizes.repacked_bytes > 0
 
 
 def test_settings_asked_for_by_name_are_required(models) -> None:

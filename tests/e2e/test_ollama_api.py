@@ -11,7 +11,7 @@ import numpy as np
 import ollama
 import pytest
 
-from server_process import ServerProcess
+from server_process import ServerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -230,3 +230,27 @@ def test_keys_quota_audit_and_metrics(server):
             ("/api/chat", "rejected")} <= routes
     for route in ("/api/chat", "/api/generate", "/api/embed"):
         assert server.metric("edge:api_requests_total", route=route, status="finished") >= 1
+
+
+def test_several_models_through_the_ollama_client(tmp_path, embedded_model_path):
+    """[[models]]: /api/tags lists both, /api/ps the loaded ones with their keep_alive's expiry; a chat loads its
+    model (the wait is its load_duration), a load request with keep_alive 0 unloads it, the pinned one stays."""
+    config = (f'kv_cache_tokens = 4096\nmax_model_len = 1024\nprefill_workers = 1\n\n[[models]]\nname = "smol"\n'
+              f'model = "{embedded_model_path}"\npinned = true\n\n[[models]]\nname = "smol-b"\n'
+              f'model = "{embedded_model_path}"\nkeep_alive = "10m"\n')
+    with ServerProcess(config, tmp_path).start() as server:
+        client = ollama.Client(host=server.base, timeout=600)
+        assert [m.model for m in client.list().models] == ["smol:latest", "smol-b:latest"]
+        assert [m.model for m in client.ps().models] == ["smol:latest"]
+        answer = client.chat(model="smol-b:latest", messages=QUESTION, options={"num_predict": 3})
+        assert answer.model == "smol-b:latest" and answer.eval_count == 3
+        assert answer.load_duration > answer.prompt_eval_duration  # it waited for smol-b's load
+        running = {m.model: m for m in client.ps().models}
+        assert set(running) == {"smol:latest", "smol-b:latest"} and running["smol-b:latest"].size > 100_000_000
+        expires = (running["smol-b:latest"].expires_at - datetime.now(UTC)).total_seconds()
+        assert 500 < expires <= 600 and running["smol:latest"].expires_at.year > 2200  # 10m; pinned: never
+        assert client.generate(model="smol-b", prompt="", keep_alive=0).done_reason == "unload"
+        assert wait_for(lambda: [m.model for m in client.ps().models] == ["smol:latest"], 60)
+        with pytest.raises(ollama.ResponseError) as pinned:
+            client.generate(model="smol", prompt="", keep_alive=0)
+        assert pinned.value.status_code == 400 and "pinned" in pinned.value.error

@@ -31,3 +31,22 @@ def test_the_peers_sit_out_while_their_level_s_prompts_wait_the_others_decode():
     assert yield_to_prefill(step, gate).decode == [paced, plain]
     gate.hold(1)
     assert yield_to_prefill(step, gate).decode == [peer, paced, plain]  # a less important prompt holds none
+
+
+def test_the_engine_publishes_a_yielding_batch_at_the_next_level_for_the_workers_threads():
+    """contracts/cpu_share.py: a worker keeps every thread for a prompt that ranks strictly above the published level;
+    a batch that yields to its own priority's prompts is published at the next level, so those prompts get them."""
+    from types import SimpleNamespace
+
+    from decode_gpu.core.sequence import SeqState
+    from decode_gpu.service.engine_loop import EngineLoop
+
+    def level(*seqs: Sequence) -> int | None:
+        for s in seqs:
+            s.state = SeqState.RUNNING
+        return EngineLoop._decode_level(SimpleNamespace(engine=SimpleNamespace(sequences=list(seqs))))
+
+    assert level() is None
+    assert level(seq("peer", 2, deadline=1e9)) == 3
+    assert level(seq("peer", 2, deadline=1e9), seq("plain", 2)) == 2
+    assert level(seq("big", 1, n=32), seq("plain", 2)) == 2

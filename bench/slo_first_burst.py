@@ -127,20 +127,40 @@ async def beside_big_n(system: System, args) -> dict:
             big_task = asyncio.ensure_future(send(session, system.url, system.model, big, big_extra,
                                                   on_token=decoding.set))
             await _decoding(decoding, big_task)
-            (result,) = await _all(system, [plain], [{}], 120, fair)
-            return [result, await big_task]
+            plain_task = asyncio.ensure_future(_all(system, [plain], [{}], 120, fair))
+            batches = await _batches_while(session, system, plain_task)
+            (result,) = await plain_task
+            return [result, await big_task], batches
 
-    beside_one = await one_decoding()
+    beside_one, batches = await one_decoding()
     results = await _all(system, [big] * 4 + [plain], [big_extra] * 4 + [{}], 600, fair)
     failed = [f"{r.status} {r.error}" for r in idle + beside_one + results if not r.ok]
     if failed:
         raise RuntimeError(f"fair-share phase: {len(failed)} requests were not served: {failed[:3]}")
     beside_one = beside_one[0]
     ok_idle = [r.e2e_s for r in idle if r.ok]
-    return {"idle_s": float(np.median(ok_idle)) if ok_idle else None,
+    return {"idle_s": float(np.median(ok_idle)) if ok_idle else None, "batches": batches,
             "one_s": beside_one.e2e_s if beside_one.ok else None,
             "plain_s": results[-1].e2e_s if results[-1].ok else None, "plain_status": results[-1].status,
             "big_s": max((r.e2e_s for r in results[:4] if r.ok), default=None)}
+
+
+async def _batches_while(session: aiohttp.ClientSession, system: System, task: asyncio.Future,
+                         every_s: float = 0.05) -> list[int]:
+    """The engine's decode batch (/health's engine num_running: the sequences that decode at a step, paused choices
+    not counted) as seen every every_s until the task ends; /health's engine stats come with a heartbeat every 0.5 s,
+    so a value may be up to that old."""
+    seen: list[int] = []
+    while not task.done():
+        try:
+            async with session.get(system.url + "/health") as response:
+                engine = (await response.json()).get("engine") or {}
+            if not seen or engine.get("num_running") != seen[-1]:
+                seen.append(engine.get("num_running"))
+        except (aiohttp.ClientError, ValueError):
+            pass
+        await asyncio.sleep(every_s)
+    return seen
 
 
 async def _decoding(decoding: asyncio.Event, task: asyncio.Future) -> None:
@@ -256,5 +276,7 @@ def table(bursts: dict[str, dict], baseline: dict, fair: dict, ready_s: float, a
     rows += ["", "A plain 8-token request (whole answer):",
              "| alone (idle) | sent while one n = 32 request decodes | sent with four n = 32 requests (64 tokens) |",
              "|---|---|---|",
-             f"| {seconds(fair['idle_s'])} | {seconds(fair['one_s'])} | {plain} (the four: {big}) |"]
+             f"| {seconds(fair['idle_s'])} | {seconds(fair['one_s'])} | {plain} (the four: {big}) |",
+             f"Decode batch seen on /health while the plain request ran beside one n = 32 request (changes only): "
+             f"{fair['batches']}"]
     return "\n".join(rows)

@@ -20,6 +20,7 @@ from edge.api.completion import ChoiceDelta, Completion
 from edge.api.fields import ApiError
 from edge.api.generate_request import GenerateRequest
 from edge.api.ollama_request import OllamaRequest, parse_chat, parse_generate
+from edge.api.openai_bodies import spoken
 
 NS = 1_000_000_000
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}  # Ollama says stop after tool calls
@@ -65,7 +66,9 @@ class OllamaApi(ClientApi):
 
     def body(self, completion: Completion) -> dict:
         message, reason = completion.message(completion.choices[0])
-        return {**self._head(), **self._text(message), **self._logprobs(completion.choices[0].logprobs),
+        choice = completion.choices[0]
+        entries = spoken(choice.logprobs, "".join(choice.text)) if choice.finish_reason == "stop" else choice.logprobs
+        return {**self._head(), **self._text(message), **self._logprobs(entries),
                 **self.final(completion, DONE_REASONS.get(reason or "", reason))}
 
     def writer(self, completion: Completion) -> StreamWriter:
@@ -162,7 +165,8 @@ class OllamaStream(StreamWriter):
             return b""
         out = b""
         message = {"content": delta.content, "reasoning_content": delta.reasoning}
-        logprobs = self.api._logprobs(delta.logprobs)
+        entries = spoken(delta.logprobs, delta.content) if delta.finish_reason == "stop" else delta.logprobs
+        logprobs = self.api._logprobs(entries)  # without the token that ended the answer (not in its text)
         if delta.content or (delta.reasoning and self.api._shows_thinking) or logprobs:
             out += ndjson({**self.api._head(), **self.api._text(message), **logprobs, "done": False})
         self._gather(delta.calls)

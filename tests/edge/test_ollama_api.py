@@ -207,6 +207,18 @@ def test_logprobs_in_chunks_and_body():
     completion.add(token("Hi", 1, FinishReason.STOP, (entry,)))
     expected = [{"token": "Hi", "logprob": -0.5, "top_logprobs": [{"token": "Hi", "logprob": -0.5}]}]
     assert api.body(completion)["logprobs"] == expected
+    end = Logprob(2, -0.1, "<|im_end|>")
+    completion = Completion("chatcmpl-1", request, "m")
+    completion.add(token("Hi", 1, None, (entry,)))
+    completion.add(token("", 2, FinishReason.STOP, (end,)))
+    assert api.body(completion)["logprobs"] == expected  # the end-of-turn token is not in the text: left out
+    completion = Completion("chatcmpl-1", request, "m")
+    writer, raw = api.writer(completion), b""
+    for event in (token("Hi", 1, None, (entry,)), token("", 2, FinishReason.STOP, (end,))):
+        completion.add(event)
+        raw += writer.event(completion.delta(event))
+    lines = [json.loads(line) for line in (raw + writer.close()).decode().splitlines()]
+    assert [line.get("logprobs") for line in lines] == [expected, None] and lines[-1]["done"]
     api, request = chat()
     completion = Completion("chatcmpl-1", request, "m")
     completion.add(token("Hi", 1, FinishReason.STOP, (entry,)))

@@ -10,7 +10,7 @@ from aiohttp import web
 from edge.api.fields import ApiError
 from edge.core.gateway import Gateway
 
-BODY = "edge.body"  # request key: a body read already (edge.http.model_pick reads it to find its model)
+BODY = web.RequestKey("body", object)  # a body read already (edge.http.model_pick reads it for its model)
 
 
 async def read_json(request: web.Request, gateway: Gateway):

@@ -23,7 +23,7 @@ from edge.models.spec import keep_alive_seconds
 from edge.state import GATEWAY, MODELS
 
 log = logging.getLogger("edge.http.model_pick")
-CHOSEN = "edge.model_gateway"  # request key: the gateway of the model the request named
+CHOSEN = web.RequestKey("model_gateway", Gateway)  # request key: the gateway of the model the request named
 
 
 def gateway_of(request: web.Request) -> Gateway:

@@ -100,10 +100,16 @@ def test_keep_alive_refuses_what_it_cannot_read(value):
         keep_alive_seconds(value)
 
 
-def test_edge_serve_refuses_models_tables_until_they_are_served(tmp_path):
+def test_edge_serve_serves_models_tables_each_checked_at_its_load(tmp_path, monkeypatch):
+    """The GGUFs are not read at start (a bad one fails alone, at its load): the app holds every model, none loaded."""
+    from aiohttp import web
+
     from edge.cli import main
+    from edge.state import MODELS
     path = tmp_path / "serve.toml"
-    path.write_text(TWO)
-    with pytest.raises(SystemExit) as info:
-        main(["serve", "--config", str(path)])
-    assert "[[models]] tables are checked but not served yet" in str(info.value.code)
+    path.write_text(TWO.replace("/var/log/edge/audit.log", str(tmp_path / "audit.log")))
+    served = {}
+    monkeypatch.setattr(web, "run_app", lambda app, **kw: served.update(app=app))
+    main(["serve", "--config", str(path)])
+    models = served["app"][MODELS]
+    assert models.names == ["chat", "code"] and {d["state"] for d in models.describe()} == {"unloaded"}

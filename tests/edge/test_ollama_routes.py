@@ -178,10 +178,8 @@ def test_several_models_listed_loaded_on_demand_and_unloaded_by_keep_alive_zero(
         after = await answer(await client.get("/api/ps"))
         loaded = list(started)
         unload = await answer(await client.post("/api/generate", json={"model": "code", "keep_alive": 0}))
-        for _ in range(100):  # the unload is a task of the registry's
-            if not started:
-                break
-            await asyncio.sleep(0.01)
+        unloading = registry.slots["code"].task  # the unload is a task of the registry's: awaited, not polled
+        await unloading
         load = await answer(await client.post("/api/chat", json={"model": "chat", "messages": []}))
         return tags, before, chat, after, loaded, unload, list(started), load
     (tags, before, chat, after, loaded, unload, left, load), _ = serve_several(scenario)

@@ -119,7 +119,8 @@ async def _load(request: web.Request, body: dict, name: str, text: str) -> web.R
 
 def _loaded(body: dict, text: str, reason: str) -> web.Response:
     answer = {"role": "assistant", "content": ""} if text == "message" else ""
-    return web.json_response({"model": body["model"], "created_at": created_at(), text: answer, "done_reason": reason,
+    sent = body.get("model") or body.get("name")
+    return web.json_response({"model": sent, "created_at": created_at(), text: answer, "done_reason": reason,
                               "done": True})
 
 

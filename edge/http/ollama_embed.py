@@ -54,7 +54,8 @@ async def _load_embedder(request: web.Request, body: dict, name: str, field: str
             pass
     except ApiError as err:
         return refused_early(request, front_of(request.app), err)
-    return web.json_response({"model": body["model"], "embeddings": []} if field == "input" else {"embedding": []})
+    sent = body.get("model") or body.get("name")
+    return web.json_response({"model": sent, "embeddings": []} if field == "input" else {"embedding": []})
 
 
 async def _embed(request: web.Request, gateway: Gateway, body: dict, name: str, texts: tuple[str, ...], field: str,
@@ -68,7 +69,7 @@ async def _embed(request: web.Request, gateway: Gateway, body: dict, name: str, 
         run = gateway.admit(request, parsed)
     except ApiError as err:
         return refused_early(request, gateway, err, parsed)
-    return await _embedded(gateway, run, body["model"], field, started)
+    return await _embedded(gateway, run, body.get("model") or body.get("name"), field, started)
 
 
 def _texts(value, field: str) -> tuple[str, ...]:

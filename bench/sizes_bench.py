@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -33,6 +34,8 @@ from bench.workloads import text_of
 MIB = 2**20
 LADDER = Path("/work/ladder")
 SAMPLE_S = 0.25  # how often the peak sampler reads every process
+PROMPT = {"tokens": 128}  # the chats' text length (--prompt-tokens)
+PROBES: dict[str, list[dict]] = {}  # gguf -> llama-server's options as measured before its run
 
 
 def tree_memory(root: int) -> dict[str, dict[str, int]]:
@@ -78,8 +81,9 @@ class PeakSampler:
         return self.peak
 
 
-def chats(n: int, max_tokens: int, seed: int = 0, prompt_tokens: int = 128) -> list[RequestSpec]:
-    rng = np.random.default_rng(seed)
+def chats(n: int, max_tokens: int, seed: int = 0, prompt_tokens: int | None = None) -> list[RequestSpec]:
+    """n chats of `prompt_tokens` of text (default: PROMPT["tokens"], --prompt-tokens), max_tokens out, ignore_eos."""
+    rng, prompt_tokens = np.random.default_rng(seed), prompt_tokens or PROMPT["tokens"]
     return [RequestSpec(({"role": "user", "content": "Summarize: " + text_of(prompt_tokens, rng)},), max_tokens,
                         label="chat", ignore_eos=True) for _ in range(n)]
 
@@ -95,8 +99,9 @@ async def load(system: System, specs: list[RequestSpec]) -> dict:
             "errors": sorted({r.error or str(r.status) for r in results if not r.ok})}
 
 
-def measure(system: System, concurrency: int, max_tokens: int, settle_s: float) -> dict:
-    started = time.monotonic()
+def measure(system: System, concurrency: int, max_tokens: int, settle_s: float, cached: bool = False) -> dict:
+    """cached: start it once more after the run (the same cache folder) and time that start to ready too."""
+    oom_before, started = oom_kills(), time.monotonic()
     system.start(timeout_s=1800)
     ready_s = time.monotonic() - started
     peak = PeakSampler(system.process.pid)
@@ -110,27 +115,59 @@ def measure(system: System, concurrency: int, max_tokens: int, settle_s: float) 
     finally:
         peaks = peak.stop()
         system.stop()
-    return {"name": system.name, "ready_s": ready_s, "idle": idle, "after_load": busy, "peak": peaks,
-            "burst": burst, "single": single}
+    cached_ready_s = None
+    if cached:
+        started = time.monotonic()
+        system.start(timeout_s=1800)
+        cached_ready_s = time.monotonic() - started
+        system.stop()
+    return {"name": system.name, "ready_s": ready_s, "cached_ready_s": cached_ready_s, "idle": idle,
+            "after_load": busy, "peak": peaks, "oom_kills": oom_kills() - oom_before,
+            "swap_used": psutil.swap_memory().used,
+            "burst": burst, "single": single, "load_average": load_average()}
+
+
+def oom_kills() -> int:
+    """The kernel's count of OOM kills since boot (/proc/vmstat), 0 where it cannot be read."""
+    try:
+        return next(int(line.split()[1]) for line in Path("/proc/vmstat").read_text().splitlines()
+                    if line.startswith("oom_kill "))
+    except (OSError, StopIteration):
+        return 0
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def ours(gguf: str, budget: int, threads: int) -> System:
+    """`edge serve` on a cache folder of its own, fresh: its first start is a first start on a new box (conversion,
+    measurements), and measure()'s second start on the same folder is a cached start."""
+    cache = tempfile.mkdtemp(prefix="sizes-bench-cache-")
     config = Path(tempfile.mkstemp(suffix=".toml")[1])
     lines = ['log_level = "WARNING"', f"memory_budget = {budget}", f"threads_per_worker = {threads}",
              "[limits]", "shutdown_grace_s = 1.0"]
     config.write_text("\n".join(lines) + "\n")
     return System("ours (edge serve)", Path(gguf).stem, lambda p: [
-        sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p), "--config", str(config)],
+        "env", f"EDGE_LLM_CACHE={cache}", sys.executable, "-m", "edge.cli", "serve", "--model", gguf, "--port", str(p),
+        "--config", str(config)],
         ready_path="/health")
 
 
-def llama_cpp(gguf: str, threads: int, slots: int, n_ctx: int) -> System:
+def llama_cpp(gguf: str, threads: int, slots: int, n_ctx: int, tune: bool, probe_tokens: int,
+              burst_options: tuple[str, ...] = ("slots", "ubatch"), log=print) -> System:
+    """llama-server at its best setting for `gguf` here, chosen by measuring its options right before the run
+    (checks/llama_server_tuning.py), or at `-t threads -np slots` untuned; else the fallbacks (module docstring)."""
     from checks.llama_server import binary_path
+    from checks.llama_server_tuning import PeerSetting, choose, system_for
     model_id = Path(gguf).stem
     if binary_path().exists():
-        return System(f"llama-server (-np {slots})", model_id, lambda p: [
-            str(binary_path()), "-m", gguf, "--port", str(p), "-t", str(threads), "-np", str(slots),
-            "-c", str(slots * n_ctx), "--log-disable"], ready_path="/health")
+        if not tune:
+            return system_for(PeerSetting(gguf, "given", threads, slots, n_ctx), model_id)
+        log(f"{Path(gguf).name}: choosing llama-server's setting ...")
+        setting, probes = choose(gguf, slots, n_ctx, probe_tokens=probe_tokens, burst_options=burst_options, log=log)
+        PROBES.setdefault(gguf, []).extend(probes)
+        return system_for(setting, model_id)
     if all(importlib.util.find_spec(m) for m in ("uvicorn", "starlette", "sse_starlette", "fastapi")):
         return System("llama_cpp.server (one slot)", model_id, lambda p: [
             sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(p), "--n_threads", str(threads),
@@ -183,21 +220,30 @@ def serve_llama_cpp(gguf: str, port: int, threads: int, n_ctx: int) -> None:
 
 
 def print_table(results: list[dict], models: list[str], concurrency: int, max_tokens: int) -> None:
-    print(f"\n| model | system | ready s | idle RSS / PSS MiB | peak RSS / PSS MiB | burst {concurrency}x{max_tokens} "
+    print(f"\n| model | system | ready s (first / cached) | idle RSS / PSS MiB | peak RSS / PSS MiB | "
+          f"burst {concurrency}x{max_tokens} "
           "out tok/s | TTFT p50 / p99 s | TPOT p50 / p99 ms | single out tok/s | single TTFT s | single TPOT ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for model, row in zip(models, results):
         idle = row["idle"].values()
         b, s = row["burst"], row["single"]
-        print(f"| {Path(model).stem} | {row['name']} | {row['ready_s']:.1f} | "
+        cached = "" if row["cached_ready_s"] is None else f" / {row['cached_ready_s']:.1f}"
+        print(f"| {Path(model).stem} | {row['name']} | {row['ready_s']:.1f}{cached} | "
               f"{sum(r['rss'] for r in idle) / MIB:.0f} / {sum(r['pss'] for r in idle) / MIB:.0f} | "
               f"{row['peak']['rss'] / MIB:.0f} / {row['peak']['pss'] / MIB:.0f} | {b['out_tok_s']:.1f} | "
               f"{b['ttft'][50]:.2f} / {b['ttft'][99]:.2f} | {b['tpot'][50] * 1e3:.0f} / {b['tpot'][99] * 1e3:.0f} | "
               f"{s['out_tok_s']:.1f} | {s['ttft'][50]:.2f} | {s['tpot'][50] * 1e3:.0f} |")
+    for gguf, probes in PROBES.items():
+        print(f"\nllama-server's options measured for {Path(gguf).stem} (greedy, each against the best so far):")
+        for row in probes:
+            extra = (f", prefill {row['prefill_tok_s']:.1f} tok/s, ready {row['ready_s']:.1f} s"
+                     if row["probe"] == "single" else f", in {row['wall_s']:.1f} s {' '.join(row['errors'])}")
+            print(f"  {row['probe']:6} {row['setting'].label:48} {row['score']:7.2f} out tok/s{extra}")
     print("\nidle, per process (RSS / PSS MiB):")
     for model, row in zip(models, results):
         procs = ", ".join(f"{name} {r['rss'] / MIB:.0f} / {r['pss'] / MIB:.0f}" for name, r in row["idle"].items())
-        print(f"  {Path(model).stem}, {row['name']}: {procs}")
+        print(f"  {Path(model).stem}, {row['name']}: {procs}; load average at its end {row['load_average']}, "
+              f"OOM kills {row['oom_kills']}, swap used {row['swap_used'] / MIB:.0f} MiB")
         if row["burst"]["errors"] or row["single"]["errors"]:
             print(f"    errors: {row['burst']['errors'] + row['single']['errors']}")
 
@@ -205,12 +251,19 @@ def print_table(results: list[dict], models: list[str], concurrency: int, max_to
 def parse_args(argv=None) -> argparse.Namespace:
     from edge.check_model.command import parse_size
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="*", help="GGUFs (default: every ladder-*.gguf in /work/ladder)")
+    parser.add_argument("--models", nargs="*", help="GGUFs (default: every ladder-*-q4_k_m.gguf in /work/ladder)")
     parser.add_argument("--budget", type=parse_size, default=0, help="memory_budget for ours (default: the box's)")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=psutil.cpu_count() or 2)
     parser.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp's context per slot")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="llama-server at -t THREADS -np CONCURRENCY, its options not measured")
+    parser.add_argument("--probe-tokens", type=int, default=16, help="tokens out of each single-stream probe")
+    parser.add_argument("--burst-options", default="slots,ubatch",
+                        help="llama-server's burst options to measure (of slots, ubatch; '' for none: a large model's "
+                             "probes are long)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="each chat's text, in tokens")
     parser.add_argument("--settle", type=float, default=5.0)
     parser.add_argument("--systems", default="ours,llama.cpp", help="ours, llama.cpp, or both (comma-separated)")
     parser.add_argument("--json", help="write the results here too")
@@ -223,15 +276,20 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.serve_llama_cpp:
         return serve_llama_cpp(args.serve_llama_cpp, args.port, args.threads, args.n_ctx)
-    models = args.models or sorted(str(p) for p in LADDER.glob("ladder-*.gguf"))
+    models = args.models or sorted(str(p) for p in LADDER.glob("ladder-*-q4_k_m.gguf"))
     wanted = args.systems.split(",")
+    PROMPT["tokens"] = args.prompt_tokens
+    burst_options = tuple(o for o in args.burst_options.split(",") if o)
     results, rows = [], []
     for gguf in models:
-        systems = ([ours(gguf, args.budget, args.threads)] if "ours" in wanted else []) + \
-            ([llama_cpp(gguf, args.threads, args.concurrency, args.n_ctx)] if "llama.cpp" in wanted else [])
-        for system in systems:
-            print(f"{Path(gguf).name}: {system.name} ...", flush=True)
-            results.append(measure(system, args.concurrency, args.max_tokens, args.settle))
+        makers = ([lambda: ours(gguf, args.budget, args.threads)] if "ours" in wanted else []) + \
+            ([lambda: llama_cpp(gguf, args.threads, args.concurrency, args.n_ctx, not args.no_tune,
+                                args.probe_tokens, burst_options)] if "llama.cpp" in wanted else [])
+        for make in makers:
+            system = make()  # llama-server's options are measured here, right before its run
+            print(f"{Path(gguf).name}: {system.name} ... (load average {load_average()})", flush=True)
+            results.append(measure(system, args.concurrency, args.max_tokens, args.settle,
+                                   cached=system.name.startswith("ours")))
             rows.append(gguf)
     print_table(results, rows, args.concurrency, args.max_tokens)
     if args.json:

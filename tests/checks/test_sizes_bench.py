@@ -59,14 +59,16 @@ def test_without_llama_server_or_its_python_server_the_one_slot_endpoint_stands_
     import checks.llama_server
     monkeypatch.setattr(checks.llama_server, "binary_path", lambda: tmp_path / "absent")
     monkeypatch.setattr(sizes_bench.importlib.util, "find_spec", lambda name: None)
-    system = llama_cpp("/m/ladder-1b.gguf", 2, 4, 4096)
+    system = llama_cpp("/m/ladder-1b.gguf", 2, 4, 4096, tune=True, probe_tokens=16)
     assert system.name == "llama.cpp (llama-cpp-python Llama, one slot)" and system.model == "ladder-1b"
     assert system.argv_for_port(1234)[1:5] == ["-m", "bench.sizes_bench", "--serve-llama-cpp", "/m/ladder-1b.gguf"]
     built = tmp_path / "llama-server"
     built.write_text("")
     monkeypatch.setattr(checks.llama_server, "binary_path", lambda: built)
-    system = llama_cpp("/m/ladder-1b.gguf", 2, 4, 4096)
-    assert system.name == "llama-server (-np 4)" and "-np" in system.argv_for_port(1234)
+    system = llama_cpp("/m/ladder-1b.gguf", 2, 4, 4096, tune=False, probe_tokens=16)
+    assert system.name == "llama-server (given, -t 2, -np 4, -ub 512)"
+    argv = system.argv_for_port(1234)
+    assert argv[0] == str(built) and argv[argv.index("-np") + 1] == "4" and argv[argv.index("-c") + 1] == "16384"
 
 
 @pytest.mark.slow
@@ -74,7 +76,7 @@ def test_the_one_slot_endpoint_streams_max_tokens(monkeypatch, tmp_path, tiny_gg
     monkeypatch.setattr(sizes_bench.importlib.util, "find_spec", lambda name: None)
     import checks.llama_server
     monkeypatch.setattr(checks.llama_server, "binary_path", lambda: tmp_path / "absent")
-    system = llama_cpp(str(tiny_gguf("llama")), 1, 2, 512)
+    system = llama_cpp(str(tiny_gguf("llama")), 1, 2, 512, tune=False, probe_tokens=4)
     system.start(timeout_s=120)
     try:
         result = asyncio.run(load(system, chats(2, 8, prompt_tokens=16)))

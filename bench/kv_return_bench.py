@@ -6,15 +6,21 @@
 question and answer) plus a new question. The turns go round-robin (turn 1 of every conversation, then turn 2, ...),
 one request at a time, greedy, streamed. Systems, one after the other on the embedded model: `edge serve` as
 configured by default (the engine returns each answer's KV to the worker: kv_return_bytes 64 MiB), the same with
-kv_return_bytes = 0, and llama-server (-np 8 slots, its prompt cache on) when checks.llama_server finds a binary.
-Per system: TTFT p50/p99 of turn 1 and of turns 2..6, and the prompt tokens computed per turn (ours: prompt minus
-cached tokens in the usage; llama-server: timings.prompt_n).
+kv_return_bytes = 0 (the worker's RAM prompt cache holds each prompt, not its answer), the same with no tier at all
+(prefix_cache_tokens = 0, kv_return_bytes = 0, prefix_caching = false: every turn prefills the whole conversation),
+and llama-server (-np 8 slots, its prompt cache on) when checks.llama_server finds a binary.
+Per system: TTFT p50/p99 of turn 1 and of turns 2..6, the prompt tokens computed per turn (ours: prompt minus
+cached tokens in the usage; llama-server: timings.prompt_n), and for ours where turns 2..6's TTFT went, from the
+gateway's /metrics (means): the prefill queue, the worker (lookup, llama.cpp over the new tokens, first token, the
+KV's export and the handoff sent) and the engine (the handoff's import and the first token back). The prompt
+lengths per turn (mean) say how long the conversations were.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -68,21 +74,53 @@ def one_turn(system: System, messages: list[dict], max_tokens: int) -> tuple[flo
     return ttft or time.perf_counter() - started, computed or 0, "".join(text)
 
 
-def run(system: System, conversations: int, turns: int, max_tokens: int) -> dict:
+PHASES = {"queue": "vllm:request_queue_time_seconds", "worker": "vllm:request_prefill_time_seconds",
+          "ttft": "vllm:time_to_first_token_seconds", "prompt": "vllm:prompt_tokens"}
+
+
+def phases(system: System) -> dict[str, float] | None:
+    """Sums (and counts) of the gateway's histograms and counters (ours only: None for llama-server)."""
+    if not system.name.startswith("ours"):
+        return None
+    text = httpx.get(system.url + "/metrics", timeout=30).text
+    out = {}
+    for key, name in PHASES.items():
+        for part in ("sum", "count", "total"):
+            found = re.findall(rf"^{re.escape(name)}_{part}{{[^}}]*}} (\S+)", text, re.M)
+            out[f"{key}_{part}"] = sum(float(v) for v in found)
+    return out
+
+
+def run(system: System, conversations: int, turns: int, max_tokens: int) -> tuple[dict, dict | None]:
+    """(turn -> [(TTFT s, tokens computed, prompt tokens)], turns 2..'s mean phases in ms or None)."""
     chats = [[{"role": "system", "content": f"You are assistant number {i} of a support team. Answer briefly."}]
              for i in range(conversations)]
     rows = {t: [] for t in range(turns)}
     system.start()
+    before = None
     try:
         for t in range(turns):
+            if t == 1:
+                before = phases(system)
             for i, chat in enumerate(chats):
                 chat.append({"role": "user", "content": QUESTIONS[(i + t) % len(QUESTIONS)]})
                 ttft, computed, answer = one_turn(system, chat, max_tokens)
                 chat.append({"role": "assistant", "content": answer})
                 rows[t].append((ttft, computed))
+        after = phases(system)
     finally:
         system.stop()
-    return rows
+    return rows, _split(before, after)
+
+
+def _split(before: dict | None, after: dict | None) -> dict | None:
+    """Mean ms per request of turns 2.. in the queue, the worker and the engine; mean prompt tokens."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in after}
+    n = max(d["ttft_count"], 1)
+    queue, worker, ttft = (d[f"{k}_sum"] / n * 1e3 for k in ("queue", "worker", "ttft"))
+    return {"queue": queue, "worker": worker, "engine": ttft - queue - worker, "prompt": d["prompt_total"] / n}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -101,7 +139,8 @@ def main() -> None:
     gguf = embedded_model_path()
     cache = f"prefix_cache_tokens = {args.prefix_cache_tokens}\n" if args.prefix_cache_tokens is not None else ""
     systems = [edge("ours (answer KV returned)", gguf, cache),
-               edge("ours (kv_return_bytes = 0)", gguf, cache + "kv_return_bytes = 0\n")]
+               edge("ours (kv_return_bytes = 0)", gguf, cache + "kv_return_bytes = 0\n"),
+               edge("ours (no tiers)", gguf, "prefix_cache_tokens = 0\nkv_return_bytes = 0\nprefix_caching = false\n")]
     if not args.no_llama_server:
         from checks.llama_server import binary_path
         if (binary := binary_path()) is not None and Path(binary).exists():
@@ -112,12 +151,19 @@ def main() -> None:
     print(f"| system | turn 1 TTFT p50 / p99 ms | turns 2-{args.turns} TTFT p50 / p99 ms | prompt tokens computed "
           f"per turn (mean, turns 1..{args.turns}) |")
     print("|---|---|---|---|")
-    for name, rows in results.items():
+    for name, (rows, _) in results.items():
         first = [r[0] * 1e3 for r in rows[0]]
         later = [r[0] * 1e3 for t in range(1, args.turns) for r in rows[t]]
         computed = " / ".join(f"{statistics.mean(r[1] for r in rows[t]):.0f}" for t in range(args.turns))
         print(f"| {name} | {pct(first, 0.5):.0f} / {pct(first, 0.99):.0f} | {pct(later, 0.5):.0f} / "
               f"{pct(later, 0.99):.0f} | {computed} |")
+    print(f"\nturns 2-{args.turns}, mean per request (the gateway's /metrics)")
+    print("| system | prompt tokens | prefill queue ms | worker ms | engine ms |")
+    print("|---|---|---|---|---|")
+    for name, (_, split) in results.items():
+        if split is not None:
+            print(f"| {name} | {split['prompt']:.0f} | {split['queue']:.1f} | {split['worker']:.1f} | "
+                  f"{split['engine']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ def restore_prefix(ctx, tier: KVDiskTier, tokens: list[int], salt: str, seq_id: 
             log.warning("KV disk tier: no room in the context for a %d-token entry", entry.header.n_tokens)
             llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
             return None
-    whole = candidate.shared == len(tokens) == entry.header.n_tokens and entry.last_logits is not None
+    # the entry's logits are those of this very prompt: every cell restored, nothing computed (an answer's entry
+    # carries its prompt's logits: logits_len)
+    whole = candidate.shared == len(tokens) == entry.header.logits_follow and entry.last_logits is not None
     cached = len(tokens) if whole else min(candidate.shared, len(tokens) - 1)
     llama_cpp.llama_memory_seq_rm(memory, seq_id, cached, -1)  # the entry's tokens past the shared prefix
     return cached, entry.last_logits if whole else None

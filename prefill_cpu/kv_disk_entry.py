@@ -57,6 +57,14 @@ class EntryHeader:
     n_tokens: int
     has_logits: bool
     payload_bytes: int
+    # how many of the tokens the last logits follow (0: all): an answer's entry carries its prompt's logits, so the
+    # same prompt again is still a whole repeat (absent in files written before it: all)
+    logits_len: int = 0
+
+    @property
+    def logits_follow(self) -> int:
+        """The tokens the stored last logits are those of (0: no logits)."""
+        return (self.logits_len or self.n_tokens) if self.has_logits else 0
 
     def file_bytes(self, header_bytes: int | None = None) -> int:
         """The file's size; header_bytes: the length of its header as read (default: as this one encodes)."""
@@ -178,7 +186,8 @@ def _parse_header(preamble: bytes, src) -> tuple[EntryHeader, int]:
     except (ValueError, TypeError, KeyError) as err:
         raise EntryRejected(f"unreadable header: {err}") from None
     if not (isinstance(header.n_tokens, int) and header.n_tokens > 0 and isinstance(header.payload_bytes, int)
-            and header.payload_bytes > 0 and isinstance(header.salt, str)):
+            and header.payload_bytes > 0 and isinstance(header.salt, str) and isinstance(header.logits_len, int)
+            and 0 <= header.logits_len <= header.n_tokens):
         raise EntryRejected("implausible header counts")
     return header, length
 

@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +75,7 @@ class _Indexed:
     hashes: tuple[bytes, ...]  # chained hashes of its full blocks
     bytes: int
     last_used: float
+    logits_follow: int = 0  # the tokens its stored last logits are those of (0: none)
 
 
 @dataclass
@@ -235,11 +236,13 @@ class KVDiskTier:
         with self._lock:
             if self._epochs.get(salt, 0) != offer.epoch or offer.name in self._entries:
                 return
-            room = self._evict_for(offer.size)
+        header, logits = self._carried_logits(offer)
+        with self._lock:
+            room = self._evict_for(header.file_bytes())
         for name in room:
             _unlink(self.folder / name)
-        size = write_entry(self.folder / offer.name, offer.header, offer.tokens, offer.last_logits, offer.state)
-        self._add(offer.name, salt, offer.tokens, size, time.time())
+        size = write_entry(self.folder / offer.name, header, offer.tokens, logits, offer.state)
+        self._add(offer.name, salt, offer.tokens, size, time.time(), header.logits_follow)
         with self._lock:
             self._counts["written"] += 1
             deleted_meanwhile = self._epochs.get(salt, 0) != offer.epoch
@@ -248,6 +251,26 @@ class KVDiskTier:
                         if e.salt == salt and len(e.tokens) < len(offer.tokens) and _is_prefix(e.tokens, offer.tokens)]
         for name in [offer.name] if deleted_meanwhile else extended:
             self._forget(name, "evictions" if not deleted_meanwhile else None)
+
+    def _carried_logits(self, offer: _Offer) -> tuple[EntryHeader, np.ndarray | None]:
+        """The offer's header and last logits; an entry without logits (an answer's KV the engine returned) takes
+        those of the longest stored prompt it extends, read from its file, as the RAM cache carries them: the same
+        prompt again, after a restart, is still a whole repeat that computes nothing."""
+        if offer.last_logits is not None:
+            return offer.header, offer.last_logits
+        with self._lock:
+            carriers = [(e.logits_follow, name) for name, e in self._entries.items()
+                        if e.salt == offer.header.salt and e.logits_follow and len(e.tokens) <= len(offer.tokens)
+                        and _is_prefix(e.tokens, offer.tokens)]
+        if not carriers:
+            return offer.header, None
+        follow, name = max(carriers)
+        try:
+            entry = read_entry(self.folder / name, self.facts, offer.header.salt, offer.tokens[:follow])
+        except (EntryRejected, OSError) as err:
+            log.info("KV disk tier: the logits of %s not carried over: %s", name, err)
+            return offer.header, None
+        return replace(offer.header, has_logits=True, logits_len=follow), entry.last_logits
 
     def _evict_for(self, size: int) -> list[str]:
         """Under the lock: drop least recently used entries from the index until size more bytes fit; their names."""
@@ -280,7 +303,7 @@ class KVDiskTier:
                 _unlink(path)
                 rejected += 1
                 continue
-            self._add(path.name, header.salt, tokens, path.stat().st_size, path.stat().st_mtime)
+            self._add(path.name, header.salt, tokens, path.stat().st_size, path.stat().st_mtime, header.logits_follow)
         self._counts["rejected"] += rejected
         with self._lock:
             over = self._evict_for(0)  # a lower limit than the last run's
@@ -290,10 +313,12 @@ class KVDiskTier:
                  len(self._entries), self._bytes() / 2**20, self.max_bytes / 2**20, time.perf_counter() - started,
                  rejected)
 
-    def _add(self, name: str, salt: str, tokens: np.ndarray, size: int, last_used: float) -> None:
+    def _add(self, name: str, salt: str, tokens: np.ndarray, size: int, last_used: float,
+             logits_follow: int = 0) -> None:
         hashes = tuple(_block_hashes(salt, tokens))
         with self._lock:
-            self._entries[name] = _Indexed(salt, np.asarray(tokens, dtype=np.int32), hashes, size, last_used)
+            self._entries[name] = _Indexed(salt, np.asarray(tokens, dtype=np.int32), hashes, size, last_used,
+                                           logits_follow)
             for digest in hashes:
                 self._by_hash.setdefault(digest, set()).add(name)
 

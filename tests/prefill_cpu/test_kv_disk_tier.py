@@ -181,6 +181,23 @@ def test_an_extending_prompt_replaces_its_prefix_and_a_salt_can_be_deleted(tmp_p
     t.close()
 
 
+def test_an_answers_entry_carries_the_logits_of_the_prompt_it_extends_across_a_restart(tmp_path):
+    t = tier(tmp_path)
+    stored(t, DOC[:40])  # a prompt, with its last logits
+    stored(t, DOC, logits=None)  # its answer's KV the engine returned: no logits of its own
+    t.close()
+    again = tier(tmp_path)  # after a restart: one entry, the longer, with the prompt's logits and where they follow
+    assert again.stats().entries == 1
+    found = again.find(DOC[:40], "a")
+    entry = again.load(found, DOC[:40], "a")
+    assert (found.n_tokens, entry.header.logits_follow) == (len(DOC), 40)
+    assert np.array_equal(entry.last_logits, LOGITS)
+    stored(again, DOC + 1000, logits=None)  # nothing to carry: another conversation
+    entry = again.load(again.find(DOC + 1000, "a"), DOC + 1000, "a")
+    assert entry.last_logits is None and entry.header.logits_follow == 0
+    again.close()
+
+
 def test_the_knobs_reach_each_workers_config():
     from contracts.process_config import WorkerProcessConfig, decode_config, encode_config
     from edge.config import ServeConfig

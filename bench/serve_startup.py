@@ -35,7 +35,7 @@ STAGES = [
     ("weights held", r"weight_quant: decode weights "),
     ("engine ready", r"decode engine ready"),
     ("worker ready", r"prefill worker prefill-0 ready"),
-    ("gateway ready", r"\[gateway\] edge.app: ready: "),
+    ("gateway ready", r"\[gateway\] edge.launch.local: ready: "),
 ]
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 

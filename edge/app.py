@@ -4,30 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import os
-import shutil
 import signal
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
 from contracts import control_tls
 from contracts.control_tls import ControlTLS
 from contracts.events import FinishReason
-from contracts.framing import SECRET_ENV, control_secret, new_secret, refuse_plaintext_links
+from contracts.gguf_check import check_gguf
+from contracts.identity import check_supported
+from contracts.memory_plan import GATEWAY_RUNTIME, WORKER_RUNTIME, default_budgets
 from contracts.messages import Recompute
 from contracts.model_kind import model_kind
-from contracts.process_config import config_argv
-from contracts.startup_clock import since_start
 from contracts.tasks import spawn
 from edge.api.structured import GrammarChecks
-from edge.config import ServeConfig, configured_models, default_threads, policy_path, worker_kv_type
+from edge.check_model.memory import machine, planned_config, serve_plan
+from edge.config import ServeConfig, configured_models, model_config, policy_path
 from edge.core import prefill_probe
 from edge.core.engine_client import EngineClient
 from edge.core.gateway import Gateway
@@ -36,9 +32,19 @@ from edge.core.metrics import Metrics
 from edge.core.prefill_pool import PrefillPool
 from edge.http.routes import add_routes
 from edge.http.tls import warn_if_expiring
-from edge.launch.launcher import Supervisor, engine_config, start_embedding_workers, worker_config
+from edge.launch.launcher import Supervisor
+from edge.launch.local import (
+    connection_tasks,
+    local_components,
+    make_run_dir,
+    ray_secret,
+    remove_run_dir,
+    resolve_addresses,
+    start_processes,
+)
 from edge.models.registry import ModelRegistry
-from edge.models.stack import ServedStack
+from edge.models.spec import ModelSpec
+from edge.models.stack import ModelStack, ServedStack, SharedPriority
 from edge.observe.audit import AuditLog, quota_state_path
 from edge.state import CONFIG, GATEWAY, GRAMMAR_CHECKS, MODELS, RELOADER, SUPERVISOR
 from policies.enforcer import PolicyEnforcer
@@ -48,113 +54,6 @@ from policies.reloader import PolicyReloader
 from prefill_cpu.embedded_model import embedded_model_path
 
 log = logging.getLogger("edge.app")
-READY_POLL_S = 0.1  # how often the start-up looks whether /health answers 200 yet, to log when it does
-RUN_DIR_PREFIX = "edge-"
-OWNER_FILE = "gateway.pid"  # in a temporary run dir: "<pid> <process start time>" of the gateway that made it
-
-
-def resolve_addresses(config: ServeConfig, run_dir: str) -> tuple[str, dict[str, str]]:
-    engine = config.engine_address or f"unix:{os.path.join(run_dir, 'engine.sock')}"
-    workers = list(config.worker_addresses) or [f"unix:{os.path.join(run_dir, f'prefill-{i}.sock')}"
-                                                for i in range(config.prefill_workers)]
-    return engine, {f"prefill-{i}": address for i, address in enumerate(workers)}
-
-
-def _make_run_dir(config: ServeConfig) -> str:
-    """Where local sockets live: private to this user (0700), a fresh temporary one unless configured. A temporary
-    one names its gateway (OWNER_FILE) so that the next start can remove it if that gateway was killed before its
-    cleanup ran."""
-    if not config.run_dir:
-        remove_stale_run_dirs(tempfile.gettempdir())
-        run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)  # created 0700
-        me = psutil.Process()
-        Path(run_dir, OWNER_FILE).write_text(f"{me.pid} {me.create_time()}\n")
-        return run_dir
-    Path(config.run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(config.run_dir, 0o700)
-    return config.run_dir
-
-
-def remove_stale_run_dirs(parent: str) -> list[str]:
-    """Remove the temporary run dirs (this user's) whose gateway is gone: killed (SIGKILL, OOM) before it could
-    remove its own. A dir without an owner file, or whose owner still runs, is left alone. Returns those removed."""
-    removed = []
-    for path in Path(parent).glob(f"{RUN_DIR_PREFIX}*"):
-        try:
-            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
-                continue
-            pid, started = (path / OWNER_FILE).read_text().split()
-        except (OSError, ValueError):  # not ours, gone meanwhile, or no owner file (not made by a gateway)
-            continue
-        if not _running(int(pid), float(started)):
-            shutil.rmtree(path, ignore_errors=True)
-            log.info("removed the run dir %s of a gateway that is gone (pid %s)", path, pid)
-            removed.append(str(path))
-    return removed
-
-
-def _running(pid: int, started: float) -> bool:
-    """Whether that process still runs: the pid alone may be another process's by now."""
-    try:
-        return abs(psutil.Process(pid).create_time() - started) < 1.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:  # another user's process (access denied): it exists
-        return True
-
-
-def _kill_stuck(supervisor: Supervisor | None, name: str) -> bool:
-    """A stuck worker is killed (SIGKILL works on a stopped process too) and restarted by the supervisor; a worker
-    this gateway did not launch (launch = false) cannot be."""
-    child = supervisor.children.get(name) if supervisor is not None else None
-    if child is None or child.process is None or child.process.poll() is not None:
-        return False
-    log.error("killing stuck %s (pid %d); the supervisor restarts it", name, child.process.pid)
-    child.process.kill()
-    return True
-
-
-async def _remove_run_dir(run_dir: str) -> None:
-    shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _control_secret(config: ServeConfig, addresses: list[str]) -> bytes:
-    """One shared secret for every control connection: the operator's file (required for TCP peers), or one
-    made for this launch; the children inherit it through the environment."""
-    if config.control_secret_file:
-        os.environ[SECRET_ENV] = _read_secret_file(config.control_secret_file)
-    elif config.launch and not os.environ.get(SECRET_ENV):
-        os.environ[SECRET_ENV] = new_secret()
-    for address in addresses:
-        control_secret(address)  # TCP without a secret: refused here, with the reason
-    refuse_plaintext_links(addresses)  # plain TCP off loopback without allow_plaintext_control, too
-    return os.environ.get(SECRET_ENV, "").encode()
-
-
-def _ray_secret(config: ServeConfig) -> str:
-    """The control secret of a Ray deployment: the operator's file, or one made for this launch. It reaches the
-    actors as an argument (through Ray), never through a port."""
-    return _read_secret_file(config.control_secret_file) if config.control_secret_file else new_secret()
-
-
-def _read_secret_file(path: str) -> str:
-    """The secret in the operator's file. Anyone who can read it can join the control plane: a file every user
-    may open is refused; one its group may read is taken with a warning (container platforms hand a service its
-    secrets that way, e.g. Kubernetes' fsGroup; docs/security.md)."""
-    try:
-        mode = os.stat(path).st_mode
-        value = Path(path).read_text().strip()
-    except OSError as err:
-        raise ValueError(f"control_secret_file {path}: {err.strerror}") from None
-    if mode & 0o007:
-        raise ValueError(f"control_secret_file {path}: every user of this host may open it (mode {mode & 0o777:o}), "
-                         f"and whoever reads it can join the control plane: chmod 600 it (or 640 for a group)")
-    if len(value) < 16:
-        raise ValueError(f"control_secret_file {path}: the secret is shorter than 16 characters")
-    if mode & 0o070:
-        log.warning("control_secret_file %s can be read by its group (mode %o): every member can join the control "
-                    "plane; chmod 600 it unless the group is this service's alone", path, mode & 0o777)
-    return value
 
 
 def _control_tls(config: ServeConfig) -> ControlTLS:
@@ -205,8 +104,7 @@ def observers_of(config: ServeConfig, enforcer: PolicyEnforcer) -> tuple[AuditLo
 
 def make_app(config: ServeConfig) -> web.Application:
     if config.models:  # several models, each loaded on demand (issue 45)
-        from edge.models.app import make_models_app
-        return make_models_app(config)
+        return _models_app(config)
     model_path = config.model or embedded_model_path()
     model_name = config.model_name or Path(model_path).name.removesuffix(".gguf")
     enforcer = _enforcer(config)  # these two before the run dir: a refusal here leaves nothing behind
@@ -227,12 +125,12 @@ def make_app(config: ServeConfig) -> web.Application:
     supervisor = Supervisor() if config.launch and not config.ray else None
     if config.ray:  # Ray is imported only here: single-box mode never loads it
         from edge.launch.ray_gateway_side import ray_components
-        pool, engine, cluster_context = ray_components(config, registry, _ray_secret(config), recompute)
+        pool, engine, cluster_context = ray_components(config, registry, ray_secret(config), recompute)
         run_dir = None
     else:
-        run_dir = _make_run_dir(config)
+        run_dir = make_run_dir(config)
         engine_address, worker_addresses = resolve_addresses(config, run_dir)
-        pool, engine = _local_components(config, registry, engine_address, worker_addresses, supervisor, recompute)
+        pool, engine = local_components(config, registry, engine_address, worker_addresses, supervisor, recompute)
     gateway = Gateway(config, model_name, pool, engine, registry, Metrics(model_name), enforcer)
     gateway.embedding_only = embedding_only
     gateway.probe_pending = not embedding_only and prefill_probe.wanted(enforcer.policy)  # a TTFT promised
@@ -250,7 +148,7 @@ def make_app(config: ServeConfig) -> web.Application:
         app[SUPERVISOR] = supervisor
         app.cleanup_ctx.append(_processes(model_path, engine_address, worker_addresses, run_dir, embedding_only))
     if run_dir is not None and not config.run_dir:
-        app.on_cleanup.append(lambda _: _remove_run_dir(run_dir))
+        app.on_cleanup.append(lambda _: remove_run_dir(run_dir))
     app.cleanup_ctx.append(_connections)
     app.cleanup_ctx.append(_policy_loop)
     app.on_startup.append(_graceful_sigterm)
@@ -260,21 +158,6 @@ def make_app(config: ServeConfig) -> web.Application:
     app[MODELS] = ModelRegistry.single(spec, ServedStack(gateway, supervisor))  # one model, loaded, pinned
     add_routes(app)
     return app
-
-
-def _local_components(config: ServeConfig, registry: InFlightRegistry, engine_address: str,
-                      worker_addresses: dict[str, str], supervisor: Supervisor | None,
-                      recompute: Callable[[Recompute, EngineClient], None]) -> tuple[PrefillPool, EngineClient]:
-    """The prefill pool and the engine connection of single-box mode (a stuck worker is killed by the supervisor,
-    when this gateway launched it)."""
-    secret = _control_secret(config, [engine_address, *worker_addresses.values()])
-    engine = EngineClient(engine_address, registry, secret, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
-                          on_recompute=recompute)
-    pool = PrefillPool(worker_addresses, registry, config.limits.prefill_queue_size, secret,
-                       config.worker_heartbeat_timeout_s, on_best_priority=engine.prefill_priority_changed,
-                       on_backlog=engine.prefill_backlog_changed, choose_engine=engine.choose,
-                       on_stuck=functools.partial(_kill_stuck, supervisor))
-    return pool, engine
 
 
 def _processes(model_path: str, engine_address: str, worker_addresses: dict[str, str], run_dir: str,
@@ -288,41 +171,6 @@ def _processes(model_path: str, engine_address: str, worker_addresses: dict[str,
     return context
 
 
-def start_processes(supervisor, config: ServeConfig, model_path: str, engine_address: str,
-                    worker_addresses: dict[str, str], run_dir: str, embedding_only: bool,
-                    grammar_checks: GrammarChecks) -> asyncio.Task:
-    """One model's engine and workers launched (its workers alone for an embedding model); the task that watches
-    them (cancel it after supervisor.shutdown())."""
-    if embedding_only:  # the workers alone: no engine, no handoff, no structured outputs
-        start_embedding_workers(supervisor, config, model_path, worker_addresses)
-    else:
-        _add_engine_and_workers(supervisor, config, model_path, engine_address, worker_addresses, run_dir)
-    watcher = spawn(supervisor.watch(), "the process supervisor", log)
-    if not embedding_only:
-        grammar_checks.warm(model_path)  # the gateway's compile processes load the vocabulary meanwhile
-    return watcher
-
-
-def _add_engine_and_workers(supervisor, config: ServeConfig, model_path: str, engine_address: str,
-                            worker_addresses: dict[str, str], run_dir: str) -> None:
-    # an engine decoding on the CPU tells the workers launched here when it decodes: they share the cores
-    share = os.path.join(run_dir, "cpu-share")
-    engine = engine_config(config, model_path, engine_address, share)
-    supervisor.add("decode_engine", "decode_gpu.service.server", config_argv(engine))
-    if config.cpu_decode_pace_ms and default_threads(config) > 1:
-        log.warning("cpu_decode_pace_ms = %g with %d threads a prefill worker: a worker that shares the cores "
-                    "with decode runs half its threads while decode has sequences, so the cores idle while decode "
-                    "waits out its pace; pacing pays with threads_per_worker = 1 and a worker per core "
-                    "(docs/config.md)", config.cpu_decode_pace_ms, default_threads(config))
-    kv_type = worker_kv_type(config, engine_address)
-    log.info("prefill workers hand their KV over as %s (kv_type %s, engine at %s)", kv_type, config.kv_type,
-             engine_address)
-    for name, address in worker_addresses.items():
-        worker = worker_config(config, model_path, name, address, engine_address, kv_type, default_threads(config),
-                               share)
-        supervisor.add(name, "prefill_cpu.worker", config_argv(worker))
-
-
 async def _connections(app: web.Application):
     gateway = app[GATEWAY]
     tasks = connection_tasks(gateway)
@@ -330,27 +178,6 @@ async def _connections(app: web.Application):
     gateway.engine.closing = gateway.pool.closing = True
     for task in tasks:
         task.cancel()
-
-
-def connection_tasks(gateway: Gateway, announce: bool = True) -> list[asyncio.Task]:
-    """One model's connections to its workers and engine, its start-up probe, and (announce) the ready line."""
-    tasks = [spawn(gateway.pool.run(), "the prefill worker connections", log)]
-    if not gateway.embedding_only:  # an embedding model has no engine to connect to
-        tasks.append(spawn(gateway.engine.run(), "the decode engine connection", log))
-    if gateway.probe_pending:  # ready once the prefill line is known (a record, or measured now; bounded)
-        tasks.append(spawn(prefill_probe.measure_at_start(gateway), "the prefill line's start-up probe", log))
-    if announce:
-        tasks.append(spawn(_announce_ready(gateway), "the readiness announcement", log))
-    return tasks
-
-
-async def _announce_ready(gateway: Gateway, poll_s: float = READY_POLL_S) -> None:
-    """Log once when /health first answers 200: the one line that says how long `edge serve` took to start."""
-    while not gateway.ready:
-        await asyncio.sleep(poll_s)
-    engine = "" if gateway.embedding_only else "the decode engine and "
-    log.info("ready: %s%d of %d prefill workers connected, %.1f s after the gateway process started", engine,
-             gateway.pool.num_ready, len(gateway.pool.workers), since_start())
 
 
 async def _policy_loop(app: web.Application):
@@ -422,3 +249,83 @@ async def _drain(app: web.Application) -> None:
     for gateway in gateways:
         for request_id in list(gateway.registry.requests):
             gateway.registry.deliver_ending(request_id, FinishReason.ABORT)
+
+
+# --- several models ([[models]], issue 45): the app-wide parts as above, a registry of the models, each loaded as
+# its own stack (edge.models.stack) on demand within the memory budget. The app's GATEWAY is then a front gateway
+# with no processes of its own: what every model shares (the enforcer, the limits, shutting_down, the observers:
+# quotas, audit, traces, the status board), answering what comes before a model is known; each model's gateway
+# hands its requests' endings to it.
+
+def _models_app(config: ServeConfig) -> web.Application:
+    enforcer = _enforcer(config)
+    audit, tracer = observers_of(config, enforcer)
+    _control_tls(config)
+    metrics = Metrics("")
+    front = _front_gateway(config, enforcer, metrics)
+    checks = GrammarChecks()
+    registry = _models_registry(config, enforcer, checks, front)
+    app = web.Application(client_max_size=config.limits.max_body_bytes)
+    _observe(front, app, audit, tracer)
+    app[CONFIG], app[GATEWAY], app[MODELS], app[GRAMMAR_CHECKS] = config, front, registry, checks
+    app[RELOADER] = PolicyReloader(policy_path(config), enforcer)
+    app.cleanup_ctx.append(_models_running)
+    app.cleanup_ctx.append(_policy_loop)
+    app.on_startup.append(_graceful_sigterm)
+    app.on_shutdown.append(_drain)
+    add_routes(app)
+    return app
+
+
+def _front_gateway(config: ServeConfig, enforcer, metrics: Metrics) -> Gateway:
+    """A gateway with no workers and no engine (never ready): the app-wide state every model's stack shares."""
+    requests = InFlightRegistry()
+    front = Gateway(config, "", PrefillPool({}, requests, config.limits.prefill_queue_size),
+                    EngineClient("unix:", requests), requests, metrics, enforcer)
+    front.observers.remove(front.slo.observe)  # each model's own SloControl hears its own requests
+    return front
+
+
+def _models_registry(config: ServeConfig, enforcer, checks: GrammarChecks,
+                    front: Gateway) -> ModelRegistry:
+    """The registry of config.models: each model planned with its own settings (contracts/memory_plan.py) against
+    the one budget, less the gateway's own runtime, which every model's plan counts."""
+    box = machine(config.device)
+    planned: dict[str, ServeConfig] = {}
+    priorities = SharedPriority()
+
+    def cost(spec: ModelSpec) -> dict[str, int]:
+        """Checked as `edge serve` checks its one model (ValueError: GGUFError, UnsupportedModelError, MemoryRefused
+        when it cannot fit even alone), then planned."""
+        check_gguf(spec.model)
+        embedding = model_kind(spec.model).embedding
+        if not embedding:
+            check_supported(spec.model)
+        own = model_config(config, spec)
+        if embedding:  # its workers alone (edge serve plans no engine for it either): the workers' share
+            planned[spec.name] = own
+            return {"host": own.prefill_workers * (os.path.getsize(spec.model) + WORKER_RUNTIME)}
+        plan = serve_plan(own, spec.model, box)
+        planned[spec.name] = planned_config(own, plan, box)
+        log.info("memory plan of %s:\n%s", spec.name, plan.describe())
+        return {where: plan.used(where) - (GATEWAY_RUNTIME if where == "host" else 0) for where in plan.budgets}
+
+    def make_stack(spec: ModelSpec) -> ModelStack:
+        own = planned.get(spec.name) or model_config(config, spec)
+        return ModelStack(own, enforcer, Metrics(spec.name), checks, front._notify, priorities)
+
+    budgets = {where: budget - (GATEWAY_RUNTIME if where == "host" else 0)
+               for where, budget in default_budgets(box, config.memory_budget).items()}
+    registry = ModelRegistry(config.models, make_stack, cost, budgets, config.model_load_timeout_s)
+    registry.priorities = priorities
+    return registry
+
+
+async def _models_running(app: web.Application):
+    """The pinned models load as the server starts (in the background: the port answers meanwhile); every loaded
+    model's stack stops at cleanup, after the drain."""
+    registry = app[MODELS]
+    task = spawn(registry.start(), "loading the pinned models", log)
+    yield
+    task.cancel()
+    await registry.close()

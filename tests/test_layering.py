@@ -137,7 +137,8 @@ EDGE_ROOMS = {
     "observe": ("core", "api", "chat", "config"),
     "launch": ("core", "api", "chat", "config"),
     "check_model": ("config",),
-    "http": ("core", "api", "chat", "observe", "config", "state"),
+    "models": ("core", "api", "chat", "observe", "launch", "config"),  # the registry and each model's stack
+    "http": ("core", "api", "chat", "observe", "config", "state", "models"),
 }
 ROOT_MODULES = ("edge", "edge.cli", "edge.app", "edge.config", "edge.state")
 

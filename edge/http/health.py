@@ -10,9 +10,8 @@ from aiohttp import web
 from edge.api.fields import ApiError
 from edge.core.gateway import Gateway
 from edge.http.embeddings import model_facts
-from edge.http.model_pick import several
+from edge.http.model_pick import loaded_gateways, several
 from edge.http.models import model_card, model_list
-from edge.models.app import loaded_gateways
 from edge.observe.gauges import refresh_gauges
 from edge.observe.process_memory import memory_report
 from edge.state import GATEWAY, GRAMMAR_CHECKS, MODELS, RELOADER, SUPERVISOR

@@ -35,6 +35,13 @@ def several(app: web.Application) -> bool:
     return registry is not None and registry.several
 
 
+def loaded_gateways(app: web.Application) -> list[Gateway]:
+    """The gateways of the loaded models (with [[models]]), else the app's one gateway."""
+    if not several(app):
+        return [app[GATEWAY]]
+    return [stack.gateway for stack in app[MODELS].loaded()]
+
+
 def visible_models(request: web.Request) -> list[str]:
     """The configured models this request's key may use, in the config's order."""
     front, registry = request.app[GATEWAY], request.app[MODELS]

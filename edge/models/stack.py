@@ -1,6 +1,6 @@
 """One model's stack (issue 45): its gateway, prefill pool, engine connection, supervisor and the processes it runs,
 and its run dir: what `edge serve` runs for a single model, started and stopped on the registry's demand
-(edge.models.registry). The start and stop are the single-model app's own steps (edge.app), called for one model."""
+(edge.models.registry). The start and stop are the single-model app's own steps (edge.launch.local)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from edge.config import ServeConfig
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import InFlightRegistry
 from edge.core.metrics import Metrics
+from edge.launch import local
 from edge.launch.launcher import Supervisor, ready_probe
 from edge.models.registry import LoadFailed
 from edge.observe.process_memory import process_memory
@@ -31,18 +32,17 @@ class ModelStack:
 
     def __init__(self, config: ServeConfig, enforcer: PolicyEnforcer, metrics: Metrics, grammar_checks,
                  forward: Callable, priorities: SharedPriority | None = None) -> None:
-        from edge import app as single  # the single-model app's steps (it imports this module's package)
         self.config, self.name = config, config.model_name
         self.model_path = config.model
         kind = model_kind(self.model_path) if os.path.isfile(self.model_path) else None
         self.embedding_only = kind is not None and kind.embedding
         self.grammar_checks = grammar_checks
-        self.run_dir = single._make_run_dir(config)
-        self.engine_address, self.worker_addresses = single.resolve_addresses(config, self.run_dir)
+        self.run_dir = local.make_run_dir(config)
+        self.engine_address, self.worker_addresses = local.resolve_addresses(config, self.run_dir)
         self.supervisor = Supervisor()
         gateway: Gateway | None = None
         requests = InFlightRegistry()
-        self.pool, self.engine = single._local_components(
+        self.pool, self.engine = local.local_components(
             config, requests, self.engine_address, self.worker_addresses, self.supervisor,
             lambda ask, client: gateway.recompute(ask, client))
         self.gateway = gateway = Gateway(config, self.name, self.pool, self.engine, requests, metrics, enforcer)
@@ -58,11 +58,10 @@ class ModelStack:
     async def start(self) -> None:
         """Launch the processes and connect; returns once the model answers. LoadFailed: a process failed its
         start for good (a GGUF llama.cpp aborts on), with its last words."""
-        from edge import app as single
-        self._tasks = [single.start_processes(self.supervisor, self.config, self.model_path, self.engine_address,
+        self._tasks = [local.start_processes(self.supervisor, self.config, self.model_path, self.engine_address,
                                               self.worker_addresses, self.run_dir, self.embedding_only,
                                               self.grammar_checks),
-                       *single.connection_tasks(self.gateway, announce=False)]
+                       *local.connection_tasks(self.gateway, announce=False)]
         if self.priorities is not None and not self.embedding_only:
             self.priorities.attach(self.name, self.engine)
         while not self.gateway.ready:

@@ -317,7 +317,7 @@ def test_a_worker_without_its_engine_gets_no_jobs_until_it_is_back(tmp_path):
 def test_a_secret_file_every_user_may_read_is_refused_and_a_group_readable_one_warned(tmp_path, caplog):
     """Whoever reads the secret can join the control plane: mode o+r is refused; g+r (how container platforms
     hand secrets to a service's group) is taken with a warning."""
-    from edge.app import _read_secret_file
+    from edge.launch.local import read_secret_file as _read_secret_file
     path = tmp_path / "secret"
     path.write_text("s" * 32 + "\n")
     path.chmod(0o600)

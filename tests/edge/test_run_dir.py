@@ -8,9 +8,9 @@ from pathlib import Path
 
 import psutil
 
-import edge.app
-from edge.app import OWNER_FILE, remove_stale_run_dirs
+import edge.launch.local
 from edge.config import ServeConfig
+from edge.launch.local import OWNER_FILE, remove_stale_run_dirs
 
 
 def _gone_gateway() -> str:
@@ -50,11 +50,11 @@ def test_only_the_run_dirs_of_gone_gateways_are_removed(tmp_path):
 
 
 def test_a_new_run_dir_names_this_gateway_and_clears_a_killed_ones(tmp_path, monkeypatch):
-    monkeypatch.setattr(edge.app.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(edge.launch.local.tempfile, "tempdir", str(tmp_path))
     stale = tmp_path / "edge-stale"
     stale.mkdir()
     (stale / OWNER_FILE).write_text(_gone_gateway())
-    run_dir = Path(edge.app._make_run_dir(ServeConfig()))
+    run_dir = Path(edge.launch.local.make_run_dir(ServeConfig()))
     assert run_dir.parent == tmp_path and not stale.exists()
     assert (run_dir / OWNER_FILE).read_text() == _owner_line(os.getpid())
     assert run_dir.stat().st_mode & 0o777 == 0o700

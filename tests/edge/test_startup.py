@@ -4,7 +4,7 @@ import asyncio
 import logging
 import types
 
-from edge.app import _announce_ready
+from edge.launch.local import announce_ready as _announce_ready
 
 
 def stub_gateway():
@@ -23,7 +23,7 @@ def test_the_gateway_logs_once_when_it_becomes_ready(caplog):
         gateway.ready, pool.num_ready = True, 1
         await asyncio.wait_for(announced, 5)
 
-    with caplog.at_level(logging.INFO, logger="edge.app"):
+    with caplog.at_level(logging.INFO, logger="edge.launch.local"):
         asyncio.run(scenario())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]
     assert len(lines) == 1

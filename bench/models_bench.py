@@ -1,0 +1,191 @@
+"""Several models on one `edge serve` (issue 45): what a load costs, what an unload gives back, and whether priority
+holds across models. One server, two models (the embedded GGUF as "a", a Q8_0 copy of it made by llama.cpp's
+quantizer as "b"), both with keep_alive -1 (nothing unloads by itself during the run):
+
+1. cold-load TTFT of each model: its first streamed request, the load included, against the same request once it is
+   loaded (the baseline, same run);
+2. the RSS (and PSS) an unload frees: a's processes as /v1/models measured them, its pids gone after POST
+   /v1/models/a/unload, and the box's available memory before and after (noisy on a shared box);
+3. priority across models: b's high-priority (0) request alone (its idle TTFT), then while a serves a burst of
+   `--burst` low-priority (10) chats, then the same request at the burst's low priority (the first-come baseline),
+   each `--repeats` times. The acceptance asks for high-during-burst within 2x idle.
+
+    python -m bench.models_bench [--burst 16] [--max-tokens 48] [--repeats 3]
+
+Prints one table; the load average is printed with it (the box is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+import psutil
+
+from bench.loadgen import RequestSpec, send
+from bench.systems import System
+
+MIB = 2**20
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def q8_copy(source: str, target: str) -> str:
+    """A Q8_0 copy of `source` made by llama.cpp's own quantizer (its per-tensor log silenced)."""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True, 1
+    with _quiet_stderr():
+        code = llama_cpp.llama_model_quantize(source.encode(), target.encode(), ctypes.byref(params))
+    if code != 0:
+        raise RuntimeError(f"llama_model_quantize {source} -> Q8_0 failed with {code}")
+    return target
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def two_model_server(folder: Path, a: str, b: str) -> System:
+    config = folder / "serve.toml"
+    config.write_text('prefill_workers = 1\nkeep_alive = "-1"\nlog_level = "INFO"\nmodel_load_timeout_s = 1200\n'
+                      f'[[models]]\nname = "a"\nmodel = "{a}"\n[[models]]\nname = "b"\nmodel = "{b}"\n')
+    return System("ours, two models", "a", lambda port: [sys.executable, "-m", "edge.cli", "serve", "--config",
+                                                          str(config), "--port", str(port)], ready_path="/health")
+
+
+async def ttft(session: aiohttp.ClientSession, url: str, model: str, priority: int = 0,
+               max_tokens: int = 8) -> float:
+    spec = RequestSpec(({"role": "user", "content": PROMPT},), max_tokens, priority)
+    result = await send(session, url, model, spec)
+    if not result.ok or result.ttft_s is None:
+        raise RuntimeError(f"{model}: {result.status} {result.error}")
+    return result.ttft_s
+
+
+def models_state(url: str) -> dict[str, dict]:
+    return {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]}
+
+
+def model_pids(url: str, name: str) -> list[int]:
+    processes = httpx.get(url + "/health", timeout=10).json()["models"][name].get("processes", {})
+    return [p["pid"] for p in processes.values() if p.get("pid")]
+
+
+async def loads(url: str) -> list[tuple[str, float, float]]:
+    """(model, cold TTFT, loaded TTFT) of each model, loaded one after the other."""
+    rows = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        for model in ("a", "b"):
+            cold = await ttft(session, url, model)
+            warm = statistics.median([await ttft(session, url, model) for _ in range(3)])
+            rows.append((model, cold, warm))
+    return rows
+
+
+def unload_frees(url: str) -> dict:
+    before = models_state(url)["a"]["memory"]["measured"]
+    pids = model_pids(url, "a")
+    available = psutil.virtual_memory().available
+    answer = httpx.post(url + "/v1/models/a/unload", timeout=120)
+    answer.raise_for_status()
+    gone = [pid for pid in pids if not psutil.pid_exists(pid)]
+    return {"rss": before["rss"], "pss": before["pss"], "pids": len(pids), "gone": len(gone),
+            "available_delta": psutil.virtual_memory().available - available,
+            "state": answer.json()["state"]}
+
+
+async def priority(url: str, burst: int, max_tokens: int, repeats: int) -> dict[str, list[float]]:
+    """b's TTFT alone, during a's low-priority burst at high priority, and at the burst's own priority."""
+    out: dict[str, list[float]] = {"idle": [], "high": [], "low": []}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        await ttft(session, url, "a")  # a loaded again (it was unloaded above)
+        for _ in range(repeats):
+            out["idle"].append(await ttft(session, url, "b", priority=0))
+        for label, level in (("high", 0), ("low", 10)):
+            for _ in range(repeats):
+                out[label].append(await _beside_burst(session, url, burst, max_tokens, level))
+    return out
+
+
+async def _beside_burst(session, url: str, burst: int, max_tokens: int, level: int) -> float:
+    """b's TTFT sent once half of a's burst streams; the burst is then awaited to its end."""
+    decoding = asyncio.Event()
+    started: set[int] = set()
+
+    def on_token(index: int):
+        def seen() -> None:
+            started.add(index)
+            if len(started) >= burst // 2:
+                decoding.set()
+        return seen
+    spec = RequestSpec(({"role": "user", "content": PROMPT},), max_tokens, 10, ignore_eos=True)
+    tasks = [asyncio.create_task(send(session, url, "a", spec, on_token=on_token(i))) for i in range(burst)]
+    await asyncio.wait_for(decoding.wait(), 600)
+    measured = await ttft(session, url, "b", priority=level)
+    results = await asyncio.gather(*tasks)
+    if failed := [r for r in results if not r.ok]:
+        raise RuntimeError(f"{len(failed)} burst requests failed: {failed[0].status} {failed[0].error}")
+    return measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--burst", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from prefill_cpu.embedded_model import embedded_model_path
+    folder = Path(tempfile.mkdtemp(prefix="models-bench-"))
+    source = embedded_model_path()
+    target = q8_copy(source, str(folder / "smollm2-q8_0.gguf"))
+    server = two_model_server(folder, source, target)
+    server.start()
+    try:
+        began = time.monotonic()
+        rows = asyncio.run(loads(server.url))
+        freed = unload_frees(server.url)
+        waits = asyncio.run(priority(server.url, args.burst, args.max_tokens, args.repeats))
+        report(rows, freed, waits, args, time.monotonic() - began)
+    finally:
+        server.stop()
+        print(f"server log: {server.log}")
+
+
+def report(rows, freed: dict, waits: dict[str, list[float]], args, wall_s: float) -> None:
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} cores; {wall_s:.0f} s")
+    print(f"{'model':8} {'cold-load TTFT s':>17} {'loaded TTFT s':>14}")
+    for model, cold, warm in rows:
+        print(f"{model:8} {cold:17.2f} {warm:14.3f}")
+    print(f"unload of a: RSS {freed['rss'] / MIB:.0f} MiB, PSS {(freed['pss'] or 0) / MIB:.0f} MiB measured before; "
+          f"{freed['gone']} of {freed['pids']} processes gone after it ({freed['state']}); the box's available "
+          f"memory {freed['available_delta'] / MIB:+.0f} MiB")
+    idle = statistics.median(waits["idle"])
+    print(f"b's TTFT (median of {args.repeats}) beside a's {args.burst}-chat burst at priority 10, "
+          f"{args.max_tokens} tokens each:")
+    for label, name in (("idle", "alone (idle)"), ("high", "priority 0 during the burst"),
+                        ("low", "priority 10 during the burst (baseline)")):
+        median = statistics.median(waits[label])
+        print(f"  {name:42} {median:7.3f} s  {median / idle:5.2f}x idle   "
+              f"({', '.join(f'{x:.3f}' for x in waits[label])})")
+
+
+if __name__ == "__main__":
+    main()

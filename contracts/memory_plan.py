@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes, worker_repacks
+from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes, copy_may_pay, worker_repacks
 
 MIB, GIB = 2**20, 2**30
 CPU_SHARE, CUDA_SHARE = 0.85, 0.90  # the default budget: this share of the RAM (CPU) or of the device's memory (CUDA)
@@ -299,6 +299,10 @@ class _Planner:
             return self._named_copy()
         if sizes.unconverted:
             self.reasons["prefill_copy"] = "none: the GGUF has 16 or 32 bits a weight already"
+            return None
+        if not copy_may_pay(sizes.layer_types, self.machine.cpu_flags):
+            self.reasons["prefill_copy"] = ("none: on this AVX-512 CPU llama.cpp prefills these K-quant matrices as "
+                                            "given faster than from a copy (contracts.model_sizes.copy_may_pay)")
             return None
         for kind in COPIES:
             if self._fits(self._required(weights, workers, kind)):

@@ -17,7 +17,7 @@ from contracts.memory_plan import (
     PlanConfig,
     plan_memory,
 )
-from contracts.model_sizes import model_sizes, worker_repacks
+from contracts.model_sizes import copy_may_pay, model_sizes, worker_repacks
 
 CPU_BOX = Machine("cpu", 24 * GIB)
 
@@ -167,6 +167,20 @@ def test_an_avx512_cpu_loads_q4_k_without_the_repack_and_the_plan_counts_none(mo
                                      PlanConfig(memory_budget=24 * GIB, prefill_weights="given")).part_bytes()
                          for flags in (avx2, avx512))
     assert repacking["prefill workers x1"] - mapped["prefill workers x1"] == sizes.repacked_bytes > 0
+
+
+def test_an_avx512_cpu_gets_no_copy_of_a_k_quant_mix_and_the_pool_gets_its_room(models) -> None:
+    avx512 = frozenset({"avx2", "avx512f"})
+    assert not copy_may_pay(frozenset({"Q4_K", "Q6_K"}), avx512)
+    assert copy_may_pay(frozenset({"Q4_K", "Q6_K"}), frozenset({"avx2"}))
+    assert copy_may_pay(frozenset({"Q4_1"}), avx512)  # the embedded model: its f16 copy measured 1.85x
+    for size, budget in (("1b", 8), ("8b", 24)):
+        sizes = models[size]
+        plain, k_quants = (plan_memory(sizes, Machine("cpu", 24 * GIB, cpu_flags=flags),
+                                       PlanConfig(memory_budget=budget * GIB)) for flags in (frozenset(), avx512))
+        assert plain.prefill_copy is not None and k_quants.prefill_copy is None
+        assert k_quants.prefill_copy_kinds == () and "AVX-512" in k_quants.reasons["prefill_copy"]
+        assert k_quants.kv_cache_tokens > plain.kv_cache_tokens
 
 
 def test_settings_asked_for_by_name_are_required(models) -> None:

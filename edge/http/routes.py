@@ -13,7 +13,7 @@ from edge.http.middleware import error_middleware
 from edge.http.model_pick import per_model
 from edge.http.tokenizers import Tokenizers
 from edge.observe.status_board import SESSIONS, STATUS, StatusBoard, StatusSessions
-from edge.state import GATEWAY, GRAMMAR_CHECKS, RELOADER, RESPONSES, SUPERVISOR, TOKENIZERS
+from edge.state import GATEWAY, GRAMMAR_CHECKS, MODELS, RELOADER, RESPONSES, SUPERVISOR, TOKENIZERS
 
 
 def add_routes(app: web.Application) -> None:
@@ -49,7 +49,7 @@ def add_routes(app: web.Application) -> None:
     if GRAMMAR_CHECKS not in app:  # edge.app gives its own and warms and closes it; an app without one gets one here
         app[GRAMMAR_CHECKS] = GrammarChecks()
         app.on_cleanup.append(lambda app: _closed(app[GRAMMAR_CHECKS]))
-    app[STATUS] = board = StatusBoard(app[GATEWAY], app.get(SUPERVISOR), app.get(RELOADER))
+    app[STATUS] = board = StatusBoard(app[GATEWAY], app.get(SUPERVISOR), app.get(RELOADER), models=app.get(MODELS))
     app.cleanup_ctx.append(board.running)
 
 

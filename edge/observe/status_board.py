@@ -34,8 +34,9 @@ MAX_SESSIONS = 256  # the oldest dropped first
 
 
 class StatusBoard:
-    def __init__(self, gateway: Gateway, supervisor=None, reloader=None, clock=time.time) -> None:
+    def __init__(self, gateway: Gateway, supervisor=None, reloader=None, clock=time.time, models=None) -> None:
         self.gateway, self.supervisor, self.reloader, self.clock = gateway, supervisor, reloader, clock
+        self.models = models if models is not None and models.several else None  # [[models]]: the registry
         self.samples: collections.deque[tuple] = collections.deque(maxlen=int(WINDOW_S / INTERVAL_S))
         self.latency: dict[str, collections.deque] = {}  # class -> (time, ttft_s, tpot_s) of ended requests
         self.rejections: collections.deque[tuple[float, str]] = collections.deque(maxlen=MAX_RECORDS)
@@ -110,8 +111,26 @@ class StatusBoard:
             "slo": gateway.slo.attainment(),  # per class over 60 s: judged, attainment, goodput_rps (edge/core/slo.py)
             "rejections": {"recent": self._recent_rejections(now), "total": dict(self.rejected)},
             "processes": self._processes(),
+            "models": self._models(),
             "sample_fields": SAMPLE_FIELDS, "samples": [s for s in self.samples if s[0] > since],
         }
+
+    def _models(self) -> list[dict] | None:
+        """With [[models]]: each model's state, memory (planned; measured while loaded) and load; None otherwise."""
+        if self.models is None:
+            return None
+        out = []
+        for described in self.models.describe():
+            stack = self.models.stack(described["name"])
+            load = None
+            if stack is not None:
+                waiting, used, total = stack.gateway.load()
+                load = {"waiting": waiting, "running": stack.gateway.engine_stats.num_running,
+                        "kv_usage": round(used / total, 4) if total else 0.0,
+                        "prefill_queue": stack.gateway.pool.queue_length}
+            out.append({key: described[key] for key in ("name", "state", "memory", "in_flight", "keep_alive",
+                                                        "expires_at", "pinned", "error")} | {"load": load})
+        return out
 
     def _cache_tiers(self, stats) -> dict:
         """The KV tiers' counts since start: each prompt cache tier summed over the workers (their heartbeats), and

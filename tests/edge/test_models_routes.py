@@ -148,3 +148,14 @@ def test_a_body_without_a_model_or_with_a_bad_keep_alive_is_a_400():
     assert missing[0] == 400 and missing[1]["error"]["param"] == "model" and "a, b" in missing[1]["error"]["message"]
     assert keep_alive[0] == 400 and keep_alive[1]["error"]["param"] == "keep_alive"
     assert started == [] and [status for status, _ in refused] == [400, 400]  # heard by the app's observers
+
+
+def test_the_status_page_shows_each_models_state_memory_and_load():
+    async def scenario(client, app):
+        await client.post("/v1/chat/completions", json={"model": "a", **CHAT}, headers=auth("all"))
+        return await answer(await client.get("/status.json", headers=auth("admin")))
+    (status, board), _, _ = serve(scenario)
+    models = {m["name"]: m for m in board["models"]}
+    assert status == 200 and set(models) == {"a", "b"}
+    assert models["a"]["state"] == LOADED and models["a"]["memory"]["measured"] == {"rss": 1, "pss": 1}
+    assert models["a"]["load"]["waiting"] == 0 and models["b"]["state"] == UNLOADED and models["b"]["load"] is None

@@ -36,6 +36,7 @@ from policies.signals import TTFTWindow, box_signals
 from policies.slo import HEADER as SLO_HEADER
 
 log = logging.getLogger("edge.core.gateway")
+LOAD_WAIT = web.RequestKey("model_load_wait_s", float)  # set by the route when the request waited for its model's load
 POOLED_KINDS = {"embedding": "embed", "rerank": "rank"}  # request kinds a worker answers alone -> PrefillJob.task
 __all__ = ["Gateway", "Run", "bearer_key", "key_id", "route_of"]
 
@@ -111,6 +112,9 @@ class Gateway:
             raise
         run.key_id, run.tenant, run.client = key_id(bearer_key(http)), tenant, http.remote or ""
         run.route = route_of(http)
+        if waited := http.get(LOAD_WAIT, 0.0):  # its model's load counts in its TTFT, the record and the trace
+            run.inflight.load_wait_s = waited
+            run.inflight.created -= waited
         return run
 
     def cache_salt(self, http: web.Request, request: GenerateRequest) -> str:

@@ -30,7 +30,8 @@ class InFlight:
     priority: int
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # messages for the handler, in order
     status: RequestStatus = RequestStatus.WAITING
-    created: float = field(default_factory=time.perf_counter)
+    created: float = field(default_factory=time.perf_counter)  # its model's load wait included (load_wait_s)
+    load_wait_s: float = 0.0  # how long it waited for its model to load before admission ([[models]])
     worker: str = ""  # prefill worker holding it while PREFILLING
     engine: str = ""  # the decode engine chosen for it when it went to a worker (its KV goes there)
     needs_engine: bool = True  # False for an embeddings or rerank request: a worker answers it alone
@@ -48,7 +49,9 @@ class InFlight:
         if any(m is None for m in marks):
             return ""
         queued, prefill, engine = (b - a for a, b in zip(marks, marks[1:]))
-        return f"queued {queued * 1e3:.0f} ms, prefill {prefill * 1e3:.0f} ms, engine {engine * 1e3:.0f} ms"
+        load = f"model load {self.load_wait_s * 1e3:.0f} ms, " if self.load_wait_s else ""
+        return (f"{load}queued {(queued - self.load_wait_s) * 1e3:.0f} ms, prefill {prefill * 1e3:.0f} ms, "
+                f"engine {engine * 1e3:.0f} ms")
 
     def advance(self, status: RequestStatus) -> bool:
         """Move forward; a terminal state is final. Returns False if the request had already ended."""

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from edge.api.errors import model_not_found
 from edge.api.fields import ApiError
-from edge.core.gateway import Gateway
+from edge.core.gateway import LOAD_WAIT, Gateway
 from edge.core.run import bearer_key, tenant_of
 from edge.http.body import BODY, read_json
 from edge.models.spec import keep_alive_seconds
@@ -82,6 +82,7 @@ async def use_model(request: web.Request, name, keep_alive=None, priority: int |
     stack = await registry.acquire(name, priority, keep_alive_s)
     waited = time.perf_counter() - began
     if waited > 0.05:
+        request[LOAD_WAIT] = waited  # Gateway.admit counts it in the request's TTFT
         log.info("a request for %s waited %.2f s for its load", name, waited)
     try:
         yield stack.gateway

@@ -56,7 +56,7 @@ def test_two_models_load_on_demand_evict_within_the_budget_and_a_broken_one_fail
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
     budget = budget_for_one(embedded_model_path, copy)
-    config = (f"prefill_workers = 1\nmemory_budget = {budget}\n"
+    config = (f"prefill_workers = 1\nmemory_budget = {budget}\nmodel_load_timeout_s = 1200\n"
               f'[[models]]\nname = "a"\nmodel = "{embedded_model_path}"\nkeep_alive = -1\n'
               f'[[models]]\nname = "b"\nmodel = "{copy}"\nkeep_alive = "0"\n'
               f'[[models]]\nname = "broken"\nmodel = "{broken}"\n')
@@ -87,3 +87,4 @@ def test_two_models_load_on_demand_evict_within_the_budget_and_a_broken_one_fail
         assert states(server)["b"]["state"] == "unloaded"
         log = server.log_path.read_text()
         assert "evicted (least recently used) for b" in log and "unloaded after its answer (keep_alive 0)" in log
+        assert "; model load " in log  # a first request's wait for its model is in its TTFT breakdown

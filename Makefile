@@ -100,10 +100,12 @@ bench-serving: $(STAMP)
 bench-slo: $(STAMP)
 	$(PY) -m bench.slo_bench $(ARGS)
 
-# KV that outlives its request: multi-turn chats with the answer's KV returned, without it, and llama-server; then
+# KV that outlives its request: multi-turn chats with the answer's KV returned, without it, and llama-server; the RAG
+# set through edge serve with and without the tiers and after a restart, beside llama-server; then
 # the disk tier's documents after a worker restart, with and without it (docs/benchmarks.md, issue 46)
 bench-kv-tiers: $(STAMP)
 	$(PY) -m bench.kv_return_bench $(ARGS)
+	$(PY) -m bench.kv_rag_bench
 	$(PY) -m bench.kv_tiers_bench --baseline
 
 clean:

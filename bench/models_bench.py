@@ -8,7 +8,8 @@ quantizer as "b"), both with keep_alive -1 (nothing unloads by itself during the
    /v1/models/a/unload, and the box's available memory before and after (noisy on a shared box);
 3. priority across models: b's high-priority (0) request alone (its idle TTFT), then while a serves a burst of
    `--burst` low-priority (10) chats, then the same request at the burst's low priority (the first-come baseline),
-   each `--repeats` times. The acceptance asks for high-during-burst within 2x idle.
+   each `--repeats` times. The acceptance asks for high-during-burst within 2x idle. Every prompt starts with its
+   own number (no prompt cache answers it: each TTFT is a whole prefill of about 120 tokens).
 
     python -m bench.models_bench [--burst 16] [--max-tokens 48] [--repeats 3]
 
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import os
 import statistics
 import sys
@@ -36,7 +38,17 @@ from bench.loadgen import RequestSpec, send
 from bench.systems import System
 
 MIB = 2**20
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. The keeper has lived alone "
+          "on the rock for eleven winters, keeps a logbook of every ship that passes, mends the lamp by hand, and "
+          "talks to the gulls. One grey morning after a storm a green bottle lies among the kelp below the stairs. "
+          "Tell how the keeper opens it, what the letter inside says, who wrote it and when, and what the keeper "
+          "decides to do about it. Keep the tone quiet and precise, and end with the lamp being lit at dusk.")
+NONCE = itertools.count()
+
+
+def fresh(text: str) -> str:
+    """The text behind a number no other request has: no prompt cache answers it (each TTFT is a whole prefill)."""
+    return f"Request {next(NONCE)} of this run. {text}"
 
 
 def q8_copy(source: str, target: str) -> str:
@@ -73,7 +85,7 @@ def two_model_server(folder: Path, a: str, b: str) -> System:
 
 async def ttft(session: aiohttp.ClientSession, url: str, model: str, priority: int = 0,
                max_tokens: int = 8) -> float:
-    spec = RequestSpec(({"role": "user", "content": PROMPT},), max_tokens, priority)
+    spec = RequestSpec(({"role": "user", "content": fresh(PROMPT)},), max_tokens, priority)
     result = await send(session, url, model, spec)
     if not result.ok or result.ttft_s is None:
         raise RuntimeError(f"{model}: {result.status} {result.error}")
@@ -136,8 +148,9 @@ async def _beside_burst(session, url: str, burst: int, max_tokens: int, level: i
             if len(started) >= burst // 2:
                 decoding.set()
         return seen
-    spec = RequestSpec(({"role": "user", "content": PROMPT},), max_tokens, 10, ignore_eos=True)
-    tasks = [asyncio.create_task(send(session, url, "a", spec, on_token=on_token(i))) for i in range(burst)]
+    specs = [RequestSpec(({"role": "user", "content": fresh(PROMPT)},), max_tokens, 10, ignore_eos=True)
+             for _ in range(burst)]
+    tasks = [asyncio.create_task(send(session, url, "a", spec, on_token=on_token(i))) for i, spec in enumerate(specs)]
     await asyncio.wait_for(decoding.wait(), 600)
     measured = await ttft(session, url, "b", priority=level)
     results = await asyncio.gather(*tasks)

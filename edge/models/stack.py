@@ -51,9 +51,21 @@ class ModelStack:
         self.priorities = priorities
         if priorities is not None:  # the best priority waiting across every model's prefill, not this pool's own
             self.pool.on_best_priority = priorities.reporter(self.name)
+            self.pool.choose_engine = self._held_back(self.pool.choose_engine)
         self.supervisor.is_ready = ready_probe(gateway)
         self.supervisor.stop_timeout_s = max(1.0, config.limits.shutdown_grace_s)
         self._tasks: list[asyncio.Task] = []
+
+    def _held_back(self, choose: Callable[[str], str | None]) -> Callable[[str], str | None]:
+        """The pool's engine choice for a prompt about to go to a worker, None (the pool keeps it queued and tries
+        again at the worker's next message, a heartbeat within a second) while another model has a more important
+        prompt waiting or prefilling: the cores go to it, as they would within one pool."""
+        def choose_engine(request_id: str) -> str | None:
+            request = self.gateway.registry.get(request_id)
+            if request is not None and self.priorities.outranked(self.name, request.priority):
+                return None
+            return choose(request_id)
+        return choose_engine
 
     async def start(self) -> None:
         """Launch the processes and connect; returns once the model answers. LoadFailed: a process failed its
@@ -63,7 +75,7 @@ class ModelStack:
                                               self.grammar_checks),
                        *local.connection_tasks(self.gateway, announce=False)]
         if self.priorities is not None and not self.embedding_only:
-            self.priorities.attach(self.name, self.engine)
+            self.priorities.attach(self.name, self.engine, self.pool)
         while not self.gateway.ready:
             if self.supervisor.start_failure:
                 raise LoadFailed(self.supervisor.start_failure)
@@ -110,6 +122,17 @@ class ServedStack:
     def __init__(self, gateway: Gateway, supervisor: Supervisor | None) -> None:
         self.gateway, self.supervisor = gateway, supervisor
 
+    def _held_back(self, choose: Callable[[str], str | None]) -> Callable[[str], str | None]:
+        """The pool's engine choice for a prompt about to go to a worker, None (the pool keeps it queued and tries
+        again at the worker's next message, a heartbeat within a second) while another model has a more important
+        prompt waiting or prefilling: the cores go to it, as they would within one pool."""
+        def choose_engine(request_id: str) -> str | None:
+            request = self.gateway.registry.get(request_id)
+            if request is not None and self.priorities.outranked(self.name, request.priority):
+                return None
+            return choose(request_id)
+        return choose_engine
+
     async def start(self) -> None:
         return None
 
@@ -135,6 +158,7 @@ class SharedPriority:
     def __init__(self) -> None:
         self.best: dict[str, int | None] = {}  # model -> its pool's best waiting priority
         self.engines: dict[str, object] = {}  # model -> its EngineClient
+        self.pools: dict[str, object] = {}  # model -> its PrefillPool (a model with no worker ready holds none back)
         self.told: int | None = None
 
     def reporter(self, name: str) -> Callable[[int | None], None]:
@@ -143,14 +167,27 @@ class SharedPriority:
             self._tell()
         return report
 
-    def attach(self, name: str, engine) -> None:
+    def attach(self, name: str, engine, pool=None) -> None:
         self.engines[name] = engine
+        if pool is not None:
+            self.pools[name] = pool
         engine.prefill_priority_changed(self.overall)
 
     def detach(self, name: str) -> None:
         self.engines.pop(name, None)
+        self.pools.pop(name, None)
         self.best.pop(name, None)
         self._tell()
+
+    def outranked(self, name: str, priority: int) -> bool:
+        """Whether another model with a worker ready has a prompt more important than `priority` waiting for or in
+        prefill (a model whose workers are all down holds no other back)."""
+        return any(p is not None and p < priority and self._serving(other) for other, p in self.best.items()
+                   if other != name)
+
+    def _serving(self, name: str) -> bool:
+        pool = self.pools.get(name)
+        return pool is None or pool.num_ready > 0
 
     @property
     def overall(self) -> int | None:

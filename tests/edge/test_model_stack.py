@@ -36,3 +36,19 @@ def test_one_metrics_page_holds_every_models_series_each_family_once():
     assert page.count("# HELP vllm:prompt_tokens_total") + page.count("# HELP vllm:prompt_tokens ") == 1
     assert 'vllm:prompt_tokens_total{model_name="a"} 5.0' in page
     assert 'vllm:prompt_tokens_total{model_name="b"} 7.0' in page
+
+
+def test_a_prompt_is_held_back_while_another_model_has_a_more_important_one():
+    from types import SimpleNamespace
+    shared = SharedPriority()
+    pool_b = SimpleNamespace(num_ready=1)
+    shared.attach("a", Engine())
+    shared.attach("b", Engine(), pool_b)
+    shared.reporter("b")(0)
+    assert shared.outranked("a", 10) and not shared.outranked("a", 0)  # strictly more important only
+    assert not shared.outranked("b", 10)  # its own prompts never hold it back
+    pool_b.num_ready = 0  # b's workers are down: its queue holds no other model back
+    assert not shared.outranked("a", 10)
+    pool_b.num_ready = 1
+    shared.reporter("b")(None)  # b's prompt went to decode
+    assert not shared.outranked("a", 10)

@@ -44,6 +44,9 @@ async def unload(request: web.Request) -> web.Response:
 def _admin_target(request: web.Request) -> str:
     check_admin(request.app[GATEWAY].enforcer.policy, request, "load and unload models")
     registry, name = request.app[MODELS], request.match_info["model_id"]
+    if not registry.several:
+        raise ApiError(400, "this server serves one model (no [[models]] in its config): it is loaded while the "
+                            "server runs", "model", "model_not_unloadable")
     if name not in registry.slots:
         raise ApiError(404, f"the model {name!r} is not configured; configured: {', '.join(registry.names)}",
                        "model", "model_not_found")

@@ -159,3 +159,20 @@ def test_the_status_page_shows_each_models_state_memory_and_load():
     assert status == 200 and set(models) == {"a", "b"}
     assert models["a"]["state"] == LOADED and models["a"]["memory"]["measured"] == {"rss": 1, "pss": 1}
     assert models["a"]["load"]["waiting"] == 0 and models["b"]["state"] == UNLOADED and models["b"]["load"] is None
+
+
+def test_a_single_model_server_refuses_load_and_unload_and_lists_its_one_model():
+    from edge.models.stack import ServedStack
+
+    async def run():
+        app = web.Application()
+        app[GATEWAY], _ = fake_gateway()
+        app[MODELS] = ModelRegistry.single(ModelSpec("m", "/nowhere/m.gguf", (), FOREVER, True),
+                                           ServedStack(app[GATEWAY], None))
+        add_routes(app)
+        async with TestClient(TestServer(app)) as client:
+            return (await answer(await client.post("/v1/models/m/unload")),
+                    await answer(await client.get("/v1/models")))
+    (status, body), (listed_status, listed) = asyncio.run(run())
+    assert status == 400 and body["error"]["code"] == "model_not_unloadable"
+    assert listed_status == 200 and [m["id"] for m in listed["data"]] == ["m"]

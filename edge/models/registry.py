@@ -228,16 +228,18 @@ class ModelRegistry:
         victims = self._victims(slot, cost)
         for victim in victims:
             self._begin_unload(victim, "evicted (least recently used) for " + slot.spec.name)
+        # those unloading already (idle past keep_alive, an operator's) are waited for too: their memory is counted free
+        going = [s.task for s in self.slots.values() if s is not slot and s.state == UNLOADING]
         slot.cost, slot.load_started, slot.error = cost, self.clock(), ""
         self._set(slot, LOADING)
-        slot.task = spawn(self._load(slot, [v.task for v in victims]), f"loading {slot.spec.name}", log)
+        slot.task = spawn(self._load(slot, going), f"loading {slot.spec.name}", log)
 
     def _victims(self, slot: Slot, cost: dict[str, int]) -> list[Slot]:
         """The least recently used idle models that must be unloaded for `cost` to fit; ApiError when even all of
         them would not make room."""
         if self.budgets is None:
             return []
-        held = [s for s in self.slots.values() if s is not slot and s.state in (LOADED, LOADING, UNLOADING)]
+        held = [s for s in self.slots.values() if s is not slot and s.state in (LOADED, LOADING)]
         idle = sorted((s for s in held if s.state == LOADED and not s.spec.pinned and not s.busy),
                       key=lambda s: s.last_used)
         victims: list[Slot] = []

@@ -282,3 +282,31 @@ def test_close_stops_every_loaded_model():
     events, closing = asyncio.run(scenario())
     assert sorted(e for e in events if e[0] == "stop") == [("stop", "a"), ("stop", "b")]
     assert closing.code == "shutting_down"
+
+
+def test_a_model_unloading_for_idleness_makes_room_for_the_next_load():
+    async def scenario():
+        models, events, _ = registry(spec("a", keep_alive_s=0.0), spec("b"), budget=100)
+        gate = asyncio.Event()
+        original = models.make_stack
+
+        def slow_stop(s):
+            stack = original(s)
+            if s.name == "a":
+                async def stop():
+                    await gate.wait()  # a's processes take their time to exit
+                    events.append(("stop", "a"))
+                stack.stop = stop
+            return stack
+        models.make_stack = slow_stop
+        await use(models, "a")  # keep_alive 0: a is unloading now
+        assert models.slots["a"].state == "unloading"
+        loading = asyncio.create_task(models.acquire("b"))  # waits for a's memory, no 503
+        while models.slots["b"].state != "loading":
+            await asyncio.sleep(0)
+        assert ("start", "b") not in events
+        gate.set()
+        await loading
+        return events
+    events = asyncio.run(scenario())
+    assert events == [("start", "a"), ("stop", "a"), ("start", "b")]

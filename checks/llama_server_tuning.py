@@ -137,6 +137,8 @@ def choose(gguf: str, concurrency: int, n_ctx: int, probe_tokens: int = 16, burs
     best = max((measured(single_stream(s, model_id, probe_tokens)) for s in candidates), key=lambda r: r["score"])
     unpacked = measured(single_stream(replace(best["setting"], repack=False), model_id, probe_tokens))
     chosen = (unpacked if unpacked["score"] > best["score"] else best)["setting"]
+    if not burst_options:  # nothing to compare a burst against
+        return chosen, probes
     # the burst's options, each against the chosen so far
     top = measured(burst(chosen, model_id, concurrency, burst_tokens))
     changes = {"slots": {"slots": max(1, concurrency // 4)}, "ubatch": {"ubatch": 128}}

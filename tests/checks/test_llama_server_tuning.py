@@ -59,5 +59,5 @@ def test_the_search_keeps_an_option_only_where_it_measured_better(monkeypatch, t
     assert [p["probe"] for p in probes] == ["single"] * 5 + ["burst"] * 3
     # the slots probe is against the best so far, and lost: the ubatch probe kept 16 slots
     assert probes[6]["setting"].slots == 4 and probes[7]["setting"].slots == 16
-    only_threads, _ = choose(str(given), 16, 4096, burst_options=(), log=lambda line: None)
-    assert only_threads == best_single
+    only_threads, probes = choose(str(given), 16, 4096, burst_options=(), log=lambda line: None)
+    assert only_threads == best_single and [p["probe"] for p in probes] == ["single"] * 5

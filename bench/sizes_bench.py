@@ -104,13 +104,17 @@ def measure(system: System, concurrency: int, max_tokens: int, settle_s: float, 
     oom_before, started = oom_kills(), time.monotonic()
     system.start(timeout_s=1800)
     ready_s = time.monotonic() - started
+    print(f"  ready in {ready_s:.1f} s (load average {load_average()})", flush=True)
     peak = PeakSampler(system.process.pid)
     try:
         time.sleep(settle_s)  # start-up measurements end, allocators settle
         idle = tree_memory(system.process.pid)
         asyncio.run(load(system, chats(1, 4, seed=99)))  # warm-up: first-request costs out of the numbers
         burst = asyncio.run(load(system, chats(concurrency, max_tokens)))
+        print(f"  burst: {burst['out_tok_s']:.2f} out tok/s, TPOT p50 {burst['tpot'][50] * 1e3:.0f} ms, idle PSS "
+              f"{sum(r['pss'] for r in idle.values()) / MIB:.0f} MiB", flush=True)
         single = asyncio.run(load(system, chats(1, max_tokens, seed=1)))
+        print(f"  single: {single['out_tok_s']:.2f} out tok/s", flush=True)
         busy = tree_memory(system.process.pid)
     finally:
         peaks = peak.stop()
@@ -120,6 +124,7 @@ def measure(system: System, concurrency: int, max_tokens: int, settle_s: float, 
         started = time.monotonic()
         system.start(timeout_s=1800)
         cached_ready_s = time.monotonic() - started
+        print(f"  cached start ready in {cached_ready_s:.1f} s", flush=True)
         system.stop()
     return {"name": system.name, "ready_s": ready_s, "cached_ready_s": cached_ready_s, "idle": idle,
             "after_load": busy, "peak": peaks, "oom_kills": oom_kills() - oom_before,

@@ -35,6 +35,11 @@ class Probe:
     num_cached: int
     priority: int = 0
 
+    @property
+    def decode_priority(self) -> float:
+        """The level the priority gate holds it by (Sequence.decode_priority): its priority."""
+        return float(self.priority)
+
 
 def step_costs(runner: ModelRunner, max_num_seqs: int, num_draft: int, reps: int, budget_s: float,
                record: Path | None) -> StepCosts:

@@ -1,6 +1,6 @@
 """One error body for every failure: aiohttp's own 404, 405 and 413 and any unexpected exception answer in
 the OpenAI shape ({"error": {"message", "type", "param", "code"}}) instead of aiohttp's plain text, so
-OpenAI clients can read every error the same way; under /v1/messages in Anthropic's shape."""
+OpenAI clients can read every error the same way; under /v1/messages in Anthropic's shape, under /api/ in Ollama's."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 from aiohttp import web
 
 from edge.api.messages import error_response as anthropic_error
+from edge.api.ollama import error_response as ollama_error
 from edge.api.openai_request import ApiError
 
 log = logging.getLogger("edge.http")
@@ -28,6 +29,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         err = _as_api_error(request, exc)
         if request.path.startswith("/v1/messages"):  # the Anthropic routes answer in Anthropic's shape
             return anthropic_error(err)
+        if request.path.startswith("/api/"):  # Ollama's routes (and an unknown /api/ path) answer in its shape
+            return ollama_error(err)
         return err.response()
 
 

@@ -131,6 +131,18 @@ def test_model_management_is_refused(method, path, body):
     assert status == 403 and "config" in answer_body["error"] and refused == [(403, "model_management_unsupported")]
 
 
+def test_aiohttp_own_errors_under_api_answer_in_ollamas_shape():
+    async def scenario(client, gateway):
+        unknown = await client.get("/api/nothing_here", headers=KEY)
+        wrong_method = await client.get("/api/chat", headers=KEY)
+        openai = await client.get("/v1/nothing_here", headers=KEY)
+        return [(r.status, await r.json()) for r in (unknown, wrong_method, openai)]
+    (unknown, wrong_method, openai), _ = serve(scenario)
+    assert unknown[0] == 404 and set(unknown[1]) == {"error"} and "/api/nothing_here" in unknown[1]["error"]
+    assert wrong_method[0] == 405 and set(wrong_method[1]) == {"error"} and "POST" in wrong_method[1]["error"]
+    assert openai[0] == 404 and set(openai[1]["error"]) >= {"message", "code"}  # the OpenAI routes keep theirs
+
+
 class FakeStack:
     """A model's stack whose gateway is a real one on fakes (no worker: it answers 503 once admitted)."""
 

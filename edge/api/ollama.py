@@ -126,7 +126,8 @@ def durations(completion: Completion, inflight, started: float, now: float | Non
            "eval_count": completion.num_output_tokens, "eval_duration": 0}
     if inflight is None:
         return out
-    out["load_duration"] = _ns(inflight.created - started)
+    # created was moved back by the wait for its model's load (counted in TTFT); Ollama's load_duration holds it
+    out["load_duration"] = _ns(inflight.created + inflight.load_wait_s - started)
     first = inflight.handed_off_at or inflight.first_token_at
     if first is not None and inflight.prefill_started_at is not None:
         out["prompt_eval_duration"] = _ns(first - inflight.prefill_started_at)

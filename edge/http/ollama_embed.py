@@ -112,9 +112,10 @@ async def _embedded(gateway: Gateway, run, sent: str, field: str, started: float
         vectors = np.frombuffer(done.vectors, dtype="<f4").reshape(len(done.num_tokens), done.dim)  # [n_inputs, dim]
         if field == "prompt":
             return web.json_response({"embedding": vectors[0].tolist()}, headers=run.headers)
+        queued = run.inflight.created + run.inflight.load_wait_s  # created was moved back by its model's load
         body = {"model": sent, "embeddings": vectors.tolist(),
                 "total_duration": round((time.perf_counter() - started) * 1e9),
-                "load_duration": round((run.inflight.created - started) * 1e9), "prompt_eval_count": tokens}
+                "load_duration": round((queued - started) * 1e9), "prompt_eval_count": tokens}
         return web.json_response(body, headers=run.headers)
     finally:
         await asyncio.shield(gateway.end(run, status, reason, usage, error))

@@ -235,6 +235,10 @@ def test_durations_in_nanoseconds_from_the_requests_timestamps():
     assert out == {"total_duration": 3 * NS, "load_duration": NS // 4, "prompt_eval_count": 9,
                    "prompt_eval_duration": NS // 2, "eval_count": 4, "eval_duration": 2 * NS}
     assert durations(completion, None, started=10.0, now=10.5)["total_duration"] == NS // 2
+    # a request that waited 2 s for its model: the gateway moved created back by the wait (it counts in TTFT);
+    # Ollama's load_duration holds the wait
+    loaded = InFlight("chatcmpl-2", 0, created=10.25, load_wait_s=2.0, prefill_started_at=12.5, handed_off_at=13.0)
+    assert durations(completion, loaded, started=8.0, now=15.0)["load_duration"] == 4.25 * NS
 
 
 def test_final_object_reads_the_gateways_registry():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from contracts.identity import GGUFIdentity
+if TYPE_CHECKING:  # contracts.identity keeps its fingerprints under cache_root(): no import circle at run time
+    from contracts.identity import GGUFIdentity
 
 
 def cache_root() -> Path:

@@ -1,17 +1,23 @@
 """Several models on one `edge serve` (issue 45): what a load costs, what an unload gives back, and whether priority
-holds across models. One server, two models (the embedded GGUF as "a", a Q8_0 copy of it made by llama.cpp's
-quantizer as "b"), both with keep_alive -1 (nothing unloads by itself during the run):
+holds across models. One server, three models (the embedded GGUF as "a", a Q8_0 copy of it made by llama.cpp's
+quantizer as "b", and the size ladder's generated `tiny` rung in Q4_K_M as "c"), all with keep_alive -1 (nothing
+unloads by itself during the run), under a memory_budget that holds any two of them and not all three (from their
+memory plans, as the registry counts them):
 
-1. cold-load TTFT of each model: its first streamed request, the load included, against the same request once it is
-   loaded (the baseline, same run);
-2. the RSS (and PSS) an unload frees: a's processes as /v1/models measured them, its pids gone after POST
-   /v1/models/a/unload, and the box's available memory before and after (noisy on a shared box);
-3. priority across models: b's high-priority (0) request alone (its idle TTFT), then while a serves a burst of
+1. cold-load TTFT of a and b: each one's first streamed request, the load included, against the same request once
+   it is loaded (the baseline, same run);
+2. the third model: c's first request evicts the least recently used idle model (a), whose processes exit; c's
+   cold-load and loaded TTFT;
+3. the RSS (and PSS) an operator's unload frees: b's processes as /v1/models measured them, its pids gone after
+   POST /v1/models/b/unload, and the box's available memory before and after (noisy on a shared box);
+4. priority across models: b's high-priority (0) request alone (its idle TTFT), then while a serves a burst of
    `--burst` low-priority (10) chats, then the same request at the burst's low priority (the first-come baseline),
    each `--repeats` times. The acceptance asks for high-during-burst within 2x idle. Every prompt starts with its
    own number (no prompt cache answers it: each TTFT is a whole prefill of about 120 tokens).
 
     python -m bench.models_bench [--burst 16] [--max-tokens 48] [--repeats 3]
+
+Priority's phase loads a and b again (a evicts nothing: b was unloaded; b then evicts c, the idle one).
 
 Prints one table; the load average is printed with it (the box is shared).
 """
@@ -75,12 +81,36 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def two_model_server(folder: Path, a: str, b: str) -> System:
+def planned(path: str, budget: int = 0) -> int:
+    """What the registry counts for a model of this server's settings: its plan, less the gateway's own runtime."""
+    from contracts.memory_plan import GATEWAY_RUNTIME
+    from edge.check_model.memory import machine, serve_plan
+    from edge.config import ServeConfig, model_config
+    from edge.models.spec import ModelSpec
+    server = ServeConfig(prefill_workers=1, memory_budget=budget, models=(ModelSpec("x", path),))
+    return serve_plan(model_config(server, ModelSpec("x", path)), path, machine("cpu")).used("host") - GATEWAY_RUNTIME
+
+
+def budget_for_two(paths: dict[str, str]) -> int:
+    """A memory_budget that holds any two of the three models and not all three."""
+    from contracts.memory_plan import GATEWAY_RUNTIME
+    costs = {name: planned(path) for name, path in paths.items()}
+    two = sorted(costs.values())
+    budget = GATEWAY_RUNTIME + two[1] + two[2] + two[0] // 2
+    costs = {name: planned(path, budget) for name, path in paths.items()}
+    held = budget - GATEWAY_RUNTIME
+    if not (max(a + b for a in costs.values() for b in costs.values()) <= held < sum(costs.values())):
+        raise RuntimeError(f"no budget holds two and not three of {costs}")
+    return budget
+
+
+def three_model_server(folder: Path, paths: dict[str, str], budget: int) -> System:
     config = folder / "serve.toml"
+    tables = "".join(f'[[models]]\nname = "{name}"\nmodel = "{path}"\n' for name, path in paths.items())
     config.write_text('prefill_workers = 1\nkeep_alive = "-1"\nlog_level = "INFO"\nmodel_load_timeout_s = 1200\n'
-                      f'[[models]]\nname = "a"\nmodel = "{a}"\n[[models]]\nname = "b"\nmodel = "{b}"\n')
-    return System("ours, two models", "a", lambda port: [sys.executable, "-m", "edge.cli", "serve", "--config",
-                                                          str(config), "--port", str(port)], ready_path="/health")
+                      f'memory_budget = {budget}\n{tables}')
+    return System("ours, three models", "a", lambda port: [sys.executable, "-m", "edge.cli", "serve", "--config",
+                                                            str(config), "--port", str(port)], ready_path="/health")
 
 
 async def ttft(session: aiohttp.ClientSession, url: str, model: str, priority: int = 0,
@@ -101,22 +131,30 @@ def model_pids(url: str, name: str) -> list[int]:
     return [p["pid"] for p in processes.values() if p.get("pid")]
 
 
-async def loads(url: str) -> list[tuple[str, float, float]]:
+async def loads(url: str, models: tuple[str, ...]) -> list[tuple[str, float, float]]:
     """(model, cold TTFT, loaded TTFT) of each model, loaded one after the other."""
     rows = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        for model in ("a", "b"):
+        for model in models:
             cold = await ttft(session, url, model)
             warm = statistics.median([await ttft(session, url, model) for _ in range(3)])
             rows.append((model, cold, warm))
     return rows
 
 
-def unload_frees(url: str) -> dict:
-    before = models_state(url)["a"]["memory"]["measured"]
+def third_evicts(url: str) -> tuple[list[tuple[str, float, float]], dict]:
+    """c's first request, with a and b loaded and idle (a used first): a is evicted, its processes exit."""
     pids = model_pids(url, "a")
+    rows = asyncio.run(loads(url, ("c",)))
+    states = {name: m["state"] for name, m in models_state(url).items()}
+    return rows, {"states": states, "pids": len(pids), "gone": sum(not psutil.pid_exists(pid) for pid in pids)}
+
+
+def unload_frees(url: str, model: str = "b") -> dict:
+    before = models_state(url)[model]["memory"]["measured"]
+    pids = model_pids(url, model)
     available = psutil.virtual_memory().available
-    answer = httpx.post(url + "/v1/models/a/unload", timeout=120)
+    answer = httpx.post(url + f"/v1/models/{model}/unload", timeout=120)
     answer.raise_for_status()
     gone = [pid for pid in pids if not psutil.pid_exists(pid)]
     return {"rss": before["rss"], "pss": before["pss"], "pids": len(pids), "gone": len(gone),
@@ -128,7 +166,7 @@ async def priority(url: str, burst: int, max_tokens: int, repeats: int) -> dict[
     """b's TTFT alone, during a's low-priority burst at high priority, and at the burst's own priority."""
     out: dict[str, list[float]] = {"idle": [], "high": [], "low": []}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        await ttft(session, url, "a")  # a loaded again (it was unloaded above)
+        await ttft(session, url, "a")  # a loaded again (evicted by c above)
         for _ in range(repeats):
             out["idle"].append(await ttft(session, url, "b", priority=0))
         for label, level in (("high", 0), ("low", 10)):
@@ -165,29 +203,37 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from bench.gguf_ladder import build
     from prefill_cpu.embedded_model import embedded_model_path
     folder = Path(tempfile.mkdtemp(prefix="models-bench-"))
     source = embedded_model_path()
-    target = q8_copy(source, str(folder / "smollm2-q8_0.gguf"))
-    server = two_model_server(folder, source, target)
+    paths = {"a": source, "b": q8_copy(source, str(folder / "smollm2-q8_0.gguf")),
+             "c": build(folder, "tiny", ("q4_k_m",))["q4_k_m"]["path"]}
+    budget = budget_for_two(paths)
+    print(f"memory_budget {budget / MIB:.0f} MiB: plans " +
+          ", ".join(f"{name} {planned(path, budget) / MIB:.0f} MiB" for name, path in paths.items()))
+    server = three_model_server(folder, paths, budget)
     server.start()
     try:
         began = time.monotonic()
-        rows = asyncio.run(loads(server.url))
-        freed = unload_frees(server.url)
+        rows = asyncio.run(loads(server.url, ("a", "b")))
+        third, evicted = third_evicts(server.url)
+        freed = unload_frees(server.url, "b")
         waits = asyncio.run(priority(server.url, args.burst, args.max_tokens, args.repeats))
-        report(rows, freed, waits, args, time.monotonic() - began)
+        report(rows + third, evicted, freed, waits, args, time.monotonic() - began)
     finally:
         server.stop()
         print(f"server log: {server.log}")
 
 
-def report(rows, freed: dict, waits: dict[str, list[float]], args, wall_s: float) -> None:
+def report(rows, evicted: dict, freed: dict, waits: dict[str, list[float]], args, wall_s: float) -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} cores; {wall_s:.0f} s")
     print(f"{'model':8} {'cold-load TTFT s':>17} {'loaded TTFT s':>14}")
     for model, cold, warm in rows:
         print(f"{model:8} {cold:17.2f} {warm:14.3f}")
-    print(f"unload of a: RSS {freed['rss'] / MIB:.0f} MiB, PSS {(freed['pss'] or 0) / MIB:.0f} MiB measured before; "
+    print(f"c's load with a and b idle: states after it {evicted['states']}; {evicted['gone']} of a's "
+          f"{evicted['pids']} processes gone")
+    print(f"unload of b: RSS {freed['rss'] / MIB:.0f} MiB, PSS {(freed['pss'] or 0) / MIB:.0f} MiB measured before; "
           f"{freed['gone']} of {freed['pids']} processes gone after it ({freed['state']}); the box's available "
           f"memory {freed['available_delta'] / MIB:+.0f} MiB")
     idle = statistics.median(waits["idle"])

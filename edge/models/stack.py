@@ -122,17 +122,6 @@ class ServedStack:
     def __init__(self, gateway: Gateway, supervisor: Supervisor | None) -> None:
         self.gateway, self.supervisor = gateway, supervisor
 
-    def _held_back(self, choose: Callable[[str], str | None]) -> Callable[[str], str | None]:
-        """The pool's engine choice for a prompt about to go to a worker, None (the pool keeps it queued and tries
-        again at the worker's next message, a heartbeat within a second) while another model has a more important
-        prompt waiting or prefilling: the cores go to it, as they would within one pool."""
-        def choose_engine(request_id: str) -> str | None:
-            request = self.gateway.registry.get(request_id)
-            if request is not None and self.priorities.outranked(self.name, request.priority):
-                return None
-            return choose(request_id)
-        return choose_engine
-
     async def start(self) -> None:
         return None
 

@@ -25,7 +25,7 @@ from edge.api.ollama_models import show as show_body
 from edge.chat.tool_formats import chat_format_of
 from edge.core.gateway import Gateway
 from edge.http import generate, ollama_embed
-from edge.http.body import BODY, read_json
+from edge.http.body import read_json
 from edge.http.model_file import chat_format
 from edge.http.model_pick import gateway_of, several
 from edge.http.ollama_served import (
@@ -34,6 +34,7 @@ from edge.http.ollama_served import (
     keep_alive,
     model_named,
     models,
+    opened,
     refused_early,
     served,
     usable_names,
@@ -86,10 +87,7 @@ async def _generation(request: web.Request, api: OllamaApi, field: str) -> web.S
     the OpenAI routes' path, on the named model's gateway."""
     front = front_of(request.app)
     try:
-        front.check_key(request)
-        body = request[BODY] = await read_json(request, front)
-        name = model_named(request, body)
-        keep_alive(body)
+        body, name = await opened(request, front)
     except ApiError as err:
         return refused_early(request, front, err)
     try:

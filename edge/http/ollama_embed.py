@@ -13,9 +13,8 @@ from edge.api.fields import ApiError, show
 from edge.api.ollama import error_response
 from edge.core.gateway import Gateway
 from edge.core.lifecycle import RequestStatus
-from edge.http.body import BODY, read_json
 from edge.http.embeddings import parse_embeddings
-from edge.http.ollama_served import front_of, keep_alive, model_named, refused_early, using
+from edge.http.ollama_served import front_of, opened, refused_early, using
 
 
 async def embed(request: web.Request) -> web.Response:
@@ -32,10 +31,7 @@ async def _embeddings(request: web.Request, field: str) -> web.Response:
     started = time.perf_counter()
     front = front_of(request.app)
     try:
-        front.check_key(request)
-        body = request[BODY] = await read_json(request, front)
-        name = model_named(request, body)
-        keep_alive(body)
+        body, name = await opened(request, front)
         texts = _texts(body.get(field), field)
     except ApiError as err:
         return refused_early(request, front, err)

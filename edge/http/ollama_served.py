@@ -18,6 +18,7 @@ from edge.api.generate_request import GenerateRequest
 from edge.api.ollama import error_response
 from edge.config import keep_alive_seconds  # edge.models.spec's, as the config reads [[models]] keep_alive
 from edge.core.gateway import Gateway
+from edge.http.body import BODY, read_json
 from edge.http.model_file import model_path
 from edge.http.model_pick import CHOSEN, several, use_model, visible_models
 from edge.state import GATEWAY, MODELS
@@ -98,6 +99,16 @@ def _embedded_path() -> str | None:
         return embedded_model_path()
     except FileNotFoundError:
         return None
+
+
+async def opened(request: web.Request, front: Gateway) -> tuple[dict, str]:
+    """A generation or embedding request's common first checks: its key, its body (kept under BODY), the model it
+    names and its keep_alive. ApiError: the first that fails."""
+    front.check_key(request)
+    body = request[BODY] = await read_json(request, front)
+    name = model_named(request, body)
+    keep_alive(body)
+    return body, name
 
 
 def keep_alive(body: dict) -> float | None:

@@ -123,7 +123,8 @@ _KNOBS = (
          choices=(AUTO, "given", "f16", "bf16", "q8_0"), flag=True),
     Knob("n_ctx", int, 4096, "longest prompt a prefill worker can hold", ge=1),
     Knob("n_batch", int, 256, "prompt tokens per llama.cpp call", ge=1),
-    Knob("prefix_cache_tokens", int, 2048, "per worker: KV of recent prompts kept for reuse; 0 = off", ge=0),
+    Knob("prefix_cache_tokens", int, 8192, "per worker: KV of recent prompts kept for reuse, at most (and at most "
+         "1/64 of the RAM's bytes, never below 2048 tokens for that: contracts/prompt_cache.py); 0 = off", ge=0),
     Knob("kv_disk_bytes", int, 0, "per worker: the prompt cache's disk tier, prompts' KV kept in files past "
          "evictions and restarts (least recently used deleted first); 0 = off", ge=0),
     Knob("kv_return_bytes", int, 64 << 20, "the decode engine: finished answers' KV (stop or length) copied out "

@@ -26,10 +26,14 @@ import signal
 import sys
 import time
 
+import psutil
+
 from contracts.cpu_share import CpuShare, split_threads
 from contracts.framing import control_secret, start_server
 from contracts.model_kind import model_kind
+from contracts.model_sizes import model_sizes
 from contracts.process_config import WorkerProcessConfig, parse_config
+from contracts.prompt_cache import PROMPT_CACHE_RAM_SHARE, prompt_cache_entries, prompt_cache_tokens
 from contracts.startup_clock import since_start
 from contracts.tasks import spawn
 from prefill_cpu.embedding_worker import EmbeddingWorker
@@ -46,11 +50,14 @@ async def serve(config: WorkerProcessConfig) -> None:
     if kind.embedding:
         await serve_embeddings(config, kind.reason)
         return
+    cache_tokens = worker_cache_tokens(config)
     prefiller = Prefiller(PrefillConfig(config.model, n_ctx=config.n_ctx, n_batch=config.n_batch,
                                         n_threads=config.threads_per_worker, kv_type=config.kv_type,
-                                        prefix_cache_tokens=config.prefix_cache_tokens, weights=config.prefill_weights,
-                                        kv_disk_bytes=config.kv_disk_bytes, kv_disk_dir=config.kv_disk_dir,
-                                        worker_name=config.name, prefill_copy_kinds=config.prefill_copy_kinds))
+                                        prefix_cache_tokens=cache_tokens,
+                                        prefix_cache_entries=prompt_cache_entries(cache_tokens),
+                                        weights=config.prefill_weights, kv_disk_bytes=config.kv_disk_bytes,
+                                        kv_disk_dir=config.kv_disk_dir, worker_name=config.name,
+                                        prefill_copy_kinds=config.prefill_copy_kinds))
     extra = prepare_extra_contexts(prefiller, extra_kv_types(config))
     if config.cpu_share_file:  # the engine decodes on these cores: half the threads while it does
         share = CpuShare(config.cpu_share_file)
@@ -116,6 +123,21 @@ async def _own_engine(config: WorkerProcessConfig, secret: bytes) -> tuple[Engin
         log.info("prefill worker %s: its model loaded, it waited %.1f s for the decode engine to listen", config.name,
                  time.monotonic() - started)
     return engine, link
+
+
+def worker_cache_tokens(config: WorkerProcessConfig, host_bytes: int | None = None) -> int:
+    """The RAM prompt cache's tokens: prefix_cache_tokens within the RAM share (contracts.prompt_cache), at the
+    model's KV bytes a token in this worker's KV type."""
+    if config.prefix_cache_tokens <= 0:
+        return 0
+    per_token = model_sizes(config.model).handoff_kv_bytes(config.kv_type)
+    ram = psutil.virtual_memory().total if host_bytes is None else host_bytes
+    tokens = prompt_cache_tokens(config.prefix_cache_tokens, ram, per_token)
+    if tokens < config.prefix_cache_tokens:
+        log.info("prompt cache: %d tokens (%.0f MiB at %s), not prefix_cache_tokens = %d: at most %s of the %.1f GiB "
+                 "RAM", tokens, tokens * per_token / 2**20, config.kv_type, config.prefix_cache_tokens,
+                 f"1/{round(1 / PROMPT_CACHE_RAM_SHARE)}", ram / 2**30)
+    return tokens
 
 
 def extra_kv_types(config: WorkerProcessConfig) -> list[str]:

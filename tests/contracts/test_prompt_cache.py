@@ -8,8 +8,14 @@ import pytest
 from contracts.model_sizes import model_sizes
 from contracts.options import KNOBS
 from contracts.process_config import WorkerProcessConfig
-from contracts.prompt_cache import (FLOOR_TOKENS, MAX_ENTRIES, MIN_ENTRIES, PROMPT_CACHE_RAM_SHARE,
-                                    prompt_cache_entries, prompt_cache_tokens)
+from contracts.prompt_cache import (
+    FLOOR_TOKENS,
+    MAX_ENTRIES,
+    MIN_ENTRIES,
+    PROMPT_CACHE_RAM_SHARE,
+    prompt_cache_entries,
+    prompt_cache_tokens,
+)
 from prefill_cpu.worker import worker_cache_tokens
 
 GIB, KIB = 2**30, 2**10

@@ -33,11 +33,12 @@ from decode_gpu.core.priority_gate import PriorityGate
 from decode_gpu.core.scheduler import ScheduledStep
 from decode_gpu.core.sequence import Sequence
 from decode_gpu.core.speculative import StepCosts
-from decode_gpu.core.step_times import ALONE, EVERY, HALVED, ThreadShare
+from decode_gpu.core.step_times import EVERY, HALVED, ThreadShare
 from decode_gpu.kv.pool import KVPool, PoolShape
 from decode_gpu.model.native_decoder import NativeDecoder, resolve_forward
 from decode_gpu.model.quantized_linear import QuantizedLinear
 from decode_gpu.runner import cost_probe
+from decode_gpu.runner.alone_threads import ALONE_HALVED, AloneThreads
 from decode_gpu.runner.cost_probe import PROBE_BUDGET_S
 from decode_gpu.runner.cuda_graphs import DecodeGraphs, graph_buckets
 from decode_gpu.runner.kv_sizing import MemoryProfile, kv_budget_bytes
@@ -119,6 +120,8 @@ class ModelRunner:
         self._threads = _shared_threads(device, gate)
         # which thread count keeps a TPOT objective beside prefill, from the steps measured with each
         self.thread_share = ThreadShare() if self._threads else None
+        # with no prompt in prefill: every thread, or half where half measured faster (another process on a core)
+        self.alone_threads = AloneThreads() if self._threads else None
         self._last_forward: tuple[float, int, str, frozenset[str]] | None = None  # (when, batch, mode, seq ids)
         self.clock = time.monotonic
 
@@ -215,11 +218,12 @@ class ModelRunner:
         last = self._last_forward
         if last is not None and last[3] & ids:
             self.thread_share.record(last[2], last[1], now - last[0], now)
+            self.alone_threads.record(last[2], last[1], now - last[0], now)
         objectives = [s for s in seqs if getattr(s, "tpot_slo_ms", 0)]
         tpot_s = min((s.tpot_slo_ms for s in objectives), default=0) / 1e3
         held = getattr(self.gate, "held_for", None)
         if not self.gate.prefill_active:
-            mode = ALONE
+            mode = self.alone_threads.mode(len(seqs), now)
         elif objectives and held is not None and held <= min(s.priority for s in objectives):
             # a prompt as important as the objective's sequences is queued or in prefill: its first token has an
             # objective too, so decode takes half the cores, not every one beside it (at 0.5x load, keeping every
@@ -227,7 +231,7 @@ class ModelRunner:
             mode = HALVED
         else:
             mode = EVERY if self.thread_share.keep_threads(len(seqs), tpot_s, now) else HALVED
-        threads = self._threads[1] if mode == HALVED else self._threads[0]
+        threads = self._threads[1] if mode in (HALVED, ALONE_HALVED) else self._threads[0]
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self._last_forward = (now, len(seqs), mode, ids)

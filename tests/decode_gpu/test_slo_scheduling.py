@@ -138,11 +138,13 @@ def test_the_runner_keeps_its_threads_for_a_tpot_objective_and_halves_them_for_p
     objective takes 150 ms, with every thread 70 ms; the runner tries halved, then every thread, and stays there.
     A batch without an objective halves whatever the times, and nothing halves with no prompt in prefill."""
     torch = pytest.importorskip("torch")
+    from decode_gpu.runner.alone_threads import AloneThreads
     from decode_gpu.runner.model_runner import ModelRunner
     runner = object.__new__(ModelRunner)
     clock = Clock()
     runner.gate, runner.clock, runner._threads = Gate(), clock, (4, 2)
     runner.thread_share, runner._last_forward = ThreadShare(), None
+    runner.alone_threads = AloneThreads()  # with no prompt in prefill (tests/decode_gpu/test_alone_threads.py)
     seqs = [types.SimpleNamespace(seq_id=f"s{i}", priority=0, tpot_slo_ms=100 if i == 0 else 0) for i in range(3)]
     before = torch.get_num_threads()
     try:

@@ -259,6 +259,7 @@ async def _drain(app: web.Application) -> None:
 
 def _models_app(config: ServeConfig) -> web.Application:
     enforcer = _enforcer(config)
+    enforcer.tiers.per_model = True  # each model's requests get the tier its own load puts it in
     audit, tracer = observers_of(config, enforcer)
     _control_tls(config)
     metrics = Metrics("")

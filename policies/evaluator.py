@@ -37,8 +37,9 @@ NORMAL = "normal"
 
 
 class TierEvaluator:
-    def __init__(self, tiers: tuple[Tier, ...], now: float = 0.0) -> None:
+    def __init__(self, tiers: tuple[Tier, ...], now: float = 0.0, model: str = "") -> None:
         self.tiers = tiers
+        self.model = model  # "": the box's (or the one model's); else the model whose load it follows
         self.state = TierState(-1, NORMAL, "no tier condition holds", now)
         self.transitions: list[Transition] = []
 
@@ -69,7 +70,8 @@ class TierEvaluator:
         self.state = TierState(index, name, reason, now)
         transition = Transition(before, name, reason, dict(signals))
         self.transitions.append(transition)
-        log.warning("degradation tier %s -> %s: %s (signals: %s)", before, name, reason,
+        log.warning("degradation tier%s %s -> %s: %s (signals: %s)", f" of {self.model}" if self.model else "",
+                    before, name, reason,
                     ", ".join(f"{k}={v:.3g}" for k, v in sorted(signals.items())))
         return transition
 
@@ -108,3 +110,48 @@ def _entered_because(tier: Tier, signals: dict[str, float]) -> str:
 def _exit_because(tier: Tier, signals: dict[str, float]) -> str:
     return ", ".join(f"{n}={signals.get(n, 1.0 if n in BELOW_SIGNALS else 0.0):.3g} "
                      f"{'>=' if n in BELOW_SIGNALS else '<'} {t:g}" for n, t in tier.exit.items())
+
+
+class ModelTiers:
+    """The tier evaluators of a server: the box's (key "": with one model, that model's load; with several, the most
+    loaded model's, which the status page shows) and, once `per_model` is set (several models, issue 45), one per
+    model fed that model's own load, whose tier is the one its requests get: a busy model degrades its own requests,
+    not the others'."""
+
+    def __init__(self, tiers: tuple[Tier, ...], now: float) -> None:
+        self.per_model = False
+        self.evaluators: dict[str, TierEvaluator] = {"": TierEvaluator(tiers, now)}
+
+    @property
+    def box(self) -> TierEvaluator:
+        return self.evaluators[""]
+
+    def of(self, model: str, now: float) -> TierEvaluator:
+        """The evaluator for a request for `model`: the model's own (normal until its load is first measured) when
+        tiers are per model, else the box's."""
+        if not self.per_model or not model:
+            return self.box
+        evaluator = self.evaluators.get(model)
+        if evaluator is None:
+            evaluator = self.evaluators[model] = TierEvaluator(self.box.tiers, now, model)
+        return evaluator
+
+    def update(self, signals: dict[str, float], model: str, now: float) -> Transition | None:
+        target = self.box if not model else self.of(model, now) if self.per_model else None
+        return target.update(signals, now) if target is not None else None
+
+    def keep(self, models: set[str]) -> None:
+        """Forget the evaluators of models no longer loaded (a model loaded again starts in normal operation)."""
+        for model in [m for m in self.evaluators if m and m not in models]:
+            del self.evaluators[model]
+
+    def reinstall(self, tiers: tuple[Tier, ...], now: float) -> None:
+        """A new policy's tiers (hot reload): each evaluator keeps the tier in force when the new policy still has
+        one of that name, and its transitions."""
+        for model, old in list(self.evaluators.items()):
+            evaluator = TierEvaluator(tiers, now, model)
+            for index, tier in enumerate(tiers):
+                if tier.name == old.state.name:
+                    evaluator.state = TierState(index, tier.name, "kept across a policy reload", old.state.since)
+            evaluator.transitions = old.transitions
+            self.evaluators[model] = evaluator

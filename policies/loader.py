@@ -24,6 +24,7 @@ from policies.schema import (
     AuditRules,
     ClientClass,
     Filters,
+    ModelLimits,
     Policy,
     Tier,
     TierActions,
@@ -104,13 +105,35 @@ class FiltersFile(Strict):
                        tuple(self.blocked_words), tuple(self.blocked_patterns))
 
 
+class ClassModelLimitsFile(Strict):
+    """A class's limits on one model: its requests for that model together (issue 45)."""
+    requests_per_minute: NonNegative = 0
+    max_concurrent: NonNegative = 0
+
+    def build(self) -> ModelLimits:
+        return ModelLimits(self.requests_per_minute, self.max_concurrent)
+
+
+class KeyModelLimitsFile(ClassModelLimitsFile):
+    """A key's limits and token quotas on one model (issue 45)."""
+    tokens_per_day: NonNegative = 0
+    tokens_per_month: NonNegative = 0
+
+    def build(self) -> ModelLimits:
+        return ModelLimits(self.requests_per_minute, self.max_concurrent, self.tokens_per_day, self.tokens_per_month)
+
+
+ModelName = Annotated[str, Field(min_length=1)]
+
+
 class ClassFile(ClassSloFields):
     priority: int = 0
     requests_per_minute: NonNegative = 0
     max_concurrent: NonNegative = 0
     max_output_tokens: NonNegative = 0
     degradable: list[str] = list(ACTIONS)
-    models: list[Annotated[str, Field(min_length=1)]] = []  # empty: every served model
+    models: list[ModelName] = []  # empty: every served model
+    model_limits: dict[str, ClassModelLimitsFile] = {}  # model -> the class's limits on it
 
     @field_validator("degradable")
     @classmethod
@@ -123,7 +146,8 @@ class ClassFile(ClassSloFields):
     def build(self, name: str) -> ClientClass:
         return ClientClass(name, self.priority, self.requests_per_minute, self.max_concurrent,
                            self.max_output_tokens, tuple(self.degradable), self.ttft_slo_ms, self.tpot_slo_ms,
-                           self.on_slo_miss, self.min_ttft_slo_ms, tuple(self.models))
+                           self.on_slo_miss, self.min_ttft_slo_ms, tuple(self.models),
+                           {model: limits.build() for model, limits in self.model_limits.items()})
 
 
 class KeyFile(Strict):
@@ -135,11 +159,13 @@ class KeyFile(Strict):
     tokens_per_month: NonNegative = 0
     id: Annotated[str, Field(min_length=1), AfterValidator(_key_name)] | None = None
     admin: bool = False
-    models: list[Annotated[str, Field(min_length=1)]] = []  # empty: what its class allows
+    models: list[ModelName] = []  # empty: what its class allows
+    model_limits: dict[str, KeyModelLimitsFile] = {}  # model -> the key's limits and quotas on it
 
     def build(self) -> ApiKeyRule:
         return ApiKeyRule(self.key, self.client_class, self.requests_per_minute, self.max_concurrent,
-                          self.tokens_per_day, self.tokens_per_month, self.id or "", self.admin, tuple(self.models))
+                          self.tokens_per_day, self.tokens_per_month, self.id or "", self.admin, tuple(self.models),
+                          {model: limits.build() for model, limits in self.model_limits.items()})
 
 
 class AuditFile(Strict):
@@ -239,6 +265,7 @@ def _relations(document: PolicyFile) -> Iterator[tuple[str, str]]:
     for i, tier in enumerate(document.tiers):
         yield from _hysteresis(tier, f"tiers[{i}]")
     yield from _cache_groups(document)
+    yield from _model_limits(document)
     yield from slo_relations(document.classes, len(document.tiers))
 
 
@@ -255,6 +282,29 @@ def _cache_groups(document: PolicyFile) -> Iterator[tuple[str, str]]:
             grouped.add(key)
     yield from _duplicates([group.name for group in document.prefix_cache.groups], "prefix_cache.groups[{}].name",
                            lambda name: f"group name {name!r} is used twice")
+
+
+def _model_limits(document: PolicyFile) -> Iterator[tuple[str, str]]:
+    """A per-model limit names a model its key or class may use (else it could never apply: a mistake, most likely
+    a misspelled name); a model name is never empty."""
+    allowed = document.filters.allowed_models
+    for name, spec in document.classes.items():
+        yield from _usable(spec.model_limits, f"classes.{name}", spec.models, allowed, "class")
+    for i, entry in enumerate(document.keys):
+        spec = document.classes.get(entry.client_class)
+        own = entry.models or (spec.models if spec is not None else [])
+        yield from _usable(entry.model_limits, f"keys[{i}]", own, allowed, "key")
+
+
+def _usable(limits: dict, where: str, own: list[str], allowed: list[str], who: str) -> Iterator[tuple[str, str]]:
+    """own: the models the key or class names (empty: any); allowed: the filters' allowed_models (empty: any)."""
+    for model in limits:
+        if not model:
+            yield f"{where}.model_limits", "a model's name may not be empty"
+        elif own and model not in own or allowed and model not in allowed:
+            usable = sorted(set(own or allowed) & set(allowed or own))
+            yield (f"{where}.model_limits.{model}", f"this {who} may not use model {model!r} (it may use "
+                                                    f"{usable}): a limit on it would never apply")
 
 
 def _duplicates(values: list[str | None], where: str, message) -> Iterator[tuple[str, str]]:

@@ -2,7 +2,7 @@
 with its errors logged, and the policy in force stays.
 
 A reload is also refused when it would remove a protection entirely (every API key, every blocked word
-and pattern, every rate or concurrency limit or token quota) and the new file does not say so in
+and pattern, every rate or concurrency limit or token quota, per model too) and the new file does not say so in
 allow_weaker_protection: an empty or truncated file saved by mistake must not open the service up."""
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ _IN_FORCE = {
 
 def _limits_in_force(policy: Policy) -> bool:
     keys = policy.keys.values()
-    return (any(rule.requests_per_minute or rule.max_concurrent for rule in (*policy.classes.values(), *keys))
-            or any(rule.tokens_per_day or rule.tokens_per_month for rule in keys))
+    rules = (*policy.classes.values(), *keys)
+    return (any(rule.requests_per_minute or rule.max_concurrent for rule in rules)
+            or any(rule.tokens_per_day or rule.tokens_per_month for rule in keys)
+            or any(own.limits_requests or own.has_quota for rule in rules for own in rule.model_limits.values()))
 
 
 def removed_protections(old: Policy, new: Policy) -> list[str]:

@@ -25,7 +25,8 @@ ACTIONS = ("cap_max_tokens", "logprobs", "max_prompt_tokens", "shed", "kv_type")
 PROTECTIONS = {
     "keys": "every API key (authentication would be off)",
     "blocked_content": "every blocked word and pattern",
-    "rate_limits": "every requests_per_minute and max_concurrent limit (of classes and keys) and token quota",
+    "rate_limits": "every requests_per_minute and max_concurrent limit (of classes and keys, and per model) and "
+                   "token quota",
     "prefix_cache_isolation": "the prompt caches' separation by API key (prefix_cache.scope would be \"shared\")",
 }
 
@@ -37,6 +38,24 @@ class Filters:
     allowed_models: tuple[str, ...] = ()  # empty: every served model
     blocked_words: tuple[str, ...] = ()
     blocked_patterns: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """The limits of a key or class on one model (issue 45), on top of its limits across models. On a class they
+    count every request of the class for that model together; on a key, that key's own."""
+    requests_per_minute: int = 0  # 0: unlimited
+    max_concurrent: int = 0  # 0: unlimited
+    tokens_per_day: int = 0  # prompt + completion tokens of that model per UTC day (keys only); 0: unlimited
+    tokens_per_month: int = 0  # ... per UTC calendar month (keys only)
+
+    @property
+    def has_quota(self) -> bool:
+        return bool(self.tokens_per_day or self.tokens_per_month)
+
+    @property
+    def limits_requests(self) -> bool:
+        return bool(self.requests_per_minute or self.max_concurrent)
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,7 @@ class ClientClass:
     on_slo_miss: str = "serve"  # reject | degrade | serve: a request predicted to miss its TTFT objective
     min_ttft_slo_ms: int = 0  # the tightest TTFT objective the x-slo-ttft-ms header may ask for; 0: not accepted
     models: tuple[str, ...] = ()  # the models its requests may use; empty: every served one (issue 45)
+    model_limits: dict[str, ModelLimits] = field(default_factory=dict)  # model -> its requests' limits on it
 
 
 @dataclass(frozen=True)
@@ -64,7 +84,8 @@ class ApiKeyRule:
     tokens_per_month: int = 0  # ... per UTC calendar month
     id: str = ""  # the name logs show instead of the key's hash; "": the hash
     admin: bool = False  # may see the operator's status page
-    models: tuple[str, ...] = ()  # the models this key may use (beside its class's); empty: its class's (issue 45)
+    models: tuple[str, ...] = ()  # the models this key may use (replacing its class's); empty: its class's (issue 45)
+    model_limits: dict[str, ModelLimits] = field(default_factory=dict)  # model -> this key's limits and quotas on it
 
 
 @dataclass(frozen=True)

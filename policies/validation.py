@@ -216,9 +216,13 @@ def _table_header(line: str, counters: dict[str, int]) -> str | None:
         counters[name] = counters.get(name, -1) + 1
         return f"{name}[{counters[name]}]"
     if match := re.fullmatch(r"\[\s*([\w.\-\"]+)\s*\]", line):
-        name = match.group(1).replace('"', "")
-        parent, _, child = name.rpartition(".")
-        return f"{parent}[{counters[parent]}].{child}" if parent in counters else name
+        name = match.group(1).replace('"', "").rstrip(".")  # [a.""]: an empty key, kept by its table's line
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):  # a table inside the last item of an array of tables, at any depth
+            parent = ".".join(parts[:cut])
+            if parent in counters:
+                return f"{parent}[{counters[parent]}]." + ".".join(parts[cut:])
+        return name
     return None
 
 

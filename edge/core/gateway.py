@@ -221,26 +221,40 @@ class Gateway:
         """The engine's last stats, or zeros while it is not connected."""
         return self.engine.stats or EMPTY_STATS
 
-    def policy_signals(self) -> dict[str, float]:
+    def policy_signals(self, box: dict[str, float] | None = None) -> dict[str, float]:
+        """This gateway's load signals, with the box's (CPU, memory: read now unless given, so that one tick reads
+        them once: psutil's CPU figure is the use since its previous reading)."""
         waiting, used, total = self.load()
         return {"kv_cache_usage": used / total if total else 0.0, "waiting_requests": float(waiting),
                 "prefill_queue": float(self.pool.queue_length), "ttft_p95_s": self.ttft_window.p95(),
-                **box_signals(), **self.slo.signals()}
+                **(box_signals() if box is None else box), **self.slo.signals()}
 
     def update_policy_signals(self, others: tuple[Gateway, ...] = ()) -> None:
-        """The tier evaluator fed this gateway's load; with `others` (the other models' stacks, issue 45) each
-        signal is the highest of any model's, so the tiers see the most loaded model."""
-        signals = self.policy_signals()
+        """The tier evaluators fed the load. With `others` (the loaded models' gateways, issue 45), each model's
+        evaluator is fed that model's own signals (its requests get its tier, edge speculates per its tier), and the
+        box's evaluator gets, for each signal, the highest of any model's (the status page's tier: the most loaded
+        model's)."""
+        box = box_signals()
+        signals = self.policy_signals(box)
         for other in others:
-            for name, value in other.policy_signals().items():
+            own = other.policy_signals(box)
+            self._count_transition(self.enforcer.update_signals(own, other.model_name), other)
+            for name, value in own.items():
                 worst = min if name == "slo_attainment_below" else max  # attainment: the lower, the worse
                 signals[name] = worst(signals.get(name, value), value)
-        if (transition := self.enforcer.update_signals(signals)) is not None:
-            m = self.metrics
-            m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
+        if self.enforcer.tiers.per_model:
+            self.enforcer.tiers.keep({other.model_name for other in others})
+        self._count_transition(self.enforcer.update_signals(signals), self)
         for gateway in (self, *others):
-            if self.enforcer.speculation_allowed != gateway.engine.speculation:
-                gateway.engine.speculation_changed(self.enforcer.speculation_allowed)
+            allowed = self.enforcer.speculation_allowed_for(gateway.model_name if gateway is not self else "")
+            if allowed != gateway.engine.speculation:
+                gateway.engine.speculation_changed(allowed)
+
+    @staticmethod
+    def _count_transition(transition, gateway: Gateway) -> None:
+        if transition is not None:
+            m = gateway.metrics
+            m.label(m.tier_transitions, before=transition.before, after=transition.after).inc()
 
     async def next_event(self, run: Run) -> TokenEvent:
         """The next engine event for this run (edge.core.request_events); failures raise ApiError."""

@@ -135,6 +135,7 @@ def _model_health(stack) -> dict:
             "errors": _component_errors(gateway), "prefill_queue": gateway.pool.queue_length,
             "load": {"waiting": waiting, "running": gateway.engine_stats.num_running, "kv_blocks_used": used,
                      "kv_blocks_total": total},
+            "tier": gateway.enforcer.tier_state_of(gateway.model_name).name,  # its requests' (its own load's)
             "engine": dataclasses.asdict(gateway.engine.stats) if gateway.engine.stats else None,
             **model_facts(gateway)}
 

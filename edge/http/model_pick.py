@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from edge.api.errors import model_not_found
+from edge.api.errors import model_not_found, policy_error
 from edge.api.fields import ApiError
 from edge.core.gateway import LOAD_WAIT, Gateway
 from edge.core.run import bearer_key, tenant_of
 from edge.http.body import BODY, read_json
 from edge.models.spec import keep_alive_seconds
 from edge.state import GATEWAY, MODELS
+from policies.enforcer import PolicyRejection
 
 log = logging.getLogger("edge.http.model_pick")
 CHOSEN = web.RequestKey("model_gateway", Gateway)  # request key: the gateway of the model the request named
@@ -63,7 +64,8 @@ async def use_model(request: web.Request, name, keep_alive=None, priority: int |
                     ) -> AsyncIterator[Gateway]:
     """The named model's gateway, loaded if it was not, held (never evicted or unloaded for idleness) until the
     block ends; then its keep_alive (the request's own, if it gave one) starts. Raises ApiError: 404 for a model the
-    key may not use, 400 for a bad keep_alive, 503 when it cannot be loaded (registry.acquire)."""
+    key may not use, 400 for a bad keep_alive, 429 when a limit of the key's would refuse it anyway and the model is
+    not loaded, 503 when it cannot be loaded (registry.acquire)."""
     front, registry = request.app[GATEWAY], request.app[MODELS]
     if front.shutting_down:
         raise ApiError(503, "the server is shutting down", error_type="server_error", code="shutting_down",
@@ -76,8 +78,14 @@ async def use_model(request: web.Request, name, keep_alive=None, priority: int |
             keep_alive_s = keep_alive_seconds(keep_alive)
         except ValueError as err:
             raise ApiError(400, f"'keep_alive': {err}", "keep_alive", "invalid_value") from None
+    key, tenant = bearer_key(request), tenant_of(request, front.enforcer.policy)
+    if registry.stack(name) is None:  # a request its limits refuse makes no model load (nor another be evicted)
+        try:
+            front.enforcer.check_room(key, tenant, name)
+        except PolicyRejection as err:
+            raise policy_error(err) from None
     if priority is None:
-        priority = front.enforcer.priority_for(bearer_key(request), tenant_of(request, front.enforcer.policy))
+        priority = front.enforcer.priority_for(key, tenant)
     began = time.perf_counter()
     stack = await registry.acquire(name, priority, keep_alive_s)
     waited = time.perf_counter() - began

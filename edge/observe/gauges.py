@@ -31,7 +31,7 @@ def refresh_gauges(gateway: Gateway) -> None:
         m.engine_totals_seen[key] = _advance_counter(counter, m.engine_totals_seen.get(key, 0), total)
     m.label(m.decode_tps).set(stats.tokens_per_s)
     m.label(m.decode_yielded).set(stats.decode_yielded_s)
-    m.label(m.tier).set(gateway.enforcer.evaluator.state.index + 1)
+    m.label(m.tier).set(gateway.enforcer.tier_state_of(gateway.model_name).index + 1)  # its model's tier
     for name, client in gateway.engine.links().items():
         own = client.stats or EMPTY_STATS
         m.label(m.engine_up, engine=name).set(1 if client.state == "ready" else 0)

@@ -116,7 +116,8 @@ class StatusBoard:
         }
 
     def _models(self) -> list[dict] | None:
-        """With [[models]]: each model's state, memory (planned; measured while loaded) and load; None otherwise."""
+        """With [[models]]: each model's state, memory (planned; measured while loaded) and load (with the degradation
+        tier its own load puts its requests in); None otherwise."""
         if self.models is None:
             return None
         out = []
@@ -127,7 +128,8 @@ class StatusBoard:
                 waiting, used, total = stack.gateway.load()
                 load = {"waiting": waiting, "running": stack.gateway.engine_stats.num_running,
                         "kv_usage": round(used / total, 4) if total else 0.0,
-                        "prefill_queue": stack.gateway.pool.queue_length}
+                        "prefill_queue": stack.gateway.pool.queue_length,
+                        "tier": self.gateway.enforcer.tier_state_of(described["name"]).name}  # its requests' tier
             out.append({key: described[key] for key in ("name", "state", "memory", "in_flight", "keep_alive",
                                                         "expires_at", "pinned", "error")} | {"load": load})
         return out

@@ -25,6 +25,7 @@ from edge.core.prefill_pool import PrefillPool
 from edge.core.request_record import RequestRecord
 from edge.observe.audit import MAX_TEXT_CHARS, AuditLog, RotatingFile, _capped, quota_state_path
 from policies.enforcer import PolicyEnforcer, PolicyRejection, RequestFacts
+from policies.limits import model_counter
 from policies.loader import PolicyError, load_policy, parse_policy
 from policies.quota import TokenQuotas
 from policies.quota import key_id as quota_key_id
@@ -278,7 +279,9 @@ def test_a_quota_is_per_key_and_a_key_without_one_is_never_refused():
     enforcer.release(decide(enforcer, "k-open"))
     enforcer.release(decide(enforcer))  # k-team's quota is its own
     enforcer.count_tokens(record(api_key="not-in-the-policy", prompt_tokens=5))
-    assert set(enforcer.quotas.usage) == {key_id("k-open")}  # made-up keys are not counted
+    # made-up keys are not counted; a policy key's use is counted across models and on the model (a per-model quota
+    # that a reload adds sees the day's use)
+    assert set(enforcer.quotas.usage) == {key_id("k-open"), model_counter(key_id("k-open"), MODEL)}
 
 
 def test_december_resets_on_the_first_of_january():

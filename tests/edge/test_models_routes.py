@@ -13,7 +13,7 @@ from edge.http.routes import add_routes
 from edge.models.registry import LOADED, UNLOADED, ModelRegistry
 from edge.models.spec import FOREVER, ModelSpec
 from edge.state import GATEWAY, MODELS
-from policies.schema import ApiKeyRule, ClientClass, Policy
+from policies.schema import ApiKeyRule, ClientClass, ModelLimits, Policy
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 ROUTES = [  # (path, body without its model)
@@ -29,13 +29,15 @@ ROUTES = [  # (path, body without its model)
 ]
 POLICY = Policy("test", classes={"default": ClientClass("default"), "only_a": ClientClass("only_a", models=("a",))},
                 keys={"ka": ApiKeyRule("ka", "default", models=("a",)), "ca": ApiKeyRule("ca", "only_a"),
-                      "all": ApiKeyRule("all", "default"), "admin": ApiKeyRule("admin", "default", admin=True)})
+                      "all": ApiKeyRule("all", "default"), "admin": ApiKeyRule("admin", "default", admin=True),
+                      "rl": ApiKeyRule("rl", "default", model_limits={"b": ModelLimits(requests_per_minute=1)})})
 
 
 class FakeStack:
-    def __init__(self, spec: ModelSpec, started: list) -> None:
+    def __init__(self, spec: ModelSpec, started: list, enforcer) -> None:
         self.gateway, _ = fake_gateway(POLICY)  # no worker ready: a request it admits is answered 503
         self.gateway.model_name = spec.name
+        self.gateway.enforcer = enforcer  # the app's one, as edge.app's stacks share it
         self.started = started
         self.name = spec.name
 
@@ -58,7 +60,7 @@ def serve(scenario):
         app = web.Application()
         app[GATEWAY], refused = fake_gateway(POLICY)
         specs = tuple(ModelSpec(name, f"/nowhere/{name}.gguf", (), FOREVER) for name in ("a", "b"))
-        app[MODELS] = ModelRegistry(specs, lambda spec: FakeStack(spec, started))
+        app[MODELS] = ModelRegistry(specs, lambda spec: FakeStack(spec, started, app[GATEWAY].enforcer))
         add_routes(app)
         async with TestClient(TestServer(app)) as client:
             return await scenario(client, app), started, refused
@@ -159,6 +161,28 @@ def test_the_status_page_shows_each_models_state_memory_and_load():
     assert status == 200 and set(models) == {"a", "b"}
     assert models["a"]["state"] == LOADED and models["a"]["memory"]["measured"] == {"rss": 1, "pss": 1}
     assert models["a"]["load"]["waiting"] == 0 and models["b"]["state"] == UNLOADED and models["b"]["load"] is None
+    assert models["a"]["load"]["tier"] == "normal"  # the degradation tier its own load puts it in
+
+
+def test_a_limit_on_a_model_is_a_429_naming_it_and_a_refused_request_loads_nothing():
+    async def scenario(client, app):
+        first = await answer(await client.post("/v1/chat/completions", json={"model": "b", **CHAT}, headers=auth("rl")))
+        second = await answer(await client.post("/v1/chat/completions", json={"model": "b", **CHAT},
+                                                headers=auth("rl")))  # b loaded: its gateway's decide refuses
+        other = await answer(await client.post("/v1/chat/completions", json={"model": "a", **CHAT},
+                                               headers=auth("rl")))
+        await client.post("/v1/models/b/unload", headers=auth("admin"))
+        before_load = await answer(await client.post("/v1/completions", json={"model": "b", "prompt": "x"},
+                                                     headers=auth("rl")))  # b unloaded: refused before its load
+        return first, second, other, before_load, app[MODELS].slots["b"].state
+    (first, second, other, before_load, b_state), started, refused = serve(scenario)
+    assert first[0] == 503  # admitted by the policy (its one request this minute), then no worker: 503
+    for status, body in (second, before_load):
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded" and body["error"]["param"] == "model"
+        assert "rate limit of 1 requests per minute on model 'b'" in body["error"]["message"]
+    assert other[0] == 503  # its other model is not limited
+    assert started == ["b", "a"] and b_state == UNLOADED  # the refused request did not load b again
+    assert (429, "rate_limit_exceeded") in refused
 
 
 def test_a_single_model_server_refuses_load_and_unload_and_lists_its_one_model():

@@ -146,9 +146,10 @@ def test_aiohttp_own_errors_under_api_answer_in_ollamas_shape():
 class FakeStack:
     """A model's stack whose gateway is a real one on fakes (no worker: it answers 503 once admitted)."""
 
-    def __init__(self, name: str, started: list[str]) -> None:
+    def __init__(self, name: str, started: list[str], enforcer) -> None:
         self.gateway, _ = fake_gateway()
         self.gateway.model_name, self.name, self.started = name, name, started
+        self.gateway.enforcer = enforcer
 
     async def start(self) -> None:
         self.started.append(self.name)
@@ -163,8 +164,9 @@ class FakeStack:
         return {"rss": 2048, "pss": 1024}
 
 
-def serve_several(scenario):
-    """Two configured models, `chat` and `code`, behind a front gateway (edge.models.app), none loaded at start."""
+def serve_several(scenario, policy: Policy | None = None):
+    """Two configured models, `chat` and `code`, behind a front gateway (edge.models.app), none loaded at start; the
+    models' gateways share the front's enforcer, as edge.app's do."""
     from edge.models.registry import ModelRegistry
     from edge.models.spec import ModelSpec
     from edge.state import MODELS
@@ -172,10 +174,10 @@ def serve_several(scenario):
     async def run():
         started: list[str] = []
         app = web.Application()
-        app[GATEWAY], refused = fake_gateway()
+        app[GATEWAY], refused = fake_gateway(policy)
         app[GATEWAY].model_name = ""
         app[MODELS] = ModelRegistry((ModelSpec("chat", None), ModelSpec("code", None, keep_alive_s=60)),
-                                    lambda spec: FakeStack(spec.name, started))
+                                    lambda spec: FakeStack(spec.name, started, app[GATEWAY].enforcer))
         add_routes(app)
         async with TestClient(TestServer(app)) as client:
             return await scenario(client, app[MODELS], started), refused
@@ -202,3 +204,40 @@ def test_several_models_listed_loaded_on_demand_and_unloaded_by_keep_alive_zero(
     assert after[1]["models"][0]["expires_at"] < "2100"  # its keep_alive (60 s) from the answer's end
     assert unload[0] == 200 and unload[1]["done_reason"] == "unload" and left == ["chat"]
     assert load[0] == 200 and load[1]["done_reason"] == "load"
+
+
+def test_a_key_limited_to_one_model_gets_the_unknown_models_404_for_the_other_on_every_ollama_route():
+    """With several models and a key that may use `chat` only: `code` answers as a model that does not exist (the same
+    404 body as for "zz") on show, chat, generate, embed and embeddings, plain and as a load request, nothing loads for
+    it, and /api/tags and /api/ps list `chat` alone for that key."""
+    from policies.schema import ApiKeyRule
+
+    policy = Policy("test", keys={"kc": ApiKeyRule("kc", "default", models=("chat",)), "all": ApiKeyRule("all", "default")})
+    limited = {"Authorization": "Bearer kc"}
+    bodies = (("/api/show", {}), ("/api/chat", {"messages": HI}), ("/api/chat", {"messages": []}),
+              ("/api/generate", {"prompt": "x"}), ("/api/generate", {}), ("/api/embed", {"input": "x"}),
+              ("/api/embeddings", {"prompt": "x"}))
+
+    async def scenario(client, registry, started):
+        out = []
+        for path, body in bodies:
+            other = await answer(await client.post(path, json={"model": "code", **body}, headers=limited))
+            unknown = await answer(await client.post(path, json={"model": "zz", **body}, headers=limited))
+            out.append((path, other, unknown))
+        loaded_before = list(started)
+        await client.post("/api/chat", json={"model": "code", "messages": []}, headers={"Authorization": "Bearer all"})
+        await client.post("/api/chat", json={"model": "chat", "messages": []}, headers=limited)
+        lists = [await answer(await client.get(path, headers=headers)) for path in ("/api/tags", "/api/ps")
+                 for headers in (limited, {"Authorization": "Bearer all"})]
+        return out, loaded_before, lists
+    (out, loaded_before, (tags, all_tags, ps, all_ps)), refused = serve_several(scenario, policy)
+    for path, other, unknown in out:
+        assert other[0] == unknown[0] == 404, (path, other)
+        assert str(other[1]).replace("'code'", "'zz'") == str(unknown[1]), path  # the same body: no leak
+        assert "code" not in str(other[1]).replace("'code'", ""), path  # not named among what it may use
+    assert loaded_before == []  # nothing loaded for a model the key may not use
+    assert [m["name"] for m in tags[1]["models"]] == ["chat:latest"]
+    assert [m["name"] for m in all_tags[1]["models"]] == ["chat:latest", "code:latest"]
+    assert [m["name"] for m in ps[1]["models"]] == ["chat:latest"]  # code is loaded, but not this key's
+    assert sorted(m["name"] for m in all_ps[1]["models"]) == ["chat:latest", "code:latest"]
+    assert refused.count((404, "model_not_found")) == 2 * len(bodies)

@@ -1,6 +1,6 @@
 """End to end: OpenAI Responses and Anthropic Messages on the real service (embedded model), driven by the real
 clients from PyPI (openai's responses.create, anthropic's messages.create and messages.stream), and their keys,
-quotas, priorities, audit lines and route metrics. One server for the module."""
+quotas, priorities, audit lines and route metrics. One server for the module (tests/e2e/conftest.py)."""
 
 import json
 
@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess, wait_for
+from server_process import wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -39,25 +39,8 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "requir
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("serve")
-    with ServerProcess(CONFIG + f'audit_log = "{workdir / "audit.jsonl"}"\n', workdir, POLICY).start() as server:
-        server.audit = workdir / "audit.jsonl"
-        yield server
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def claude(server):
     return anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0, timeout=120)
-
-
-def audit_lines(server) -> list[dict]:
-    return [json.loads(line) for line in server.audit.read_text().splitlines()]
 
 
 def test_responses_plain_and_streamed(server, oai):
@@ -144,7 +127,7 @@ def test_anthropic_create_and_stream_with_a_tool(claude):
     assert counted.input_tokens == prompt_tokens  # the prompt the worker prefilled for the same messages
 
 
-def test_keys_quotas_priority_metrics_and_audit(server):
+def test_keys_quotas_priority_metrics_and_audit(server, audit_lines):
     for route, shape in (("/v1/responses", "openai"), ("/v1/messages", "anthropic")):
         body = {"model": MODEL, "max_tokens": 4, "max_output_tokens": 4,
                 "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
@@ -168,9 +151,9 @@ def test_keys_quotas_priority_metrics_and_audit(server):
         assert server.metric("edge:api_requests_total", route=route, status="finished") >= 1
         assert server.metric("edge:api_requests_total", route=route, status="rejected") >= 2
     def prioritized():
-        return [e for e in audit_lines(server) if e["route"] == "/v1/messages" and e["priority"] == -7]
+        return [e for e in audit_lines() if e["route"] == "/v1/messages" and e["priority"] == -7]
     assert wait_for(lambda: prioritized(), timeout_s=10)
     lines = prioritized()
     assert lines[0]["status"] == "finished" and lines[0]["http_status"] == 200
-    refused = [e for e in audit_lines(server) if e["route"] == "/v1/responses" and e["http_status"] == 401]
+    refused = [e for e in audit_lines() if e["route"] == "/v1/responses" and e["http_status"] == 401]
     assert refused and refused[0]["status"] == "rejected"

@@ -1,15 +1,15 @@
 """End to end: embeddings, prompt logprobs and tokenize/detokenize on the real service (embedded model), driven by
-the openai client and raw HTTP; their keys, quotas, priorities and audit lines. One server for the module."""
+the openai client and raw HTTP; their keys, quotas, priorities and audit lines. One server for the module
+(tests/e2e/conftest.py)."""
 
 import base64
-import json
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
-from server_process import ServerProcess, wait_for
+from server_process import wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -41,20 +41,6 @@ PROMPT = "The capital of France is Paris. The capital of Germany is Berlin, and 
 # prompt logprobs against transformers on the same tokens (teacher-forced): the bounds of
 # tests/prefill_cpu/test_prompt_logprobs.py, measured there
 MEAN_BOUND, MAX_BOUND = 0.1, 0.6
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("serve")
-    server = ServerProcess(CONFIG + f'audit_log = "{workdir / "audit.jsonl"}"\n', workdir, POLICY).start()
-    server.audit = workdir / "audit.jsonl"
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def post(server, path, body, key=KEY):
@@ -142,7 +128,7 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
 
 
-def test_keys_quota_priority_and_audit(server):
+def test_keys_quota_priority_and_audit(server, audit_lines):
     body = {"model": MODEL, "input": "hello there", "priority": -5}
     for path, request in (("/v1/embeddings", body), ("/tokenize", {"model": MODEL, "prompt": "hi"}),
                           ("/detokenize", {"model": MODEL, "tokens": [1]}), ("/v1/rerank", {"model": MODEL})):
@@ -153,7 +139,6 @@ def test_keys_quota_priority_and_audit(server):
     assert over.status_code == 429 and over.json()["error"]["type"] == "rate_limit_error"
 
     def audited() -> list[dict]:
-        lines = [json.loads(line) for line in server.audit.read_text().splitlines()]
-        return [e for e in lines if e["kind"] == "embedding"]
+        return [e for e in audit_lines() if e["kind"] == "embedding"]
     assert wait_for(lambda: any(e["priority"] == -5 and e["status"] == "finished" for e in audited()), timeout_s=10)
     assert any(e["status"] == "rejected" and e["http_status"] == 429 for e in audited())

@@ -1,5 +1,6 @@
 """End to end: the real service (gateway, llama.cpp prefill worker, decode engine) on the embedded model,
-driven by the official openai client and by raw HTTP for every bad input."""
+driven by the official openai client and by raw HTTP for every bad input. One server for the module
+(tests/e2e/conftest.py)."""
 
 import os
 import re
@@ -9,10 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from server_process import ServerProcess, pid_alive, served, wait_for
+from server_process import ServerProcess, pid_alive, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -66,14 +66,6 @@ def fresh_text(tag: str, n_words: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n_words))
 
 
-server = served(CONFIG, POLICY)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
 def post(server, path, body=None, key=KEY, raw=None, headers=None):
     headers = {"Content-Type": "application/json", **(headers or {})}
     if key:
@@ -82,76 +74,76 @@ def post(server, path, body=None, key=KEY, raw=None, headers=None):
                       timeout=120)
 
 
-def test_models_and_health(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_models_and_health(server, oai):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
     health = server.health()
     assert health["status"] == "ok" and health["components"]["decode_engine"] == "ready"
 
 
-def test_chat_and_completions_with_the_openai_client(client):
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
-                                          max_tokens=8, temperature=0)
+def test_chat_and_completions_with_the_openai_client(oai):
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                       max_tokens=8, temperature=0)
     assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
     assert chat.usage.completion_tokens <= 8 and chat.usage.prompt_tokens > 5
-    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                           temperature=0, logprobs=2)
+    completion = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                        temperature=0, logprobs=2)
     assert completion.choices[0].text.strip() and completion.usage.completion_tokens == 6
     assert len(completion.choices[0].logprobs.token_logprobs) == 6
     assert all(len(top) == 2 for top in completion.choices[0].logprobs.top_logprobs)
 
 
-def test_streaming_with_the_openai_client(client):
-    chunks = list(client.chat.completions.create(
+def test_streaming_with_the_openai_client(oai):
+    chunks = list(oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=10, temperature=0,
         stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
     assert chunks[-2].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    streamed = list(client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=5, temperature=0,
-                                              stream=True))
+    streamed = list(oai.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=5, temperature=0,
+                                           stream=True))
     assert text and "".join(c.choices[0].text for c in streamed)
 
 
-def test_greedy_output_is_reproducible_and_seeded_sampling_too(client):
+def test_greedy_output_is_reproducible_and_seeded_sampling_too(oai):
     """Between calls in the same prompt-cache state. A miss and a hit do not always agree: with the f16 prefill
     copy on an AVX2 CPU, llama.cpp computes the last prompt token alone (hit) with other rounding than inside
     the whole prompt (miss), and greedy text can part after a few tokens. So the first call warms the cache."""
     def ask(**kw):
-        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, **kw).choices[0].text
+        return oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, **kw).choices[0].text
     ask(temperature=0)
     assert ask(temperature=0) == ask(temperature=0)
     assert ask(temperature=0.9, seed=7) == ask(temperature=0.9, seed=7)
 
 
-def test_output_controls_reach_both_the_first_token_and_the_decode_steps(client):
+def test_output_controls_reach_both_the_first_token_and_the_decode_steps(oai):
     """logit_bias forces one token from the first (prefill worker) to the last (decode engine); ignore_eos and
     min_tokens keep a short answer going; a penalty changes a greedy answer."""
     def complete(**kw):
-        return client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                         temperature=0, logprobs=0, **kw).choices[0]
+        return oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                      temperature=0, logprobs=0, **kw).choices[0]
     plain, forced = complete(), complete(extra_body={"logit_bias": {"1000": 100}})
     assert len(set(forced.logprobs.tokens)) == 1 and forced.logprobs.tokens != plain.logprobs.tokens
     assert complete(frequency_penalty=2.0, presence_penalty=2.0).text != plain.text
-    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
-                                       echo=True).choices[0]
+    echoed = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                    echo=True).choices[0]
     assert echoed.text == "The capital of France is" + plain.text
-    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                         temperature=0, echo=True, stream=True)
+    streamed = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                      temperature=0, echo=True, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == echoed.text
 
     def chat(**kw):
-        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
-                                              max_tokens=60, temperature=0, **kw)
+        return oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=60, temperature=0, **kw)
     short = chat()
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 40
     assert chat(extra_body={"ignore_eos": True}).usage.completion_tokens == 60
     assert chat(extra_body={"min_tokens": 45}).usage.completion_tokens >= 45
 
 
-def test_stop_strings_end_the_answer(client):
-    text = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
-                                     stop=[" 7"]).choices[0]
+def test_stop_strings_end_the_answer(oai):
+    text = oai.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
+                                  stop=[" 7"]).choices[0]
     assert " 7" not in text.text and text.finish_reason == "stop"
 
 
@@ -196,12 +188,12 @@ def test_bad_input_gets_its_status_and_an_openai_error(server, name, kwargs, sta
         assert error["param"] == "prompt"
 
 
-def test_a_lone_surrogate_in_chat_is_refused_and_the_worker_keeps_serving(server, client):
+def test_a_lone_surrogate_in_chat_is_refused_and_the_worker_keeps_serving(server, oai):
     raw = b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL.encode()
     response = post(server, "/v1/chat/completions", raw=raw)
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages[0].content"
-    assert client.completions.create(model=MODEL, prompt="Still here", max_tokens=2,
-                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+    assert oai.completions.create(model=MODEL, prompt="Still here", max_tokens=2,
+                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 2
 
 
 def test_unknown_routes_and_methods_get_openai_errors(server):
@@ -237,7 +229,7 @@ def test_full_prefill_queue_answers_429(server):
     assert all(int(r.headers["Retry-After"]) >= 1 for r in results if r.status_code == 429)
 
 
-def test_closing_a_stream_frees_its_kv_blocks(server, client):
+def test_closing_a_stream_frees_its_kv_blocks(server, oai):
     with httpx.stream("POST", server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json={"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 400, "temperature": 0, "stream": True},
                       timeout=60) as response:
@@ -250,7 +242,7 @@ def test_closing_a_stream_frees_its_kv_blocks(server, client):
     # freed within about a second quiet (metrics refresh every 0.5 s); 10 s allows a loaded box, and still fails if
     # the blocks were freed only when the stream ran out: ~394 more tokens, tens of seconds on this CPU
     assert time.monotonic() - closed < 10.0
-    assert client.completions.create(model=MODEL, prompt="Next request", max_tokens=3).choices[0].text is not None
+    assert oai.completions.create(model=MODEL, prompt="Next request", max_tokens=3).choices[0].text is not None
 
 
 def test_a_high_priority_prompt_preempts_a_low_priority_prefill(server):
@@ -285,7 +277,7 @@ def test_low_priority_decode_yields_while_a_high_priority_prompt_is_prefilled(se
     assert wait_for(lambda: server.metric("edge:decode_yielded_seconds") - before > 0.2, 3)
 
 
-def test_a_shared_prompt_prefix_comes_from_the_prompt_cache(server, client):
+def test_a_shared_prompt_prefix_comes_from_the_prompt_cache(server, oai):
     """...of the worker (its prefill is skipped) and of the decode pool (its import is skipped)."""
     def hits():
         found = {}
@@ -299,15 +291,15 @@ def test_a_shared_prompt_prefix_comes_from_the_prompt_cache(server, client):
     before = hits()
     for question in ("What is the first point?", "What is the second point?"):
         # ignore_eos: this prompt's first token is an end of text, and only a request that decodes reaches the pool
-        client.completions.create(model=MODEL, prompt=LONG_TEXT + question, max_tokens=2, temperature=0,
-                                  extra_body={"ignore_eos": True})
+        oai.completions.create(model=MODEL, prompt=LONG_TEXT + question, max_tokens=2, temperature=0,
+                               extra_body={"ignore_eos": True})
     # the worker's report may come after the answer (the engine's first token can overtake it), and the engine's
     # stats every half second
     assert wait_for(lambda: hits()["worker"] - before["worker"] > 150, 5)  # LONG_TEXT is ~200 tokens
     assert wait_for(lambda: hits()["pool"] - before["pool"] >= 160, 5)  # its full 16-token blocks, but the last
 
 
-def test_one_keys_cached_prompt_is_never_reused_for_another_key(server, client):
+def test_one_keys_cached_prompt_is_never_reused_for_another_key(server, oai):
     """The prompt caches are per API key: a prompt another key sent first is prefilled in full (so its timing
     tells nothing), while the same key's own prompt still hits. prefill-0 takes prompts one at a time, so once
     the third prompt's hits are counted, the second's are too."""
@@ -318,13 +310,13 @@ def test_one_keys_cached_prompt_is_never_reused_for_another_key(server, client):
             return 0.0
 
     text = fresh_text("tenant", 120)  # ~360 tokens no other test sends
-    client.completions.create(model=MODEL, prompt=text + " First?", max_tokens=1, temperature=0)
+    oai.completions.create(model=MODEL, prompt=text + " First?", max_tokens=1, temperature=0)
     assert wait_for(lambda: worker_hits() is not None, 5)
     before = worker_hits()
     other = post(server, "/v1/completions", {"model": MODEL, "prompt": text + " Second?", "max_tokens": 1,
                                              "temperature": 0}, key=OTHER_KEY)
     assert other.status_code == 200, other.text
-    client.completions.create(model=MODEL, prompt=text + " Third?", max_tokens=1, temperature=0)
+    oai.completions.create(model=MODEL, prompt=text + " Third?", max_tokens=1, temperature=0)
     # the third found the first's prompt (the worker's counters reach /metrics with its status reports: seconds on a
     # loaded machine)
     assert wait_for(lambda: worker_hits() - before >= 300, 30), f"{worker_hits() - before} hits since the first"
@@ -343,7 +335,7 @@ def prompt_in_prefill(server, tag: str) -> tuple[int, list, threading.Thread]:
     return worker_pid, results, thread
 
 
-def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, client):
+def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, oai):
     worker_pid, results, thread = prompt_in_prefill(server, "killed")
     os.kill(worker_pid, signal.SIGKILL)
     thread.join(60)
@@ -351,11 +343,11 @@ def test_killing_a_prefill_worker_fails_its_request_and_it_comes_back(server, cl
     assert wait_for(lambda: server.health()["components"]["prefill-0"] == "ready", 60, 0.5)
     assert server.health()["processes"]["prefill-0"]["restarts"] >= 1
     # ignore_eos: a sampled answer may end early (an end of text among its first tokens)
-    assert client.completions.create(model=MODEL, prompt="Back again", max_tokens=3,
-                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+    assert oai.completions.create(model=MODEL, prompt="Back again", max_tokens=3,
+                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 3
 
 
-def test_a_frozen_prefill_worker_is_declared_stuck_and_its_prompt_is_redone(server, client):
+def test_a_frozen_prefill_worker_is_declared_stuck_and_its_prompt_is_redone(server, oai):
     worker_pid, results, thread = prompt_in_prefill(server, "frozen")
     os.kill(worker_pid, signal.SIGSTOP)  # alive but silent: no heartbeats
     try:

@@ -1,7 +1,7 @@
 """End to end: Ollama's API (/api/...) on the real service (embedded model), driven by the `ollama` Python client from
 PyPI (list, show, chat and generate plain and streamed, embed, ps, the refusals), and the stream's bytes checked line
 by line against Ollama's documented format (docs/api.md in ollama/ollama). Keys, priorities, the audit log and the
-route metrics as on the OpenAI routes. One server for the module."""
+route metrics as on the OpenAI routes. One server for the module (tests/e2e/conftest.py)."""
 
 import json
 from datetime import UTC, datetime
@@ -49,14 +49,6 @@ CHAT_CHUNK_KEYS = {"model", "created_at", "message", "done"}
 GENERATE_CHUNK_KEYS = {"model", "created_at", "response", "done"}
 FINAL_NUMBERS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count",
                  "eval_duration")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("serve")
-    with ServerProcess(CONFIG + f'audit_log = "{workdir / "audit.jsonl"}"\n', workdir, POLICY).start() as server:
-        server.audit = workdir / "audit.jsonl"
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +206,7 @@ def test_load_requests(client):
     assert unload.value.status_code == 400 and "unloaded" in unload.value.error
 
 
-def test_keys_quota_audit_and_metrics(server):
+def test_keys_quota_audit_and_metrics(server, audit_lines):
     limited = ollama.Client(host=server.base, headers={"Authorization": f"Bearer {LIMITED_KEY}"}, timeout=120)
     limited.chat(model=MODEL, messages=QUESTION, options={"num_predict": 2})
     with pytest.raises(ollama.ResponseError) as throttled:
@@ -224,8 +216,7 @@ def test_keys_quota_audit_and_metrics(server):
                                                           "options": {"num_predict": 2}},
                      headers={"Authorization": f"Bearer {LOW_KEY}"}, timeout=120)
     assert low.status_code == 200 and low.headers["X-Edge-Class"] == "low"
-    records = [json.loads(line) for line in server.audit.read_text().splitlines()]
-    routes = {(r["route"], r["status"]) for r in records}
+    routes = {(r["route"], r["status"]) for r in audit_lines()}
     assert {("/api/chat", "finished"), ("/api/generate", "finished"), ("/api/embed", "finished"),
             ("/api/chat", "rejected")} <= routes
     for route in ("/api/chat", "/api/generate", "/api/embed"):

@@ -7,7 +7,7 @@
 requests: round r asks every document its r-th question (document 0..7, then again), one request at a time, greedy,
 16 answer tokens, streamed. Each prompt is a system line, the document, then the question, so a document's prefix is
 shared by its questions. Systems, one after the other on the embedded model, f16 KV:
-- ours, tiers: `edge serve` with its defaults (a 2048-token RAM prompt cache per worker: one document; the engine's
+- ours, tiers: `edge serve` with its defaults (an 8192-token RAM prompt cache per worker: five documents; the engine's
   prefix blocks; the answers' KV returned) and a 4 GiB disk tier (`kv_disk_bytes`), then the same server restarted
   with the same config and folder, each document asked a new question (its first request since the restart);
 - ours, no tiers: prefix_cache_tokens = 0, kv_return_bytes = 0, prefix_caching = false, no disk tier: every prompt

@@ -100,5 +100,6 @@ def describe_tiers(prefiller) -> str:
         s = prefiller.disk.stats()
         line += (f"; disk: {s.hits} hits ({s.hit_tokens} tokens), {s.misses} misses, {s.entries} entries, "
                  f"{s.bytes / 2**20:.1f} of {s.max_bytes / 2**20:.0f} MiB, {s.written} written, {s.evictions} "
-                 f"evictions, {s.rejected} rejected, {s.dropped_writes} dropped writes")
+                 f"evictions, {s.rejected} rejected, {s.dropped_writes} dropped and "
+                 f"{s.skipped_writes} skipped writes")
     return line

@@ -1,8 +1,9 @@
 """The prompt cache's disk tier: prompts' KV kept in files, so they outlive the RAM cache's evictions and restarts.
 
-After a prefill the worker offers the prompt's exported KV (prefill_cpu.prefiller); a background thread writes it as
-one file (prefill_cpu.kv_disk_entry) and keeps the folder under its byte limit, least recently used file first, room
-made before a file is written. Offers are queued, bounded in bytes: a full queue (a slow or full disk) drops the write
+After a prefill the worker offers the prompt's exported KV (prefill_cpu.prefiller); unless it adds fewer than
+MIN_WRITE_GAIN_TOKENS over an entry already stored, a background thread writes it as one file
+(prefill_cpu.kv_disk_entry) and keeps the folder under its byte limit, least recently used file first, room made
+before a file is written. Offers are queued, bounded in bytes: a full queue (a slow or full disk) drops the write
 and counts it; the prefill never waits for the disk. An entry that a newer prompt of the same salt extends is
 replaced by it, as in the RAM cache.
 
@@ -43,6 +44,10 @@ from prefill_cpu.kv_disk_entry import (
 
 log = logging.getLogger(__name__)
 BLOCK_TOKENS = 16  # the index's granularity: a stored prefix shorter than one block is never looked up
+# an offer is written only when it holds at least this many tokens more than the stored entry of its salt sharing the
+# longest prefix with it: a lookup takes a disk entry only when it beats the RAM cache by as many
+# (disk_prefix.MIN_GAIN_TOKENS), and each warm request of a RAG set wrote its prompt and its answer, 34 MiB each at f16
+MIN_WRITE_GAIN_TOKENS = 32
 MAX_QUEUE_BYTES = 256 << 20  # offers waiting for the disk, at most (one larger offer may wait alone)
 
 
@@ -59,6 +64,7 @@ class KVTierStats:
     evictions: int  # files deleted for room, or replaced by a prompt extending them
     rejected: int  # files that failed a check: corrupt, truncated, foreign model or KV type, another tenant's
     dropped_writes: int  # offers not written: the queue full, larger than the tier, or the disk failing
+    skipped_writes: int = 0  # offers not written: fewer than MIN_WRITE_GAIN_TOKENS over a stored entry
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,7 @@ class KVDiskTier:
         self._by_hash: dict[bytes, set[str]] = {}
         self._epochs: dict[str, int] = {}
         self._counts = dict.fromkeys(("hits", "hit_tokens", "misses", "written", "evictions", "rejected",
-                                      "dropped_writes"), 0)
+                                      "dropped_writes", "skipped_writes"), 0)
         self._queue: queue.Queue[_Offer | None] = queue.Queue()
         self._queued_bytes = 0
         self._closed = False
@@ -121,18 +127,22 @@ class KVDiskTier:
         """The entry of this salt sharing the longest prefix (at least one block) with tokens, from the index."""
         prompt = np.asarray(tokens, dtype=np.int32)
         with self._lock:
-            names: set[str] = set()
-            for digest in _block_hashes(salt, prompt):
-                found = self._by_hash.get(digest)
-                if not found:
-                    break
-                names = found
-            best = None
-            for name in names:
-                entry = self._entries[name]
-                shared = _common_prefix(entry.tokens, prompt)
-                if best is None or (shared, entry.last_used) > (best.shared, self._entries[best.name].last_used):
-                    best = Candidate(name, shared, len(entry.tokens))
+            return self._find(prompt, salt)
+
+    def _find(self, prompt: np.ndarray, salt: str) -> Candidate | None:
+        """find, under the lock."""
+        names: set[str] = set()
+        for digest in _block_hashes(salt, prompt):
+            found = self._by_hash.get(digest)
+            if not found:
+                break
+            names = found
+        best = None
+        for name in names:
+            entry = self._entries[name]
+            shared = _common_prefix(entry.tokens, prompt)
+            if best is None or (shared, entry.last_used) > (best.shared, self._entries[best.name].last_used):
+                best = Candidate(name, shared, len(entry.tokens))
         return best
 
     def load(self, candidate: Candidate, tokens: list[int] | np.ndarray, salt: str) -> KVEntry | None:
@@ -166,20 +176,28 @@ class KVDiskTier:
 
     def offer(self, tokens: list[int] | np.ndarray, salt: str, state: bytes, last_logits: np.ndarray | None) -> bool:
         """Queue a prompt's KV to be written; False if it was dropped (queue full, or larger than the tier). A prompt
-        already stored is only marked as used."""
+        that adds fewer than MIN_WRITE_GAIN_TOKENS to what a stored entry of its salt holds (a RAG question after its
+        document, a short answer after its prompt, the same prompt again) is not written: that entry is marked as
+        used, and a restore of this prompt would take it and compute the rest."""
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) < BLOCK_TOKENS:  # the index would never find it
             return False
         name = entry_name(salt, tokens)
         with self._lock:
-            if (stored := self._entries.get(name)) is not None:
-                stored.last_used = time.time()
-                _touch(self.folder / name, stored.last_used)  # its place in the order of eviction after a restart
+            if self._closed:
+                self._counts["dropped_writes"] += 1
+                return False
+            stored = self._find(tokens, salt)
+            if stored is not None and len(tokens) - stored.shared < MIN_WRITE_GAIN_TOKENS:
+                entry = self._entries[stored.name]
+                entry.last_used = time.time()
+                _touch(self.folder / stored.name, entry.last_used)  # its place in the order of eviction after a restart
+                self._counts["skipped_writes"] += stored.name != name
                 return True
             header = EntryHeader(self.facts, salt, len(tokens), last_logits is not None, len(state))
             offer = _Offer(name, header, tokens, last_logits, state, self._epochs.get(salt, 0))
             full = self._queued_bytes and self._queued_bytes + offer.size > self.max_queue_bytes
-            if full or offer.size > self.max_bytes or self._closed:
+            if full or offer.size > self.max_bytes:
                 self._counts["dropped_writes"] += 1
                 return False
             self._queued_bytes += offer.size

@@ -227,3 +227,36 @@ def test_a_folder_that_cannot_be_made_leaves_the_worker_without_the_tier(tmp_pat
     tier = open_disk_tier(prefiller, True)
     assert tier.facts == FACTS and tier.folder == tmp_path / "kv" / (FACTS.model_fingerprint[7:39] + "-q8_0") / "w"
     tier.close()
+
+
+def test_an_offer_adding_fewer_than_32_tokens_over_a_stored_entry_is_not_written(tmp_path):
+    """A RAG set's warm request (its document stored, another question) and a short answer after its prompt are not
+    written again: the stored entry is marked as used, and a restore takes it and computes the rest."""
+    t = tier(tmp_path, max_bytes=8 << 20)
+    question = np.array([9, 9, 9, 9, 9], dtype=np.int32)
+    first = np.concatenate([DOC, question])
+    stored(t, first)  # the document and its first question
+    t.find(first, "a")  # (the entry's last use is now; the skipped offer below makes it later still)
+    before = t._entries[entry_name("a", first)].last_used
+    second = np.concatenate([DOC, question + 1])  # the same document, another question: 5 new tokens
+    assert t.offer(second, "a", STATE, LOGITS)
+    gain = kv_disk_tier.MIN_WRITE_GAIN_TOKENS
+    assert t.offer(np.concatenate([first, np.full(gain - 1, 7, np.int32)]), "a", STATE, None)  # a short answer
+    t.flush()
+    s = t.stats()
+    assert (s.entries, s.written, s.skipped_writes) == (1, 1, 2)
+    assert t._entries[entry_name("a", first)].last_used >= before
+    assert t.find(second, "a").shared == len(DOC)  # a restore of the second question takes the document
+    # the same prompt again is neither written nor counted as skipped (it is the stored entry)
+    assert t.offer(first, "a", STATE, LOGITS)
+    t.flush()
+    assert (t.stats().written, t.stats().skipped_writes) == (1, 2)
+    # 32 tokens more is written (and replaces the entry it extends); another tenant's entry never counts
+    longer = np.concatenate([first, np.full(gain, 7, np.int32)])
+    stored(t, longer, logits=None)
+    stored(t, second, salt="b")
+    s = t.stats()
+    assert (s.entries, s.written, s.skipped_writes) == (2, 3, 2)
+    assert t.find(first, "a").n_tokens == len(longer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([entry_name("a", longer), entry_name("b", second)])
+    t.close()

@@ -61,7 +61,7 @@ class PolicyEnforcer:
         self.default_max_tokens = default_max_tokens
         self.rate_limiter = RateLimiter(clock)
         self.quotas = quotas or TokenQuotas()  # outlives any one policy: a reload keeps the counts
-        self.active: Counter = Counter()  # concurrency per "key:...", "class:..." (and "...@model")
+        self.active: Counter = Counter()  # concurrency per slot of policies.limits.request_limits
         # the box's tier evaluator and, with several models (edge.app sets tiers.per_model), each model's own
         self.tiers = ModelTiers((), clock())
         self.install(policy)

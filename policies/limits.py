@@ -20,15 +20,21 @@ class PolicyRejection(Exception):
 
 def request_limits(key_rule: ApiKeyRule | None, cls: ClientClass, model: str) -> list[tuple[str, int, int, str]]:
     """(slot, requests_per_minute, max_concurrent, model or "") of each limit a request of this key (or class) for
-    this model counts against: the key's and the class's, across models and on the model (issue 45)."""
+    this model counts against: the key's and the class's, across models ("key:K", "class:C") and on the model
+    ("model:M/key:K", "model:M/class:C": a prefix no slot across models has, whatever the key or model is named)."""
     rules = [(f"key:{key_rule.key}", key_rule)] if key_rule is not None else []
     limits = []
     for slot, rule in [*rules, (f"class:{cls.name}", cls)]:
         limits.append((slot, rule.requests_per_minute, rule.max_concurrent, ""))
         own: ModelLimits | None = rule.model_limits.get(model)
         if own is not None and own.limits_requests:
-            limits.append((f"{slot}@{model}", own.requests_per_minute, own.max_concurrent, model))
+            limits.append((f"model:{model}/{slot}", own.requests_per_minute, own.max_concurrent, model))
     return limits
+
+
+def _holder(slot: str, model: str) -> str:
+    """Who a slot counts for, as a refusal names it: "key" or "class"."""
+    return (slot.removeprefix(f"model:{model}/") if model else slot).split(":")[0]
 
 
 def model_counter(key_hash: str, model: str) -> str:
@@ -53,11 +59,11 @@ def on_model(model: str, words: str = " on model") -> str:
 
 
 def concurrency_refusal(slot: str, cap: int, model: str) -> PolicyRejection:
-    return PolicyRejection(429, "concurrency_limit", f"{slot.split(':')[0]} has {cap} requests in flight"
+    return PolicyRejection(429, "concurrency_limit", f"{_holder(slot, model)} has {cap} requests in flight"
                            f"{on_model(model)}, its limit{' there' if model else ''}", 1, "model" if model else None)
 
 
 def rate_refusal(slot: str, per_minute: int, model: str, wait: float) -> PolicyRejection:
     return PolicyRejection(429, "rate_limit_exceeded", f"rate limit of {per_minute} requests per minute"
-                           f"{on_model(model)} reached for this {slot.split(':')[0]}", max(1, round(wait)),
+                           f"{on_model(model)} reached for this {_holder(slot, model)}", max(1, round(wait)),
                            "model" if model else None)

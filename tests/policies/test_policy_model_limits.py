@@ -150,8 +150,7 @@ def test_a_keys_token_quota_on_a_model_is_held_counted_and_refused_naming_it():
 def test_check_room_refuses_what_decide_would_and_takes_nothing():
     enforcer = enforcer_for()
     enforcer.check_room("k1", None, "big")
-    assert not enforcer.rate_limiter.buckets.get("key:k1@big") or enforcer.rate_limiter.buckets[
-        "key:k1@big"].tokens == 2  # a look, not a take
+    assert enforcer.rate_limiter.buckets["model:big/key:k1"].tokens == 2  # a look, not a take
     held = decide(enforcer, "k2", "big")
     with pytest.raises(PolicyRejection) as refused:
         enforcer.check_room("k1", None, "big")

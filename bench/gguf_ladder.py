@@ -124,9 +124,9 @@ def q4_k_m_type(shape: LadderShape, name: str) -> str:
 def ladder_sizes(size: str, kind: str):
     """The rung's contracts.model_sizes.ModelSizes, projected without writing it: tensor data as llama.cpp's Q4_K_M
     rule or f16 lays it out (the header, a few MB of tokenizer, not counted)."""
-    from contracts.model_sizes import REPACKED, Matrix, ModelSizes
+    from contracts.model_sizes import ENGINE_REPACKED, REPACKED, Matrix, ModelSizes
     shape = SHAPES[size]
-    types, data, repacked = {}, 0, 0
+    types, data, repacked, engine_repacked = {}, 0, 0, 0
     for name, dims, tensor_kind in shape.tensors():
         elements = int(np.prod(dims))
         if tensor_kind != "matrix":
@@ -136,6 +136,10 @@ def ladder_sizes(size: str, kind: str):
         held = 2 * elements if kind == "f16" else elements // 256 * BLOCK_BYTES[types[name]]
         data += held
         repacked += held if types[name] in REPACKED and name != "token_embd.weight" else 0
+        # the engine multiplies every matrix but the embedding, and the embedding too as a tied head
+        multiplied = name != "token_embd.weight" or shape.tied
+        rows = ENGINE_REPACKED.get(types[name])
+        engine_repacked += held if multiplied and rows and dims[0] % rows == 0 else 0
     layers = [Matrix(*dims) for name, dims, k in shape.tensors() if k == "matrix" and name.startswith("blk.")]
     return ModelSizes(
         name=ladder_path(Path("."), size, kind).name, file_bytes=data, file_type=FILE_TYPES[kind],
@@ -144,7 +148,8 @@ def ladder_sizes(size: str, kind: str):
         embedding=Matrix(shape.n_vocab, shape.n_embd), head=None if shape.tied else Matrix(shape.n_vocab, shape.n_embd),
         layers=tuple(layers), vector_elements=sum(int(np.prod(d)) for _, d, k in shape.tensors() if k != "matrix"),
         layer_types=frozenset(t for n, t in types.items() if n.startswith("blk.")),
-        head_type=types["output.weight" if not shape.tied else "token_embd.weight"], repacked_bytes=repacked)
+        head_type=types["output.weight" if not shape.tied else "token_embd.weight"], repacked_bytes=repacked,
+        engine_repacked_bytes=engine_repacked)
 
 
 def ladder_path(out: Path, size: str, kind: str) -> Path:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes, copy_may_pay, worker_repacks
+from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes, copy_may_pay, engine_repacks, worker_repacks
 
 MIB, GIB = 2**20, 2**30
 CPU_SHARE, CUDA_SHARE = 0.85, 0.90  # the default budget: this share of the RAM (CPU) or of the device's memory (CUDA)
@@ -100,6 +100,7 @@ class MemoryPlan:
     kv_cache_tokens: int
     swap_bytes: int  # the engine's swap space (swap_space_gib, capped at the pool floor's bytes)
     reasons: dict[str, str] = field(default_factory=dict)  # decision -> why
+    repack: bool = False  # the engine repacks the mapped GGUF's matrices into memory of its own (weight_repack)
 
     def used(self, where: str) -> int:
         return sum(p.bytes for p in self.parts if p.where == where)
@@ -146,6 +147,7 @@ class WeightOption:
     second_set: bool  # quantized and float sets both
     float_set: bool  # auto may keep float weights (alone or beside the quantized)
     why: str
+    repack: bool = False  # the mapped blocks repacked by llama.cpp's CPU repack, a copy in the engine's memory
 
     @property
     def bytes(self) -> int:
@@ -154,16 +156,25 @@ class WeightOption:
     def parts(self, where: str) -> list[Part]:
         notes = ["", "for the batches the quantized kernels lose at",
                  "a first start only: auto measures every quantized kind beside the float set, then keeps one"]
+        if self.repack:
+            notes[1] = "llama.cpp's interleaved layout, faster decode kernels: the engine's own memory"
         return [Part(f"decode weights, {name}", held, where, note) for (name, held), note in zip(self.sets, notes)]
 
 
-def weight_options(sizes: ModelSizes, device: str, weight_dtype: str, dtype: str) -> list[WeightOption]:
+def weight_options(sizes: ModelSizes, device: str, weight_dtype: str, dtype: str,
+                   flags: frozenset[str] = frozenset()) -> list[WeightOption]:
     """Best first; the last is the least the config allows. auto on a CPU measures int4 (every layer matrix affine
     4-bit) or int8, and ggml's q8_0, against the float weights (decode_gpu/model/weight_plan.py): room for the
-    larger of the quantized ones until only the smaller fits."""
+    larger of the quantized ones until only the smaller fits. The GGUF's own blocks, mapped, are repacked for the
+    engine where that fits too (an x86 CPU with AVX2, `flags`): a private copy in llama.cpp's faster layout."""
     in_place = device == "cpu" and bool(sizes.layer_types) and sizes.layer_types | {sizes.head_type} <= GGUF_IN_PLACE
+    repackable = sizes.engine_repacked_bytes if device == "cpu" and engine_repacks(flags) else 0
+    repacked = (f"{MAPPED}, repacked", repackable)
     if weight_dtype == "gguf":
-        return [WeightOption("gguf", ((MAPPED, sizes.file_bytes),), False, False, "one set (weight_dtype = 'gguf')")]
+        mapped = [WeightOption("gguf", ((MAPPED, sizes.file_bytes),), False, False, "one set (weight_dtype = 'gguf')")]
+        return [WeightOption("gguf", ((MAPPED, sizes.file_bytes), repacked), False, False,
+                             "one set (weight_dtype = 'gguf'), its matrices repacked (room for the copy)", True),
+                *mapped] if repackable else mapped
     if weight_dtype != "auto" or device == "cuda":
         told = weight_dtype
         if weight_dtype == "auto":  # CUDA: the GGUF's own quantization
@@ -181,8 +192,13 @@ def weight_options(sizes: ModelSizes, device: str, weight_dtype: str, dtype: str
     both = WeightOption("auto", ((quantized, most), (dtype, floating), *measured), True, True,
                         f"auto: the {quantized} and {dtype} sets both fit (or {MAPPED}, where they measure as fast)")
     if in_place:  # one set: the file's pages, which the workers map too: nothing smaller can be held
-        return [both, WeightOption("auto", ((MAPPED, sizes.file_bytes),), False, False,
-                                   f"auto, one set: both do not fit; {MAPPED} (no second copy)")]
+        mapped = WeightOption("auto", ((MAPPED, sizes.file_bytes),), False, False,
+                              f"auto, one set: both do not fit; {MAPPED} (no second copy)")
+        if not repackable:
+            return [both, mapped]
+        return [both, WeightOption("auto", ((MAPPED, sizes.file_bytes), repacked), False, False,
+                                   f"auto, one set: both do not fit; {MAPPED}, its matrices repacked for decode "
+                                   f"(room for the copy)", True), mapped]
     options = [both,
                WeightOption("auto", ((f"{quantized} or {dtype}", floating),), False, True,
                             "auto, one set: both do not fit; it keeps the one faster at one row"),
@@ -206,7 +222,7 @@ class _Planner:
         self.kv_floor = config.kv_cache_tokens or min(max(KV_FLOOR_TOKENS, 4 * config.max_model_len), longest)
         # swapped-out KV beyond what the pool's floor holds would be memory a CPU box pays twice for
         self.swap_bytes = min(int(config.swap_space_gib * GIB), self.kv_floor * self.per_token)
-        self.options = weight_options(sizes, machine.device, config.weight_dtype, config.dtype)
+        self.options = weight_options(sizes, machine.device, config.weight_dtype, config.dtype, machine.cpu_flags)
         self.reasons: dict[str, str] = {}
 
     def plan(self) -> MemoryPlan:
@@ -223,7 +239,7 @@ class _Planner:
                                            "what is left") + (", up to every sequence at its longest (max_num_seqs "
                                                               "x max_model_len)" if capped else ""))
         return MemoryPlan(self.budgets, tuple(parts), weights.told, weights.second_set, weights.float_set, copy,
-                          workers, tokens, self.swap_bytes, dict(self.reasons))
+                          workers, tokens, self.swap_bytes, dict(self.reasons), weights.repack)
 
     def _required(self, weights: WeightOption, workers: int, copy: str | None) -> list[Part]:
         config, sizes = self.config, self.sizes
@@ -237,8 +253,8 @@ class _Planner:
                        + repacked)
         held = weights.parts(self.engine_at)
         if given and weights.sets[0][0] == MAPPED:  # the same pages as the workers' mapping: counted there, once
-            held = [Part(f"decode weights, {MAPPED}", 0, self.engine_at,
-                         "the given GGUF's pages, shared with the workers (counted under prefill weights)")]
+            held[0] = Part(f"decode weights, {MAPPED}", 0, self.engine_at,
+                           "the given GGUF's pages, shared with the workers (counted under prefill weights)")
         parts = [*held,
                  Part("engine runtime", ENGINE_RUNTIME + (0 if on_device else activations), "host",
                       "Python, torch, tokenizer" + ("" if on_device else ", a step's activations")),

@@ -29,12 +29,25 @@ REPACKED = {"Q4_0", "Q4_K", "IQ4_NL"}
 # ladder Q4_K_M, 512-token prefill at n_batch 256, 2 threads: 154-155 against 214-219 tok/s, 1354 against 917 MiB
 # RSS; docs/sizes.md), so a worker loads such a file without it. Q4_0 and IQ4_NL's repacks were not measured: kept.
 UNREPACKED_ON_AVX512 = {"Q4_K"}
+# What the decode engine's matrices may be repacked as on an x86 CPU with AVX2 (weight_repack, the memory plan;
+# decode_gpu/model/ggml_linear.py repack): type -> the row count its interleaved layout groups (a matrix's output
+# rows must divide by it). ggml-cpu's repack (llama-cpp-python 0.3.36) chose a layout on the AVX-512 box for these
+# four and none for Q5_K, Q6_K and Q8_0 (their layouts are for ARM), tests/decode_gpu/test_gguf_repack.py; a matrix
+# it has none for stays mapped (the engine logs how many were repacked).
+ENGINE_REPACKED = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "Q2_K": 8}
 
 
 # ... and llama.cpp prefills a K-quant mix of these as they lie faster than from an f16 copy there: the 1B ladder's
 # Q4_K_M measured by prefill_weights = "auto" at 2 threads, 16.0 against 7.7 tok/s (box loaded, 2026-12-06) and
 # kept as given the round before; so the memory plan allows no copy for them (no conversion at a first start)
 GIVEN_FASTER_ON_AVX512 = {"Q4_K", "Q6_K"}
+
+
+def engine_repacks(flags: frozenset[str]) -> bool:
+    """Whether the decode engine may repack the GGUF's matrices for its decode steps on this CPU: x86 with AVX2, where
+    the repacked Q4_K measured 1.4-1.6x the mapped blocks' speed at 1 and 16 rows (8B ladder, one thread;
+    docs/sizes.md). Unknown flags (another CPU): no."""
+    return "avx2" in flags
 
 
 def copy_may_pay(layer_types: frozenset[str], flags: frozenset[str]) -> bool:
@@ -87,6 +100,7 @@ class ModelSizes:
     layer_types: frozenset[str] = frozenset()  # GGUF storage types of the layer matrices
     head_type: str = ""  # of the output matrix (the embedding's when tied)
     repacked_bytes: int = 0  # of the matrices llama.cpp repacks at load (REPACKED): a copy in each worker
+    engine_repacked_bytes: int = 0  # of the matrices the decode engine may repack (ENGINE_REPACKED, engine_repacks)
 
     @property
     def n_params(self) -> int:
@@ -173,6 +187,9 @@ def sizes_from_header(header: GGUFHeader, file_bytes: int) -> ModelSizes:
     vectors = sum(t.n_elements for t in header.tensors if len(t.shape) != 2)
     repacked = sum(t.n_bytes for t in [*matrices.values(), *([head] if head else [])]
                    if t.tensor_type.name in REPACKED)
+    # the engine's head is the embedding's blocks when tied: a matrix it multiplies, so repacked too
+    engine_repacked = sum(t.n_bytes for t in [*matrices.values(), head or embedding]
+                          if t.shape[1] % ENGINE_REPACKED.get(t.tensor_type.name, t.shape[1] + 1) == 0)
     file_type = value("general.file_type")
     n_ff = value(f"{arch}.feed_forward_length", 0)
     return ModelSizes(
@@ -184,4 +201,4 @@ def sizes_from_header(header: GGUFHeader, file_bytes: int) -> ModelSizes:
         embedding=Matrix(embedding.shape[1], embedding.shape[0]),
         head=None if head is None else Matrix(head.shape[1], head.shape[0]), layers=layers, vector_elements=vectors,
         layer_types=frozenset(t.tensor_type.name for t in matrices.values()),
-        head_type=(head or embedding).tensor_type.name, repacked_bytes=repacked)
+        head_type=(head or embedding).tensor_type.name, repacked_bytes=repacked, engine_repacked_bytes=engine_repacked)

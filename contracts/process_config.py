@@ -67,6 +67,8 @@ class EngineProcessConfig:
     weight_second_set: bool = wiring("weight_dtype auto may hold the float set beside the quantized one (the memory "
                                      "plan, contracts/memory_plan.py)", True)
     weight_float_set: bool = wiring("weight_dtype auto may hold float weights at all (the memory plan)", True)
+    weight_repack: bool = wiring("the GGUF's own blocks, where served, repacked by llama.cpp's CPU repack into the "
+                                 "engine's memory (the memory plan made room for it)", False)
 
 
 @dataclass(frozen=True)

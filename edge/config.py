@@ -120,6 +120,7 @@ class ServeConfig:
     # by name into the process configs
     weight_second_set: bool = planned(True)  # the engine may hold the float set beside the quantized one
     weight_float_set: bool = planned(True)  # the engine may hold float weights at all
+    weight_repack: bool = planned(False)  # the engine repacks the mapped GGUF's matrices (room for the copy)
     prefill_copy_kinds: tuple[str, ...] | None = planned(None)  # the copies prefill_weights auto may measure
 
 

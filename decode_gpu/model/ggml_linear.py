@@ -35,6 +35,10 @@ MAX_THREADS = 4  # threads of one call at most; measured at 1 and 2 only (no per
 # structs) made every (layer, row count) cost 85 KB: 190 MB over the embedded model's 121 layers at 16 row counts
 GRAPH_NODES = 4
 _TENSOR_DATA_OFFSET = 248  # offsetof(struct ggml_tensor, data) in ggml 0.25 (llama-cpp-python 0.3.36), checked
+# offsetof(struct ggml_tensor, name) and (extra): name[64] follows data, extra follows name (checked with the name)
+_TENSOR_NAME_OFFSET, _TENSOR_EXTRA_OFFSET = 256, 320
+# ggml_backend_cpu_repack_buffer_type() of ggml-cpu's repack.h: exported without C linkage, so by its C++ name
+_REPACK_BUFT_SYMBOL = "_Z35ggml_backend_cpu_repack_buffer_typev"
 _P = ctypes.c_void_p
 _CPUS = os.cpu_count() or 1
 
@@ -76,6 +80,11 @@ class _GGML:
             (base, "ggml_get_type_traits"): (ctypes.POINTER(TypeTraits), [ctypes.c_int]),
             (base, "ggml_quantize_chunk"): (ctypes.c_size_t, [ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int64,
                                                               ctypes.c_int64, _P]),
+            (base, "ggml_set_name"): (_P, [_P, ctypes.c_char_p]),
+            (base, "ggml_backend_alloc_ctx_tensors_from_buft"): (_P, [_P, _P]),
+            (base, "ggml_backend_tensor_set"): (None, [_P, _P, ctypes.c_size_t, ctypes.c_size_t]),
+            (base, "ggml_backend_buffer_free"): (None, [_P]),
+            (base, "ggml_backend_buffer_get_size"): (ctypes.c_size_t, [_P]),
             (cpu, "ggml_cpu_init"): (None, []),
             (cpu, "ggml_graph_plan"): (_CPlan, [_P, ctypes.c_int, _P]),
             (cpu, "ggml_graph_compute"): (ctypes.c_int, [_P, ctypes.POINTER(_CPlan)]),
@@ -85,6 +94,11 @@ class _GGML:
             function.restype, function.argtypes = restype, argtypes
             setattr(self, name.removeprefix("ggml_"), function)
         self.cpu_init()
+        self.repack_buffer_type = None  # llama.cpp's CPU repack (interleaved blocks), where this ggml exports it
+        if hasattr(cpu, _REPACK_BUFT_SYMBOL):
+            function = getattr(cpu, _REPACK_BUFT_SYMBOL)
+            function.restype, function.argtypes = _P, []
+            self.repack_buffer_type = function()
 
 
 @functools.cache
@@ -101,6 +115,8 @@ def _ggml() -> _GGML | None:
     ctx = lib.init(_InitParams(size, None, False))
     tensor = lib.new_tensor_2d(ctx, GGML_F32, 4, 2)
     matches = _P.from_address(tensor + _TENSOR_DATA_OFFSET).value == lib.get_data(tensor)
+    lib.set_name(tensor, b"layout-check")  # and the name's, which places extra (repacked weights read it)
+    matches = matches and ctypes.string_at(tensor + _TENSOR_NAME_OFFSET, 12) == b"layout-check"
     lib.free(ctx)
     if not matches:
         log.warning("ggml weights unavailable: this ggml's tensor layout is not the one llama-cpp-python 0.3.36 has")
@@ -120,21 +136,63 @@ def library() -> _GGML:
     return lib
 
 
+class RepackedWeight:
+    """A matrix's blocks repacked by llama.cpp's CPU repack (its CPU_REPACK buffer type: rows interleaved in groups of
+    4 or 8, so one pass of the dot-product kernels reads several rows' blocks together) into memory of its own: a
+    private copy of the matrix, as llama.cpp makes at load. Measured on the 8B ladder's 4096 x 14336 Q4_K matrix
+    (AVX-512 box, one thread): 2.4-2.7 ms against 3.4-4.1 ms at one row, 13.5 against 21.8 ms at 16 rows; equal
+    results within 2e-6 (/tmp probe of issue 44, docs/sizes.md)."""
+
+    def __init__(self, lib: _GGML, ctx: int, tensor: int, buffer: int) -> None:
+        self._lib, self._ctx, self.tensor, self._buffer = lib, ctx, tensor, buffer
+        self.nbytes = lib.backend_buffer_get_size(buffer)
+
+    def __del__(self) -> None:
+        if getattr(self, "_buffer", None):
+            self._lib.backend_buffer_free(self._buffer)
+            self._lib.free(self._ctx)
+
+
+def repack(blocks: torch.Tensor, ggml_type: int, in_features: int, out_features: int) -> RepackedWeight | None:
+    """`blocks` (a [out, in] matrix of ggml_type, e.g. the mapped GGUF's) repacked for this CPU, or None where
+    llama.cpp has no repacked layout for the type, the shape or the CPU's instructions (or this ggml no repack)."""
+    lib = library()
+    if lib.repack_buffer_type is None:
+        return None
+    ctx = lib.init(_InitParams(2 * lib.tensor_overhead() + 1024, None, True))
+    tensor = lib.new_tensor_2d(ctx, ggml_type, in_features, out_features)
+    # allocating runs the buffer type's init_tensor, which sets extra to the repacked layout for this tensor, or
+    # to NULL where there is none (tensor_set would then abort the process: checked first)
+    buffer = lib.backend_alloc_ctx_tensors_from_buft(ctx, lib.repack_buffer_type)
+    if not buffer or not _P.from_address(tensor + _TENSOR_EXTRA_OFFSET).value:
+        if buffer:
+            lib.backend_buffer_free(buffer)
+        lib.free(ctx)
+        return None
+    lib.backend_tensor_set(tensor, blocks.data_ptr(), 0, blocks.numel())  # repacks as it copies
+    return RepackedWeight(lib, ctx, tensor, buffer)
+
+
 class _MatMulGraph:
     """y [rows, out] = x [rows, in] @ W.T as a ggml graph over a fixed number of rows; the tensors' data pointers
-    are set at each call."""
+    are set at each call. With `repacked`, W is that tensor (its own buffer, llama.cpp's repacked layout)."""
 
     def __init__(self, lib: _GGML, ggml_type: int, weight_ptr: int, in_features: int, out_features: int,
-                 rows: int) -> None:
+                 rows: int, repacked: RepackedWeight | None = None) -> None:
         size = 4 * lib.tensor_overhead() + lib.graph_overhead_custom(GRAPH_NODES, False) + 1024
         self._buffer = ctypes.create_string_buffer(size)  # the context's memory: tensor and graph structs only
         self._ctx = lib.init(_InitParams(size, ctypes.cast(self._buffer, _P), True))
-        weight = lib.new_tensor_2d(self._ctx, ggml_type, in_features, out_features)  # ggml: [ne0 = in, ne1 = out]
+        self._repacked = repacked  # kept alive as long as a graph reads it
+        if repacked is None:
+            weight = lib.new_tensor_2d(self._ctx, ggml_type, in_features, out_features)  # [ne0 = in, ne1 = out]
+        else:
+            weight = repacked.tensor
         self._x = lib.new_tensor_2d(self._ctx, GGML_F32, in_features, rows)
         self._y = lib.mul_mat(self._ctx, weight, self._x)  # [ne0 = out, ne1 = rows]: row-major [rows, out]
         self._graph = lib.new_graph_custom(self._ctx, GRAPH_NODES, False)
         lib.build_forward_expand(self._graph, self._y)
-        _P.from_address(weight + _TENSOR_DATA_OFFSET).value = weight_ptr
+        if repacked is None:
+            _P.from_address(weight + _TENSOR_DATA_OFFSET).value = weight_ptr
         # work (the activations quantized) for the most threads a call may use: in the calling thread's one buffer,
         # shared by every graph it computes (a buffer per graph was 20 KB more per layer and row count)
         self._plan = lib.graph_plan(self._graph, _CPUS, None)
@@ -184,10 +242,11 @@ def quantize(weight: torch.Tensor, weight_dtype: str) -> torch.Tensor:
 
 
 def matmul_graph(blocks: torch.Tensor, weight_dtype: str | int, in_features: int, out_features: int,
-                 rows: int) -> _MatMulGraph:
-    """weight_dtype: a GGML_TYPES name, or a ggml_type id (a GGUF tensor's own type, gguf_layers.py)."""
+                 rows: int, repacked: RepackedWeight | None = None) -> _MatMulGraph:
+    """weight_dtype: a GGML_TYPES name, or a ggml_type id (a GGUF tensor's own type, gguf_layers.py). repacked: the
+    same matrix repacked (repack()), multiplied instead of `blocks`."""
     ggml_type = weight_dtype if isinstance(weight_dtype, int) else GGML_TYPES[weight_dtype]
-    return _MatMulGraph(_ggml(), ggml_type, blocks.data_ptr(), in_features, out_features, rows)
+    return _MatMulGraph(_ggml(), ggml_type, blocks.data_ptr(), in_features, out_features, rows, repacked)
 
 
 class GGMLLinear(QuantizedLinear):

@@ -77,7 +77,8 @@ class GGUFLinear(QuantizedLinear):
     held_as = "gguf"
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, out_features: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype, row_order: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None, dtype: torch.dtype, row_order: torch.Tensor | None = None,
+                 repack: bool = False) -> None:
         super().__init__()
         lib = ggml_linear.library()
         if lib.row_size(ggml_type, in_features) * out_features != blocks.numel():
@@ -91,9 +92,12 @@ class GGUFLinear(QuantizedLinear):
         self.row_order = row_order  # [out] int64, or None: the file's order is the model's
         self.keep_float(blocks, None)  # no float set: the file's blocks are the one set
         self._graphs: dict[tuple[int, int], object] = {}  # (rows, weight address) -> its ggml graph
+        # repack: llama.cpp's interleaved layout in memory of its own (the memory plan made room for it), multiplied
+        # instead of the mapped blocks where llama.cpp has one for this type, shape and CPU; else None
+        self.repacked = ggml_linear.repack(blocks, ggml_type, in_features, out_features) if repack else None
 
-    def __getstate__(self) -> dict:  # a copy builds graphs of its own
-        return {**super().__getstate__(), "_graphs": {}}
+    def __getstate__(self) -> dict:  # a copy builds graphs of its own, over the mapped blocks (the repack stays)
+        return {**super().__getstate__(), "_graphs": {}, "repacked": None}
 
     def product(self, x2: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         rows = x2.shape[0]
@@ -101,7 +105,7 @@ class GGUFLinear(QuantizedLinear):
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = ggml_linear.matmul_graph(self.qweight, self.ggml_type, self.in_features,
-                                                                 self.out_features, rows)
+                                                                 self.out_features, rows, self.repacked)
         x = x2.to(torch.float32).contiguous()  # [rows, in]
         y = torch.empty(rows, self.out_features, dtype=torch.float32)  # [rows, out]
         graph(x, y)

@@ -38,8 +38,10 @@ def layout_dir(identity: GGUFIdentity, cache_dir: Path | None = None) -> Path:
     return converted_dir(identity, cache_dir) / f"{LAYOUT_NAME}-v{LAYOUT_VERSION}"
 
 
-def load_gguf_model(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path | None = None) -> nn.Module:
-    """The serving model whose linear layers and embedding are the GGUF's mapped blocks (on the CPU)."""
+def load_gguf_model(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path | None = None,
+                    repack: bool = False) -> nn.Module:
+    """The serving model whose linear layers and embedding are the GGUF's mapped blocks (on the CPU). repack: each
+    matrix llama.cpp has a repacked layout for is repacked into memory of the engine's own (ggml_linear.repack)."""
     from transformers import AutoConfig, GenerationConfig
 
     from decode_gpu.model.serving_model import serving_model_skeleton
@@ -56,13 +58,19 @@ def load_gguf_model(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path 
     model = serving_model_skeleton(config, GenerationConfig.from_model_config(config), {**small, **matrices})
     mapped = MappedGGUF(identity.path)
     orders = [torch.tensor(order, dtype=torch.long) for order in layout["orders"]]
-    _place_matrices(model, mapped, layout["matrices"], orders, dtype)
+    _place_matrices(model, mapped, layout["matrices"], orders, dtype, repack)
     model.to("cpu")  # the rotary's buffers; the mapped blocks are on the CPU already
     apply_rope_freqs(model)
     log.info("decode model %s: the GGUF's own blocks, mapped (%.2f GiB of the file, shared with the workers' "
              "mapping), norms %.1f MiB, in %.1f s", os.path.basename(identity.path),
              sum(mapped.tensors[e["gguf"]].n_bytes for e in layout["matrices"].values()) / 2**30,
              sum(t.numel() * t.element_size() for t in small.values()) / 2**20, time.perf_counter() - started)
+    if repack:
+        layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        repacked = [m.repacked.nbytes for m in layers if m.repacked is not None]
+        log.info("decode model %s: %d of its %d matrices repacked by llama.cpp's CPU repack into %.2f GiB of the "
+                 "engine's own (the others multiplied as mapped)", os.path.basename(identity.path), len(repacked),
+                 len(layers), sum(repacked) / 2**30)
     return model
 
 
@@ -73,7 +81,7 @@ def _small_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def _place_matrices(model: nn.Module, mapped: MappedGGUF, matrices: dict[str, dict], orders: list[torch.Tensor],
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, repack: bool = False) -> None:
     """Every meta matrix of the skeleton replaced by its GGUF layer (the tied head too: the embedding's blocks)."""
     embedding_entry = matrices.get("model.embed_tokens.weight")
     for module_name, module in list(model.named_modules()):
@@ -89,7 +97,7 @@ def _place_matrices(model: nn.Module, mapped: MappedGGUF, matrices: dict[str, di
             in_features, out_features = mapped.shape(entry["gguf"])
             order = None if entry["order"] is None else orders[entry["order"]]
             layer = GGUFLinear(mapped.blocks(entry["gguf"]), check_type(mapped, entry["gguf"]), in_features,
-                               out_features, module.bias, dtype, order)
+                               out_features, module.bias, dtype, order, repack)
             _replace(model, module_name, layer)
 
 

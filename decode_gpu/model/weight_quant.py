@@ -152,12 +152,13 @@ def held_weight_dtype(model: nn.Module) -> str:
 
 def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtype: str, max_batch: int,
                  fixed_precision: bool = False, serving: bool = False, second_set: bool = True,
-                 float_set: bool = True) -> tuple[nn.Module, WeightReport]:
+                 float_set: bool = True, repack: bool = False) -> tuple[nn.Module, WeightReport]:
     """The decode model on `device` with its weights as `weight_dtype` says (WEIGHT_DTYPES). A model to be quantized
     is loaded on the CPU and quantized a layer at a time on the device, so its float weights never all sit there.
     fixed_precision (deterministic decoding): one precision for every batch size (_one_precision). serving: the
     serving model the native forward reads, not transformers' (loader). second_set, float_set: what the memory plan
-    leaves auto room for (weight_plan.within_memory: the float set beside the quantized one, float weights at all)."""
+    leaves auto room for (weight_plan.within_memory: the float set beside the quantized one, float weights at all).
+    repack: the GGUF's own blocks, where served, are repacked by llama.cpp's CPU repack (the plan made room)."""
     from decode_gpu.model.fused_projections import fuse_projections
     from decode_gpu.model.loader import load_decode_model, own_memory
     if weight_dtype not in WEIGHT_DTYPES:
@@ -174,7 +175,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         gguf_plan.for_memory(identity, serving, second_set) if measure else None
     if gguf is not None:  # the file's own blocks: nothing converted, nothing loaded but the norms
         try:
-            return _gguf_model(identity, dtype, gguf)
+            return _gguf_model(identity, dtype, gguf, repack)
         except ValueError as err:  # a family whose converter changes a matrix's values: auto goes on without
             if weight_dtype == "gguf":
                 raise
@@ -191,7 +192,7 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         gguf = gguf_plan.measured(identity, serving, model, plan, dtype)
         if gguf is not None:  # at least as fast at one row as the plan measured: the float model goes
             del model
-            return _gguf_model(identity, dtype, gguf)
+            return _gguf_model(identity, dtype, gguf, repack)
     if plan.weight_dtype == "float":
         model.to(device)
         pack_linears(model, plan.packed)
@@ -204,10 +205,16 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
     return model, report
 
 
-def _gguf_model(identity, dtype: torch.dtype, why: str) -> tuple[nn.Module, WeightReport]:
+def _gguf_model(identity, dtype: torch.dtype, why: str, repack: bool = False) -> tuple[nn.Module, WeightReport]:
+    from decode_gpu.model.gguf_layers import GGUFLinear
     from decode_gpu.model.gguf_weights import load_gguf_model
-    model = load_gguf_model(identity, dtype)
-    report = WeightReport(held_weight_dtype(model), weight_bytes(model), why)
+    model = load_gguf_model(identity, dtype, repack=repack)
+    repacked = sum(m.repacked.nbytes for m in model.modules() if isinstance(m, GGUFLinear) and m.repacked is not None)
+    held = weight_bytes(model)
+    if repacked:  # memory of the engine's own, beside the mapped file's pages
+        held["repacked"] = repacked
+        why += f"; {repacked / 2**30:.2f} GiB repacked by llama.cpp's CPU repack"
+    report = WeightReport(held_weight_dtype(model), held, why)
     log.info("decode %s", report.describe())
     return model, report
 

@@ -61,7 +61,8 @@ def build_engine(config: EngineProcessConfig) -> DecodeEngine:
     model, weights = load_weights(identity, device, dtype, config.weight_dtype, spec.max_rows(config.max_num_seqs),
                                   fixed_precision=config.deterministic,
                                   serving=resolve_forward(runner_settings.forward) == "native",
-                                  second_set=config.weight_second_set, float_set=config.weight_float_set)
+                                  second_set=config.weight_second_set, float_set=config.weight_float_set,
+                                  repack=config.weight_repack)
     trimmed = trim_heap()  # loading and quantizing freed more than the model holds: give it back
     rss_model = _rss_mib()
     weights_at = since_start()

@@ -251,3 +251,25 @@ def test_the_ggufs_own_blocks_count_once_beside_the_workers_mapping_and_in_full_
     # the one set auto falls to where both do not fit is the same, and needs no float set
     tight = _plan(sizes, 4)
     assert tight.part_bytes()[name] == 0 and "no second copy" in tight.reasons["weights"]
+
+
+def test_on_an_avx2_cpu_the_engine_repacks_the_mapped_blocks_where_the_copy_fits(models) -> None:
+    """weight_repack: llama.cpp's repacked layout of the Q4_K matrices (the Q6_K ones have none on x86) in the
+    engine's own memory, planned where it fits beside everything else; else the mapped blocks alone."""
+    from contracts.model_sizes import engine_repacks
+    avx2 = Machine("cpu", 24 * GIB, cpu_flags=frozenset({"avx2", "avx512f"}))
+    sizes = models["8b"]
+    assert engine_repacks(avx2.cpu_flags) and not engine_repacks(CPU_BOX.cpu_flags)
+    assert 3.0 * GIB < sizes.engine_repacked_bytes < sizes.file_bytes  # its Q6_K matrices and head stay mapped
+    no_avx2 = Machine("cpu", 24 * GIB, cpu_flags=frozenset({"avx512f"}))  # the same rules for the workers
+    roomy, tight, plain = _plan(sizes, 20, avx2), _plan(sizes, 12, avx2), _plan(sizes, 20, no_avx2)
+    assert (roomy.weight_dtype, roomy.repack, roomy.second_set) == ("auto", True, False)
+    held = roomy.part_bytes()
+    assert held["decode weights, the GGUF's own blocks, mapped, repacked"] == sizes.engine_repacked_bytes
+    assert held["decode weights, the GGUF's own blocks, mapped"] == 0  # the workers' pages, counted once
+    per_token = sizes.pool_kv_bytes("bfloat16")  # the copy's room comes from the pool
+    assert (plain.kv_cache_tokens - roomy.kv_cache_tokens) * per_token == \
+        pytest.approx(sizes.engine_repacked_bytes, abs=per_token)
+    assert not tight.repack and not plain.repack  # no room beside the floor, or no AVX2: the mapped blocks only
+    assert not _plan(sizes, 20, avx2, weight_dtype="int4").repack  # the engine's own quantization: nothing mapped
+    assert _plan(sizes, 20, avx2, weight_dtype="gguf").repack

@@ -45,21 +45,32 @@ class StepTimes:
             shape + self.smoothing * (min(seconds, SHAPE_CLIP * shape) - shape)
 
     def rows_within(self, base: int, factor: float) -> int | None:
-        """The largest batch whose step costs at most `factor` times a step of `base` rows, by a line (a fixed part
-        and a part per row) fitted to every size measured; None while fewer than two sizes were measured or the step
-        does not grow with the batch (a GPU's, nearly): no bound."""
+        """The largest batch whose step costs at most `factor` times a step of `base` rows, read off the measured
+        curve's shape: piecewise linear between the sizes measured, a larger batch taken to be no faster than a
+        smaller one (the envelope), a size below the smallest measured at that one's time. Not a line through every
+        size: on a CPU the weights change form with the batch (decode_gpu.model.weight_quant: int4 up to a few rows,
+        bfloat16 above), so the step jumps there, and a line over 1 and 32 rows put a plain request beside an n = 32
+        one at 10 rows, 4x its own step, not 2x. While every size measured past `base` is within, one past the largest
+        (the batch grows a row a step, and each new size is measured by running it). None while fewer than two sizes
+        were measured or the step does not grow with the batch (a GPU's, nearly): no bound."""
         if len(self.shape) < 2:
             return None
-        sizes = sorted(self.shape)
-        mean_b = sum(sizes) / len(sizes)
-        mean_t = sum(self.shape[b] for b in sizes) / len(sizes)
-        spread = sum((b - mean_b) ** 2 for b in sizes)
-        per_row = sum((b - mean_b) * (self.shape[b] - mean_t) for b in sizes) / spread
-        fixed = mean_t - per_row * mean_b
-        if per_row <= 0:
+        curve, worst = [], 0.0
+        for size in sorted(self.shape):
+            worst = max(worst, self.shape[size])
+            curve.append((size, worst))
+        if curve[-1][1] <= curve[0][1]:
             return None
-        fixed = max(0.0, fixed)
-        return max(base, math.floor((factor * (fixed + per_row * base) - fixed) / per_row))
+        limit = factor * _interpolate(curve, base)
+        within, before = base, (base, _interpolate(curve, base))
+        for size, seconds in curve:
+            if size <= base:
+                continue
+            if seconds > limit:
+                (a, at) = before
+                return max(within, a + math.floor((limit - at) / (seconds - at) * (size - a)))
+            within, before = size, (size, seconds)
+        return within + 1
 
     def batch_limit(self, limit_s: float, now: float) -> int:
         """The largest batch whose step stays within limit_s: a larger batch is taken to be no faster than any
@@ -107,6 +118,17 @@ class StepTimes:
         known = [seconds for size, (seconds, when) in self.seconds.items()
                  if size <= batch and now - when <= self.max_age_s]
         return max(known) if known else None
+
+
+def _interpolate(curve: list[tuple[int, float]], size: int) -> float:
+    """The step time at `size` on a measured curve of (batch, seconds) in batch order: linear between the two
+    measured sizes around it, the nearest measured one's outside them (below the smallest, or past the largest)."""
+    if size <= curve[0][0]:
+        return curve[0][1]
+    for (a, at), (b, bt) in zip(curve, curve[1:]):
+        if size <= b:
+            return at + (bt - at) * (size - a) / (b - a)
+    return curve[-1][1]
 
 
 # decode beside prefill on half its threads or on all of them; with no prompt in prefill, on all of them

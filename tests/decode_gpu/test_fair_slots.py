@@ -238,6 +238,25 @@ def test_rows_within_fits_a_line_to_the_measured_sizes():
         SchedulerConfig(share_step_factor=0.5)
 
 
+def test_rows_within_reads_the_curve_where_the_step_jumps():
+    """On a CPU the weights change form past a few rows (int4, then bfloat16): the step jumps there. A line over the
+    sizes put a plain request beside n = 32 at 10 rows, 4x its own step (measured: 0.76 s for 8 tokens against 0.22 s
+    alone); the curve itself keeps it at the last size before the jump."""
+    from decode_gpu.core.step_times import StepTimes
+    times = StepTimes()
+    for batch, seconds in ((1, 0.013), (2, 0.014), (4, 0.017), (5, 0.060), (32, 0.090)):
+        times.record(batch, seconds, 1.0)
+    assert times.rows_within(2, 2.0) == 4
+    assert times.rows_within(2, 5.0) == 14  # 70 ms: a third of the way from 5 rows (60 ms) to 32 (90 ms)
+    assert times.rows_within(5, 2.0) == 32 + 1  # every size past 5 within: one more than the largest measured
+    times.record(3, 0.040, 2.0)  # a slower smaller size: larger ones are no faster (the envelope)
+    assert times.rows_within(2, 2.0) == 2
+    grows = StepTimes()
+    for batch, seconds in ((1, 0.013), (2, 0.014), (3, 0.015)):
+        grows.record(batch, seconds, 1.0)
+    assert grows.rows_within(2, 2.0) == 4  # within at every size measured: the batch grows a row and measures it
+
+
 def test_a_step_that_waited_moves_the_curve_a_little_not_to_its_wait():
     from decode_gpu.core.step_times import StepTimes
     times = StepTimes()

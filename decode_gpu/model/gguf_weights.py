@@ -58,7 +58,15 @@ def load_gguf_model(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path 
     model = serving_model_skeleton(config, GenerationConfig.from_model_config(config), {**small, **matrices})
     mapped = MappedGGUF(identity.path)
     orders = [torch.tensor(order, dtype=torch.long) for order in layout["orders"]]
-    _place_matrices(model, mapped, layout["matrices"], orders, dtype, repack)
+    # ggml logs a line per repacked matrix through llama-cpp-python's logger, which prints all it gets until a
+    # Llama is built quiet (none is in the engine): kept to warnings while the matrices are placed
+    quiet = logging.getLogger("llama-cpp-python")
+    level = quiet.level
+    quiet.setLevel(max(level, logging.WARNING))
+    try:
+        _place_matrices(model, mapped, layout["matrices"], orders, dtype, repack)
+    finally:
+        quiet.setLevel(level)
     model.to("cpu")  # the rotary's buffers; the mapped blocks are on the CPU already
     apply_rope_freqs(model)
     log.info("decode model %s: the GGUF's own blocks, mapped (%.2f GiB of the file, shared with the workers' "

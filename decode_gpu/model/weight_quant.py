@@ -192,7 +192,8 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
         gguf = gguf_plan.measured(identity, serving, model, plan, dtype)
         if gguf is not None:  # at least as fast at one row as the plan measured: the float model goes
             del model
-            return _gguf_model(identity, dtype, gguf, repack)
+            # where the plan had room for both sets, a repacked copy (smaller than either) fits in it too
+            return _gguf_model(identity, dtype, gguf, repack or second_set)
     if plan.weight_dtype == "float":
         model.to(device)
         pack_linears(model, plan.packed)

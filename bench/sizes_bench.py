@@ -253,6 +253,45 @@ def print_table(results: list[dict], models: list[str], concurrency: int, max_to
             print(f"    errors: {row['burst']['errors'] + row['single']['errors']}")
 
 
+THROUGHPUT_BAR, TPOT_BAR = 1.2, 0.8  # issue 44: at least 1.2x llama-server's burst tok/s, TPOT p50 at most 0.8x
+
+
+def print_bounds(results: list[dict], models: list[str], concurrency: int) -> None:
+    """Ours against llama-server per model (same run), and where ours falls short of a bar, what bounds it, measured:
+    the decode step's matrix products as ours runs them (mapped and repacked) against llama.cpp's whole step, one
+    sequence and a burst's rows, at one thread and at two (bench.sizes_bounds)."""
+    from bench.sizes_bounds import llama_cpp_step_ms, ours_products_ms
+    by_model: dict[str, dict[str, dict]] = {}
+    for model, row in zip(models, results):
+        by_model.setdefault(model, {})["ours" if row["name"].startswith("ours") else "peer"] = row
+    for model, pair in by_model.items():
+        if len(pair) < 2:
+            continue
+        ours_row, peer = pair["ours"], pair["peer"]
+        ratio = ours_row["burst"]["out_tok_s"] / max(peer["burst"]["out_tok_s"], 1e-9)
+        tpot = ours_row["burst"]["tpot"][50] / max(peer["burst"]["tpot"][50], 1e-9)
+        short = ratio < THROUGHPUT_BAR or tpot > TPOT_BAR
+        print(f"
+{Path(model).stem}: ours {ratio:.2f}x llama-server's burst out tok/s (bar {THROUGHPUT_BAR}x), TPOT p50 "
+              f"{tpot:.2f}x (bar {TPOT_BAR}x): {'short' if short else 'met'}")
+        if not short:
+            continue
+        threads = (1, 2) if (psutil.cpu_count() or 1) > 1 else (1,)
+        print(f"what bounds it (load average {load_average()}): ms per decode step")
+        print("| rows | threads | ours: products alone, mapped / repacked | llama.cpp whole step, repack on / off |")
+        print("|---:|---:|---:|---:|")
+        for rows in (1, concurrency):
+            for n in threads:
+                mapped, count = ours_products_ms(model, rows, n, 2)
+                repacked, _ = ours_products_ms(model, rows, n, 2, repack=True)
+                on, off = (llama_cpp_step_ms(model, rows, n, 2, repack) for repack in (True, False))
+                print(f"| {rows} | {n} | {mapped:.0f} / {repacked:.0f} ({count} products) | {on:.0f} / {off:.0f} |",
+                      flush=True)
+        print("Where ours' products alone reach llama.cpp's whole step, the kernels bound it (the same ggml kernels on "
+              "the same blocks); where they are well below, the rest of ours' step (attention, norms, sampling, "
+              "Python, the prefill beside decode) does.")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from edge.check_model.command import parse_size
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -272,6 +311,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--settle", type=float, default=5.0)
     parser.add_argument("--systems", default="ours,llama.cpp", help="ours, llama.cpp, or both (comma-separated)")
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--no-bounds", action="store_true",
+                        help="where ours falls short of the bars, do not measure what bounds it (bench.sizes_bounds)")
     parser.add_argument("--serve-llama-cpp", metavar="GGUF", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -297,6 +338,8 @@ def main(argv=None) -> None:
                                    cached=system.name.startswith("ours")))
             rows.append(gguf)
     print_table(results, rows, args.concurrency, args.max_tokens)
+    if not args.no_bounds:
+        print_bounds(results, rows, args.concurrency)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

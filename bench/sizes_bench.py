@@ -271,9 +271,8 @@ def print_bounds(results: list[dict], models: list[str], concurrency: int) -> No
         ratio = ours_row["burst"]["out_tok_s"] / max(peer["burst"]["out_tok_s"], 1e-9)
         tpot = ours_row["burst"]["tpot"][50] / max(peer["burst"]["tpot"][50], 1e-9)
         short = ratio < THROUGHPUT_BAR or tpot > TPOT_BAR
-        print(f"
-{Path(model).stem}: ours {ratio:.2f}x llama-server's burst out tok/s (bar {THROUGHPUT_BAR}x), TPOT p50 "
-              f"{tpot:.2f}x (bar {TPOT_BAR}x): {'short' if short else 'met'}")
+        print(f"\n{Path(model).stem}: ours {ratio:.2f}x llama-server's burst out tok/s (bar {THROUGHPUT_BAR}x), "
+              f"TPOT p50 {tpot:.2f}x (bar {TPOT_BAR}x): {'short' if short else 'met'}")
         if not short:
             continue
         threads = (1, 2) if (psutil.cpu_count() or 1) > 1 else (1,)

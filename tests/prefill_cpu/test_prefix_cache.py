@@ -49,3 +49,29 @@ def test_an_answer_kept_after_its_prompt_carries_the_prompts_logits():
     assert cache.repeat(PROMPT, salt="b") is None and cache.repeat(PROMPT[:-1], salt="a") is None
     longer, _ = cache.place(PROMPT + (7, 8, 9, 10), salt="a")  # the next turn: still the first prompt's logits
     assert cache.repeat(PROMPT, salt="a").seq_id == longer
+
+
+def test_the_default_size_keeps_eight_growing_chats_and_a_smaller_one_thrashes():
+    """The multi-turn bench's load in one worker (8 conversations x 6 turns, round robin; each turn's prompt and then
+    its answer kept, the answer's entry replacing the prompt's): at the default size (contracts.prompt_cache, the
+    embedded model at f16 on 24 GiB) every turn from the second finds the whole previous turn; at the earlier 2048
+    tokens the sixth does not."""
+    from contracts.options import KNOBS
+    from contracts.prompt_cache import prompt_cache_entries, prompt_cache_tokens
+
+    def missed(tokens: int) -> int:
+        cache = PrefixCache(list(range(1, 1 + prompt_cache_entries(tokens))), tokens)
+        chats = [(c * 1000,) + tuple(range(1, 30)) for c in range(8)]  # a 30-token first turn each
+        short = 0
+        for turn in range(6):
+            for c, chat in enumerate(chats):
+                prompt = chat + tuple(range(500, 517)) if turn else chat  # 17 tokens: a question and the template
+                _, shared = cache.match(prompt)
+                short += turn > 0 and shared < len(chat)
+                cache.place(prompt)
+                chats[c] = prompt + tuple(range(600, 632))  # the answer's 32 tokens come back
+                cache.place(chats[c])
+        return short
+
+    assert missed(prompt_cache_tokens(KNOBS["prefix_cache_tokens"].default, 24 * 2**30, 23040)) == 0
+    assert missed(2048) > 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes, copy_may_pay, engine_repacks, worker_repacks
+from contracts.prompt_cache import prompt_cache_tokens
 
 MIB, GIB = 2**20, 2**30
 CPU_SHARE, CUDA_SHARE = 0.85, 0.90  # the default budget: this share of the RAM (CPU) or of the device's memory (CUDA)
@@ -245,7 +246,9 @@ class _Planner:
         config, sizes = self.config, self.sizes
         rows = config.max_num_seqs  # a step's logits, probabilities and sampling scratch, and its activations
         activations = rows * 4 * (8 * sizes.n_vocab + 4 * sizes.n_ff + 8 * sizes.n_embd)
-        kv_cells = config.n_ctx + config.prefix_cache_tokens
+        # the worker's prompt cache as the worker sizes it: prefix_cache_tokens within a share of the RAM
+        kv_cells = config.n_ctx + prompt_cache_tokens(config.prefix_cache_tokens, self.machine.host_bytes,
+                                                      sizes.handoff_kv_bytes(config.kv_type))
         given, on_device = copy is None, self.engine_at == "device"
         # llama.cpp repacks the given file's Q4_K etc., unless the worker loads it without (worker_repacks)
         repacked = sizes.repacked_bytes if given and worker_repacks(sizes.layer_types, self.machine.cpu_flags) else 0

@@ -134,7 +134,7 @@ def main() -> None:
     docs = documents(gguf, args.docs, args.doc_tokens)
     folder = Path(tempfile.mkdtemp(prefix="kv-rag-"))
     results: dict[str, tuple[list, list | None]] = {}
-    tiers = edge("ours, tiers (RAM 2048 tokens, disk 4 GiB)", gguf,
+    tiers = edge("ours, tiers (RAM prompt cache at its default, disk 4 GiB)", gguf,
                  f'kv_disk_bytes = {4 << 30}\nkv_disk_dir = "{folder / "disk"}"\n')
     try:
         tiers.start()

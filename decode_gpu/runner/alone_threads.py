@@ -18,6 +18,10 @@ from decode_gpu.core.step_times import MAX_AGE_S, MAX_INTERVAL_S
 
 ALONE_EVERY, ALONE_HALVED = "alone", "alone-halved"  # decode with no prompt in prefill, on every thread or on half
 TRIES = 3  # steps of a count at a batch size before its mean is compared: one step after a switch can be an outlier
+# a count that lost by a factor r is tried again after max_age_s x r, at most this many times max_age_s: trying two
+# threads that measured 6x slower every 30 s cost 3 slow steps in 30 (8B, single stream: 832 ms a token against the
+# 600 of its products alone)
+MAX_HOLD = 8.0
 
 
 class AloneThreads:
@@ -25,6 +29,8 @@ class AloneThreads:
         self.max_age_s, self.tries = max_age_s, tries
         # (mode, size class) -> (when, seconds) of its steps in the last max_age_s
         self.steps: dict[tuple[str, int], collections.deque[tuple[float, float]]] = {}
+        # (mode, size class) -> (until when, its mean): the count that lost, not tried again before then
+        self.held: dict[tuple[str, int], tuple[float, float]] = {}
 
     def record(self, mode: str, batch: int, seconds: float, now: float) -> None:
         if mode in (ALONE_EVERY, ALONE_HALVED) and batch > 0 and 0 < seconds < MAX_INTERVAL_S:
@@ -32,13 +38,19 @@ class AloneThreads:
 
     def mode(self, batch: int, now: float) -> str:
         """ALONE_HALVED where half the threads measured faster at this batch's size class (sizes within a power of
-        two), or where every thread was measured and half not yet (it is tried), else ALONE_EVERY."""
+        two), or where every thread was measured and half not yet (it is tried), else ALONE_EVERY. The count that
+        lost by a factor r is held out for max_age_s x r (at most MAX_HOLD x), its last mean standing for it."""
         every, halved = self._mean(ALONE_EVERY, batch, now), self._mean(ALONE_HALVED, batch, now)
         if every is None:
             return ALONE_EVERY
         if halved is None:
             return ALONE_HALVED
-        return ALONE_HALVED if halved < every else ALONE_EVERY
+        winner, loser = (ALONE_HALVED, ALONE_EVERY) if halved < every else (ALONE_EVERY, ALONE_HALVED)
+        key = (loser, _size_class(batch))
+        if key not in self.held or self.held[key][0] <= now:  # measured again just now: hold it out anew
+            ratio = max(every, halved) / max(min(every, halved), 1e-9)
+            self.held[key] = (now + self.max_age_s * min(ratio, MAX_HOLD), max(every, halved))
+        return winner
 
     def _mean(self, mode: str, batch: int, now: float) -> float | None:
         """The mean step time of `mode` at this size class over the last max_age_s, once it ran `tries` steps."""
@@ -47,7 +59,10 @@ class AloneThreads:
             return None
         while steps and steps[0][0] < now - self.max_age_s:
             steps.popleft()
-        return sum(s for _, s in steps) / len(steps) if len(steps) >= self.tries else None
+        if len(steps) >= self.tries:
+            return sum(s for _, s in steps) / len(steps)
+        held = self.held.get((mode, _size_class(batch)))
+        return held[1] if held is not None and held[0] > now else None
 
 
 def _size_class(batch: int) -> int:

@@ -107,6 +107,10 @@ class SloControl:
         if tpot is not None:
             known.tpot_predicted_ms = tpot[0]
         if not (ttft_late or tpot_late) or decision.on_slo_miss == "serve":
+            if predicted is not None:
+                log.debug("admitted a request of class %r: TTFT predicted %.0f ms (%.0f ms + offset; %.0f tokens "
+                          "ahead, its own %.0f; margin %.0f ms)", decision.client_class, predicted[0] * 1e3,
+                          predicted[1] * 1e3, predicted[2], tokens, margin * 1e3)
             return decision, known
         if decision.on_slo_miss == "reject":
             self._refused(decision, "ttft" if ttft_late else "tpot")
@@ -150,6 +154,8 @@ class SloControl:
         known.decoding = True
         if known.predicted_s is not None:
             self.metrics.label(self.metrics.error, **{"class": known.client_class}).observe(ttft_s - known.predicted_s)
+            log.debug("%s: first token after %.0f ms, predicted %.0f ms", inflight.request_id, ttft_s * 1e3,
+                      known.predicted_s * 1e3)
         self.predictor.first_token(known, ttft_s)
 
     def observe(self, record: RequestRecord) -> None:

@@ -187,3 +187,54 @@ def test_a_request_during_the_probe_is_told_the_model_is_loading(tmp_path):
     gateway = gateway_on(tmp_path)
     err = gateway._not_ready_error()
     assert (err.status, err.code) == (503, "loading") and "measuring" in err.message
+
+
+def test_the_chat_format_is_read_before_ready_not_by_the_first_burst(tmp_path, monkeypatch):
+    """Every chat request awaits the model's chat format before its admission is judged; read at start, the first
+    burst's refusals do not wait for jinja2's import and the template's compile (129 ms for 64 requests at once)."""
+    from edge.chat import tool_formats
+    read: list[tuple] = []
+
+    def model_chat_format(*key):
+        read.append(key)
+        return "the format"
+    monkeypatch.setattr(tool_formats, "_KNOWN", {})
+    monkeypatch.setattr(tool_formats, "model_chat_format", model_chat_format)
+
+    async def scenario():
+        gateway = gateway_on(tmp_path)
+        worker = FakeWorker(gateway.pool)
+        probing = asyncio.create_task(prefill_probe.measure_at_start(gateway))
+        async with worker.sent:
+            await worker.sent.wait_for(lambda: worker.jobs)
+        read_before_ready = list(read)
+        worker.go.set()
+        await asyncio.wait_for(probing, 5)
+        answer = await tool_formats.chat_format_of(*read[0])
+        return gateway, read_before_ready, answer
+
+    gateway, read_before_ready, answer = asyncio.run(scenario())
+    config = gateway.config
+    assert len(read_before_ready) == 1 and read_before_ready[0][1:] == (config.tool_call_parser,
+                                                                         config.reasoning_parser)
+    assert answer == "the format" and len(read) == 1  # a request's read finds it known
+
+
+def test_a_chat_format_that_cannot_be_read_does_not_hold_readiness(tmp_path, monkeypatch, caplog):
+    from edge.chat import tool_formats
+
+    def broken(*key):
+        raise ValueError("no template")
+    monkeypatch.setattr(tool_formats, "_KNOWN", {})
+    monkeypatch.setattr(tool_formats, "model_chat_format", broken)
+
+    async def scenario():
+        gateway = gateway_on(tmp_path)
+        worker = FakeWorker(gateway.pool)
+        worker.go.set()
+        await asyncio.wait_for(prefill_probe.measure_at_start(gateway), 5)
+        return gateway
+
+    with caplog.at_level(logging.ERROR, logger="edge.core.prefill_probe"):
+        gateway = asyncio.run(scenario())
+    assert gateway.ready and "reading the model's chat format at start failed" in caplog.text

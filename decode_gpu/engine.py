@@ -71,6 +71,8 @@ class DecodeEngine:
         self.blocks = BlockManager(runner.num_blocks, shape.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks,
                                    max_swap_blocks=config.swap_space_bytes // shape.bytes_per_block())
+        # a step beside a prompt in prefill (the runner's PriorityGate, on a CPU) is no sample of the curve's shape
+        self.scheduler.beside_prefill = lambda: getattr(getattr(self.runner, "gate", None), "prefill_active", False)
         self.backlog = Backlog(config.max_backlog_bytes)  # reserved by open (any thread), released here
         self.table = RequestTable(self.scheduler, self.backlog, runner.forget)
         self.requests = self.table.requests  # request id -> its choices still decoding (n > 1: several)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decode_gpu.core import fair_share
@@ -76,7 +77,11 @@ class Scheduler:
         # measured step times per batch size: between two schedule() calls while sequences kept running
         self.step_times = StepTimes()
         self.clock = clock
-        self._last_step: tuple[float, int] = (0.0, 0)  # (when the last step was scheduled, its decode batch)
+        # (when the last step was scheduled, its decode batch, whether a prompt was in prefill beside it then)
+        self._last_step: tuple[float, int, bool] = (0.0, 0, False)
+        # whether a prompt is queued for or in prefill now (the engine sets it from its PriorityGate on a CPU): a step
+        # beside prefill runs on half the threads or waits for it, so it says nothing of the curve's shape
+        self.beside_prefill: Callable[[], bool] = lambda: False
 
     @property
     def num_waiting(self) -> int:
@@ -114,7 +119,7 @@ class Scheduler:
         self._admit_waiting(step)
         step.decode = fair_share.choose(list(self.running.values()), self.config.max_num_seqs, self._rows_within)
         self.paused = set(self.running) - {s.seq_id for s in step.decode}
-        self._last_step = (self.clock(), len(step.decode))
+        self._last_step = (self.clock(), len(step.decode), self.beside_prefill())
         return step
 
     def _rows_within(self, base: int) -> int | None:
@@ -125,11 +130,14 @@ class Scheduler:
 
     def _time_last_step(self) -> None:
         """The previous step took from its scheduling until now, for sequences that kept running through it; when
-        none did (every one ended, and the engine may have idled since), the interval says nothing."""
-        started, batch = self._last_step
+        none did (every one ended, and the engine may have idled since), the interval says nothing. A step that had a
+        prompt in prefill beside it (at its start or its end) counts for the times a sequence sees, not for the
+        curve's shape that the fair share reads (StepTimes.shape): measured, 2-row steps learned beside a burst's
+        prefills let a plain request beside an n = 32 one decode at 13 rows alone, 3x its own step."""
+        started, batch, beside = self._last_step
         if batch and self.running:
             now = self.clock()
-            self.step_times.record(batch, now - started, now)
+            self.step_times.record(batch, now - started, now, for_shape=not (beside or self.beside_prefill()))
 
     def batch_limit(self, joining: Sequence | None = None) -> int:
         """How many sequences may decode together: max_num_seqs, and for a sequence with no TPOT objective of its

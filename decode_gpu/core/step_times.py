@@ -27,7 +27,9 @@ class StepTimes:
         # which fair_share reads for a request's share of a step; the load scales every size alike, the shape stays
         self.shape: dict[int, float] = {}
 
-    def record(self, batch: int, seconds: float, now: float) -> None:
+    def record(self, batch: int, seconds: float, now: float, for_shape: bool = True) -> None:
+        """A step of `batch` sequences took `seconds`; for_shape False: it ran beside something else (a prompt in
+        prefill), so it counts for the times a sequence sees, not for the curve's shape."""
         if batch <= 0 or not 0 < seconds < MAX_INTERVAL_S:
             return
         self.steps.setdefault(batch, collections.deque()).append((now, seconds))
@@ -38,6 +40,8 @@ class StepTimes:
             before = None  # measured again: an old time is of another load, not a sample to smooth with
         smoothed = seconds if before is None else before[0] + self.smoothing * (seconds - before[0])
         self.seconds[batch] = (smoothed, now)
+        if not for_shape:
+            return
         shape = self.shape.get(batch)
         # a step past twice the curve waited (for a more important prefill, a peer's, the gate): it moves the curve by
         # at most what twice would, so a load that really doubled is learned over a few steps, one wait is not

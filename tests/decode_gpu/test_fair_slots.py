@@ -265,3 +265,36 @@ def test_a_step_that_waited_moves_the_curve_a_little_not_to_its_wait():
     times.record(1, 1.5, 3.0)  # the step waited 1.5 s for a prefill (the gate): not what a batch of one costs
     assert times.shape[1] == pytest.approx(0.013 * 1.2)
     assert times.rows_within(2, 2.0) is not None
+
+
+def test_steps_beside_a_prefill_time_the_sequences_but_not_the_curve_the_share_reads():
+    """A burst's small batches decode beside its prefills (on half the threads, or waiting for them): slow steps that
+    are no cost of their rows. Learned as the curve, they let a plain request beside n = 32 decode at 13 rows (3x its
+    own step); they still time what a sequence sees (batch_limit, the stats)."""
+    s, clock = cpu_like_scheduler()
+    prefill = [True]
+    s.beside_prefill = lambda: prefill[0]
+    s.add(request("a"))
+    s.add(request("b"))
+    for _ in range(3):  # two rows beside a burst's prefills: 60 ms a step
+        decode_one(s)
+        clock.now += 0.060
+    prefill[0] = False
+    for _ in range(3):  # then alone
+        cpu_step(s, clock)
+    assert s.step_times.shape[2] == pytest.approx(0.0104 + 0.0023 * 2)
+    s.step_times.record(32, 0.0104 + 0.0023 * 32, clock.now)
+    assert s.step_times.rows_within(2, 2.0) == 8  # from the steps alone; from the 60 ms ones it would be 32
+    assert s.step_times.estimate(2, clock.now) > 0.0104 + 0.0023 * 2  # the sequences' own times keep the slow ones
+
+
+def test_a_step_that_began_beside_a_prefill_is_none_of_the_curve_even_if_it_ended_alone():
+    s, clock = cpu_like_scheduler()
+    prefill = [True]
+    s.beside_prefill = lambda: prefill[0]
+    s.add(request("a"))
+    decode_one(s)
+    prefill[0] = False
+    clock.now += 0.050
+    decode_one(s)  # times the step that began beside the prefill
+    assert 1 not in s.step_times.shape and s.step_times.estimate(1, clock.now) == pytest.approx(0.050)

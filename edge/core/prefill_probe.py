@@ -10,7 +10,8 @@ PROBE_TIMEOUT_S, or one that fails, is logged and readiness goes on without it. 
 pays nothing.
 
 A start with a recorded line checks it (`check`): three short prefills (16, 128, 128 tokens) at once, their times
-against the record's line. The median ratio, within CHECK_RATIO, scales the recorded lines alone and beside decoding
+against the record's line. The median ratio, over CHECK_BIAS (a check's prefill computes the prompt only, so it runs
+faster than a request's) and within CHECK_RATIO, scales the recorded lines alone and beside decoding
 (TTFTPredictor.check_record). Measured (issue 47): a freshly started worker's first prefills ran 1.5-2.6x the line the
 earlier start recorded while warm, so a burst right after start was over-admitted from the record alone; the check's
 prefills also take those first-call costs off the burst's."""
@@ -25,6 +26,7 @@ from contracts.handoff import SamplingParams
 from contracts.messages import PrefillDone, PrefillJob
 from edge.chat.tool_formats import chat_format_of
 from edge.core.lifecycle import InFlight
+from edge.core.ttft_predictor import CHECK_BIAS
 from prefill_cpu.embedded_model import embedded_model_path
 
 log = logging.getLogger("edge.core.prefill_probe")
@@ -90,9 +92,9 @@ async def check(gateway) -> None:
     ratio = gateway.slo.predictor.check_record(done)
     if ratio is not None:
         fixed_s, per_token_s = gateway.slo.predictor.prefill.line()
-        log.info("slo: the recorded prefill line checked at start: %d prefills took %.2fx its prediction (median); "
-                 "predictions start from %.0f ms + %.2f ms/token", len(done), ratio, fixed_s * 1e3,
-                 per_token_s * 1e3)
+        log.info("slo: the recorded prefill line checked at start by %d prefills: scaled %.2fx (their median ratio to "
+                 "it, over the check's bias %.2f); predictions start from %.0f ms + %.2f ms/token", len(done), ratio,
+                 CHECK_BIAS, fixed_s * 1e3, per_token_s * 1e3)
 
 
 async def prefills(gateway, sizes: tuple[int, ...]) -> list[PrefillDone]:

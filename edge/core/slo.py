@@ -98,7 +98,8 @@ class SloControl:
                         choices=request.sampling.n)
         # nothing ahead at its rank: the request would start at once, and a refusal could not make it any faster
         # (what is left is its own prompt and the noise of the offset)
-        margin = self.predictor.margin(priority) if predicted is not None and decision.ttft_slo_ms else 0.0
+        margin = self.predictor.margin(priority, predicted[0]) if predicted is not None and decision.ttft_slo_ms \
+            else 0.0
         ttft_late = predicted is not None and decision.ttft_slo_ms and \
             (predicted[0] + margin) * 1e3 > decision.ttft_slo_ms and predicted[2] > 0
         tpot = predict_tpot(engine, self.pending) if decision.tpot_slo_ms else None
@@ -114,7 +115,8 @@ class SloControl:
             return decision, known
         if decision.on_slo_miss == "reject":
             self._refused(decision, "ttft" if ttft_late else "tpot")
-            refusal = unattainable(decision, predicted[0], predicted[2], margin) if ttft_late else \
+            prior = not recent_errors(self.predictor.errors.get(priority), self.clock())
+            refusal = unattainable(decision, predicted[0], predicted[2], margin, prior) if ttft_late else \
                 tpot_unattainable(decision, *tpot, tpot_error)
             log.info("refused a request of class %r: %s", decision.client_class, refusal.message)
             raise refusal
@@ -245,12 +247,16 @@ def tpot_unattainable(decision: Decision, step_ms: float, rows: int, error_ms: f
                     error_type="rate_limit_error", headers={"Retry-After": "1"})
 
 
-def unattainable(decision: Decision, predicted_s: float, ahead: float, margin_s: float = 0.0) -> ApiError:
+def unattainable(decision: Decision, predicted_s: float, ahead: float, margin_s: float = 0.0,
+                 prior: bool = False) -> ApiError:
     """429 slo_unattainable, at once: Retry-After is how much later the same prediction would meet the objective
-    (what the queue ahead needs to drain)."""
+    (what the queue ahead needs to drain). prior: the margin is the fresh start's share of the prediction
+    (TTFTPredictor.margin), not a measured shortfall."""
     promised = decision.ttft_slo_ms
     retry_after = max(1, math.ceil(predicted_s + margin_s - promised / 1e3))
-    error = f"; one in ten recent predictions fell short by {margin_s * 1e3:.0f} ms or more" if margin_s > 0 else ""
+    error = "" if margin_s <= 0 else \
+        f"; with a margin of {margin_s * 1e3:.0f} ms until first tokens measured the predictions" if prior else \
+        f"; one in ten recent predictions fell short by {margin_s * 1e3:.0f} ms or more"
     return ApiError(429, f"the time to first token predicted now is {predicted_s * 1e3:.0f} ms ({ahead:.0f} prompt "
                          f"tokens ahead{error}), more than the {promised} ms promised to class "
                          f"{decision.client_class!r}; retry after {retry_after} s", code="slo_unattainable",

@@ -34,6 +34,13 @@ BESIDE_CPU_DECODE = 2.0
 # a recorded line checked at start (edge.core.prefill_probe.check) is scaled by the check's ratio within these bounds:
 # a few short prefills are never trusted alone, and real prefills move the line from the first one on
 CHECK_RATIO = (0.5, 3.0)
+# a check's prefill computes the prompt only (no chat template, no first token sampled, no KV exported: max_tokens 0),
+# so it runs faster than a request's of its size: measured, 0.92x the line a quiet start of the same settings had
+# recorded minutes before. Its ratio is read as this much of the box's.
+CHECK_BIAS = 0.9
+# until MIN_ERRORS first tokens were measured, a refusal judges the prediction plus this share of it (margin): on a
+# fresh start's first burst, a line checked at 0.80x admitted 7, the 6th and 7th at 1.50 and 1.74 s
+PRIOR_MARGIN = 0.1
 
 
 def recent_errors(errors: collections.deque[tuple[float, float]] | None, now: float) -> list[float]:
@@ -292,17 +299,18 @@ class TTFTPredictor:
 
     def check_record(self, done: list[PrefillDone]) -> float | None:
         """A recorded line checked by prefills at start: the median of (measured / the line's seconds) over them,
-        within CHECK_RATIO, scales the line alone; the line beside decoding only upward (a box colder or busier than
-        when it was recorded slows both; prefills alone that ran faster say nothing of decode's share of the cores,
-        and a promise is better kept by a line too slow than too fast: measured, a 0.87x check run beside decoding
-        at 1.0x the record). None, and nothing changed, without a line or a measured prefill."""
+        over CHECK_BIAS and within CHECK_RATIO (the scale, returned), scales the line alone; the line beside decoding
+        only upward (a box colder or busier than when it was recorded slows both; prefills alone that ran faster say
+        nothing of decode's share of the cores, and a promise is better kept by a line too slow than too fast:
+        measured, a 0.87x check run beside decoding at 1.0x the record). None, and nothing changed, without a line
+        or a measured prefill."""
         if not self.prefill.measured:
             return None
         ratios = sorted(d.prefill_ms / 1e3 / self.prefill.seconds(d.num_prompt_tokens - d.cached_tokens)
                         for d in done if d.prefill_ms > 0 and d.num_prompt_tokens > d.cached_tokens)
         if not ratios:
             return None
-        ratio = min(max(ratios[len(ratios) // 2], CHECK_RATIO[0]), CHECK_RATIO[1])
+        ratio = min(max(ratios[len(ratios) // 2] / CHECK_BIAS, CHECK_RATIO[0]), CHECK_RATIO[1])
         self.prefill.scale(ratio)
         if self.beside.measured and ratio > 1.0:
             self.beside.scale(ratio)
@@ -358,12 +366,16 @@ class TTFTPredictor:
                          self.prefill.num_measured + self.beside.num_measured)
         prefill_line.write(prefill_line.record_path(self.settings, self.cache_dir), self.settings, found)
 
-    def margin(self, priority: int) -> float:
+    def margin(self, priority: int, predicted_s: float = 0.0) -> float:
         """Seconds the predictions at this priority fell short by, at ERROR_QUANTILE of the last ERROR_WINDOW_S
-        (0.0 when they were mostly early, or fewer than MIN_ERRORS were measured). A spike leaves the window
-        within ERROR_WINDOW_S; a request with nothing ahead is never refused, so errors keep coming in meanwhile."""
+        (0.0 when they were mostly early). A spike leaves the window within ERROR_WINDOW_S; a request with nothing
+        ahead is never refused, so errors keep coming in meanwhile. Until MIN_ERRORS were measured there, PRIOR_MARGIN
+        of the prediction (`predicted_s`): a line's error adds up over the prompts ahead, and a burst right after start
+        is judged whole before any of its first tokens tells how far off it is."""
         ranked = recent_errors(self.errors.get(priority), self.clock())
-        return max(0.0, ranked[int(ERROR_QUANTILE * (len(ranked) - 1))]) if ranked else 0.0
+        if not ranked:
+            return PRIOR_MARGIN * predicted_s
+        return max(0.0, ranked[int(ERROR_QUANTILE * (len(ranked) - 1))])
 
     def first_token(self, known: Pending, ttft_s: float) -> None:
         if known.raw_s is not None:

@@ -89,11 +89,17 @@ def admit(gateway, key, tokens=1000, slo_header=None):
 
 
 def measured(gateway, tokens_per_s=1000.0, handoff_ms=50.0):
-    """One real prefill as a worker reports it: the rate the predictor starts from."""
+    """One real prefill as a worker reports it: the rate the predictor starts from; and as many first tokens exactly
+    on time as its margin reads (a predictor measured while serving: no margin; the prior margin of a fresh start is
+    tested on its own)."""
+    import collections
+
+    from edge.core.ttft_predictor import MIN_ERRORS
     run = admit(gateway, "k-batch", tokens=10)
     gateway.slo.prefilled(run.inflight, PrefillDone(run.inflight.request_id, 1000, 1000 / tokens_per_s * 1e3, 0,
                                                     handoff_ms))
     gateway.pool.workers["w0"].current = None  # it finished
+    gateway.slo.predictor.errors[0] = collections.deque([(time.monotonic(), 0.0)] * MIN_ERRORS)
 
 
 def metric(gateway, name, **labels):
@@ -142,9 +148,10 @@ def test_the_predictors_recent_shortfall_is_allowed_for_and_fades():
     known = Pending("interactive", 1000, 0, 100.0, 0, predicted_s=0.2, raw_s=0.2, deadline=0.0)
     for i in range(MIN_ERRORS - 1):  # one in four first tokens 300 ms late
         predictor.first_token(known, 0.5 if i % 4 == 0 else 0.2)
-    assert predictor.margin(0) == 0.0  # too few measured
+    assert predictor.margin(0) == 0.0 and predictor.margin(0, 0.8) == pytest.approx(0.08)  # too few: the prior
     predictor.first_token(known, 0.2)
     assert predictor.margin(0) == pytest.approx(0.3) and predictor.margin(10) == 0.0
+    assert predictor.margin(0, 0.8) == pytest.approx(0.3)  # measured: the prior no longer counts
     now[0] = ERROR_WINDOW_S + 1  # a spike leaves the window
     assert predictor.margin(0) == 0.0
 
@@ -161,7 +168,7 @@ def test_a_request_predicted_inside_its_objective_by_less_than_the_shortfall_is_
         gateway.slo.predictor.errors[0] = late
         with pytest.raises(ApiError) as info:  # predicted 950 ms, within 1000 but not by 200
             admit(gateway, "k-int", tokens=300)
-        gateway.slo.predictor.errors[0] = collections.deque()
+        gateway.slo.predictor.errors[0] = collections.deque([(time.monotonic(), 0.0)] * 20)
         admit(gateway, "k-int", tokens=300)  # the same request without the shortfall
         return info.value
     err = asyncio.run(scenario())

@@ -135,8 +135,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-llama-server", action="store_true")
     parser.add_argument("--prefix-cache-tokens", type=int, default=None, help="ours: the worker's RAM prompt cache")
+    parser.add_argument("--model", help="a GGUF other than the embedded model (e.g. a size ladder rung: where a "
+                                        "token's prefill costs more, what a turn does not prefill again weighs more)")
     args = parser.parse_args()
-    gguf = embedded_model_path()
+    gguf = args.model or embedded_model_path()
     cache = f"prefix_cache_tokens = {args.prefix_cache_tokens}\n" if args.prefix_cache_tokens is not None else ""
     systems = [edge("ours (answer KV returned)", gguf, cache),
                edge("ours (kv_return_bytes = 0)", gguf, cache + "kv_return_bytes = 0\n"),

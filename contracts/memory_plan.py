@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from contracts.model_sizes import FLOAT_BYTES, GGUF_EXACT_INT4, ModelSizes, copy_may_pay, engine_repacks, worker_repacks
-from contracts.prompt_cache import prompt_cache_tokens
+from contracts.prompt_cache import FLOOR_TOKENS, prompt_cache_tokens
 
 MIB, GIB = 2**20, 2**30
 CPU_SHARE, CUDA_SHARE = 0.85, 0.90  # the default budget: this share of the RAM (CPU) or of the device's memory (CUDA)
@@ -74,7 +74,7 @@ class PlanConfig:
     prefill_workers: int = 1
     n_ctx: int = 4096
     n_batch: int = 256
-    prefix_cache_tokens: int = 2048
+    prefix_cache_tokens: int = 8192  # the knob's default (contracts/options.py); the worker bounds it by RAM
     max_num_seqs: int = 32
     max_model_len: int = 4096
     swap_space_gib: float = 4.0
@@ -102,6 +102,7 @@ class MemoryPlan:
     swap_bytes: int  # the engine's swap space (swap_space_gib, capped at the pool floor's bytes)
     reasons: dict[str, str] = field(default_factory=dict)  # decision -> why
     repack: bool = False  # the engine repacks the mapped GGUF's matrices into memory of its own (weight_repack)
+    prefix_cache_tokens: int = 0  # each worker's RAM prompt cache, as planned (the workers are told it)
 
     def used(self, where: str) -> int:
         return sum(p.bytes for p in self.parts if p.where == where)
@@ -228,7 +229,7 @@ class _Planner:
 
     def plan(self) -> MemoryPlan:
         least = self.options[-1]
-        workers = self._workers(least)
+        workers = self._workers_and_cache(least)
         copy = self._prefill_copy(least, workers)
         weights = next(o for o in self.options if o is least or self._fits(self._required(o, workers, copy)))
         self.reasons["weights"] = weights.why
@@ -240,15 +241,13 @@ class _Planner:
                                            "what is left") + (", up to every sequence at its longest (max_num_seqs "
                                                               "x max_model_len)" if capped else ""))
         return MemoryPlan(self.budgets, tuple(parts), weights.told, weights.second_set, weights.float_set, copy,
-                          workers, tokens, self.swap_bytes, dict(self.reasons), weights.repack)
+                          workers, tokens, self.swap_bytes, dict(self.reasons), weights.repack, self.cache_tokens)
 
     def _required(self, weights: WeightOption, workers: int, copy: str | None) -> list[Part]:
         config, sizes = self.config, self.sizes
         rows = config.max_num_seqs  # a step's logits, probabilities and sampling scratch, and its activations
         activations = rows * 4 * (8 * sizes.n_vocab + 4 * sizes.n_ff + 8 * sizes.n_embd)
-        # the worker's prompt cache as the worker sizes it: prefix_cache_tokens within a share of the RAM
-        kv_cells = config.n_ctx + prompt_cache_tokens(config.prefix_cache_tokens, self.machine.host_bytes,
-                                                      sizes.handoff_kv_bytes(config.kv_type))
+        kv_cells = config.n_ctx + self.cache_tokens
         given, on_device = copy is None, self.engine_at == "device"
         # llama.cpp repacks the given file's Q4_K etc., unless the worker loads it without (worker_repacks)
         repacked = sizes.repacked_bytes if given and worker_repacks(sizes.layer_types, self.machine.cpu_flags) else 0
@@ -296,6 +295,26 @@ class _Planner:
 
     def _fits(self, parts: list[Part]) -> bool:
         return all(self._used(parts, where) <= budget for where, budget in self.budgets.items())
+
+    def _workers_and_cache(self, weights: WeightOption) -> int:
+        """The workers that fit (_workers), with the worker's prompt cache as the worker sizes it (prefix_cache_tokens
+        within a share of the RAM, contracts.prompt_cache), or, where one worker does not fit with it, with the
+        smaller cache of the earlier default (FLOOR_TOKENS) before the model is refused."""
+        sized = prompt_cache_tokens(self.config.prefix_cache_tokens, self.machine.host_bytes,
+                                    self.sizes.handoff_kv_bytes(self.config.kv_type))
+        choices = [sized, *([FLOOR_TOKENS] if sized > FLOOR_TOKENS else [])]
+        for cache in choices:
+            self.cache_tokens = cache
+            try:
+                workers = self._workers(weights)
+            except MemoryRefused:
+                if cache == choices[-1]:
+                    raise
+                continue
+            self.reasons["prefix_cache_tokens"] = f"{cache} a worker" + (
+                "" if cache == sized else f": {sized} (prefix_cache_tokens within its RAM share) would not fit")
+            return workers
+        raise AssertionError("unreachable")
 
     def _workers(self, weights: WeightOption) -> int:
         wanted = self.config.prefill_workers

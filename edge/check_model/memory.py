@@ -100,7 +100,7 @@ def planned_config(config, plan: MemoryPlan, box: Machine):
     budget (gpu_memory_utilization no larger than the budget's share of the device)."""
     changes = {"prefill_workers": plan.prefill_workers, "weight_dtype": plan.weight_dtype,
                "weight_second_set": plan.second_set, "weight_float_set": plan.float_set,
-               "weight_repack": plan.repack,
+               "weight_repack": plan.repack, "prefix_cache_tokens": plan.prefix_cache_tokens,
                "swap_space_gib": min(config.swap_space_gib, plan.swap_bytes / GIB)}
     if box.device == "cpu":
         changes["kv_cache_tokens"] = plan.kv_cache_tokens

@@ -273,3 +273,16 @@ def test_on_an_avx2_cpu_the_engine_repacks_the_mapped_blocks_where_the_copy_fits
     assert not tight.repack and not plain.repack  # no room beside the floor, or no AVX2: the mapped blocks only
     assert not _plan(sizes, 20, avx2, weight_dtype="int4").repack  # the engine's own quantization: nothing mapped
     assert _plan(sizes, 20, avx2, weight_dtype="gguf").repack
+
+
+def test_the_workers_prompt_cache_is_planned_as_the_worker_sizes_it_and_shrinks_before_a_refusal(models) -> None:
+    """prefix_cache_tokens (8192 by default) within the worker's RAM share (contracts.prompt_cache); where one worker
+    does not fit with it, the earlier default's 2048 tokens; the workers are told the planned size."""
+    from contracts.prompt_cache import FLOOR_TOKENS, prompt_cache_tokens
+    sizes = models["1b"]
+    roomy, tight = _plan(sizes, 16), _plan(sizes, 4)
+    assert roomy.prefix_cache_tokens == prompt_cache_tokens(8192, CPU_BOX.host_bytes, sizes.handoff_kv_bytes("f16"))
+    assert tight.prefix_cache_tokens == FLOOR_TOKENS and "would not fit" in tight.reasons["prefix_cache_tokens"]
+    assert _plan(sizes, 16, prefix_cache_tokens=0).prefix_cache_tokens == 0
+    with pytest.raises(MemoryRefused):
+        _plan(sizes, 1)

@@ -137,12 +137,15 @@ class SloControl:
     def prefilled(self, inflight: InFlight, done: PrefillDone) -> None:
         """A prefill's report: the predictor's line alone or beside decoding (another request of ours decoding as it
         ended whose steps do not yield to it, ttft_predictor.yields_to: on a CPU-only box decode then had half of the
-        worker's threads)."""
+        worker's threads; or whose steps yield, when the prefill took as long as one beside decoding: the yield is
+        bounded, 2 s in any 4 s, so a burst's later prefills run beside decoding after all: ran_beside)."""
         known = self.pending.get(inflight.request_id)
         if known is not None:
             known.prefilled = True
-        beside = any(p.decoding and not yields_to(p, inflight.priority) for rid, p in self.pending.items()
-                     if rid != inflight.request_id)
+        others = [p for rid, p in self.pending.items() if rid != inflight.request_id and p.decoding]
+        beside = any(not yields_to(p, inflight.priority) for p in others)
+        if not beside and others:  # they yield to it, but only so long (the gate's duty bound): did they here?
+            beside = self.predictor.ran_beside(done)
         self.predictor.prefilled(done, None if done.resumed else known, beside)
 
     def probed(self, done: PrefillDone) -> None:

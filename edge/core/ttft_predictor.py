@@ -31,6 +31,9 @@ SEED_TOKENS = (32, 256)  # a recorded line enters the fit as two prompts of thes
 # a prefill beside CPU decoding, before one was measured: the worker gives decode half its threads
 # (contracts/cpu_share.py), and both share the memory bandwidth
 BESIDE_CPU_DECODE = 2.0
+# a prefill beside decode that yields to it, taking at least this times the line alone, ran beside decoding after all
+# (TTFTPredictor.ran_beside): between the line alone and BESIDE_CPU_DECODE's
+BESIDE_EVIDENCE = 1.5
 # a recorded line checked at start (edge.core.prefill_probe.check) is scaled by the check's ratio within these bounds:
 # a few short prefills are never trusted alone, and real prefills move the line from the first one on
 CHECK_RATIO = (0.5, 3.0)
@@ -290,6 +293,16 @@ class TTFTPredictor:
         if known is not None and known.text_bytes and done.num_prompt_tokens:
             self.tokens_per_byte.add(done.num_prompt_tokens / known.text_bytes)
         self._record()
+
+    def ran_beside(self, done: PrefillDone) -> bool:
+        """Whether a prefill that found yielding decode beside it took so long that it ran beside decoding after all
+        (the yield's duty ran out): at least BESIDE_EVIDENCE times the line alone's seconds for it, once that line is
+        known. Learned as alone, a warm-up's 8 prompts at once put the line at 1.8x a 130-token prompt's real prefill,
+        and the burst after it was admitted at 3 where 6 fit."""
+        computed = done.num_prompt_tokens - done.cached_tokens
+        if not self.prefill.measured or done.prefill_ms <= 0 or computed <= 0:
+            return False
+        return done.prefill_ms / 1e3 >= BESIDE_EVIDENCE * self.prefill.seconds(computed)
 
     def probed(self, done: PrefillDone) -> None:
         """A start-up probe's prefill (edge.core.prefill_probe: a fresh cache salt, nothing handed off): its time on

@@ -187,6 +187,30 @@ def test_yields_to():
     assert yields_to(dataclasses.replace(peer, ttft_slo_ms=0, choices=32), 1)  # unless it has many choices
 
 
+def test_a_prefill_beside_yielding_decode_that_took_as_long_as_beside_teaches_the_line_beside(tmp_path):
+    """The yield is bounded (2 s in any 4 s): a warm-up's 8 prompts at once ran their later prefills beside decoding
+    after all, and learned as alone they put the line at 1.8x a real prefill. A prefill that found yielding decode
+    beside it and took at least BESIDE_EVIDENCE times the line alone is one beside decoding; a quicker one ran alone."""
+    from edge.core.lifecycle import InFlight
+    from edge.core.ttft_predictor import BESIDE_EVIDENCE
+    gateway = gateway_on(pool(), cpu_engine(), tmp_path)
+    slo = gateway.slo
+    teach(slo.predictor)  # 30 ms + 1 ms a token alone: 160 ms for 130 tokens
+    alone_before = slo.predictor.prefill.seconds(130)
+    peer = Pending("chat", 1000, 0, 130.0, 0, 0.2, 0.2, 1.0, decoding=True)  # yields to its level's prompts
+    slo.pending["decoding"] = peer
+    for name, ms in (("quick", 170.0), ("slow", 160.0 * BESIDE_EVIDENCE * 1.1)):
+        slo.pending[name] = Pending("chat", 1000, 0, 130.0, 0, 0.2, 0.2, 1.0)
+        beside_before = slo.predictor.beside.num_measured
+        slo.prefilled(InFlight(name, 0), PrefillDone(name, 130, ms, 0, 50.0))
+        assert slo.predictor.beside.num_measured == beside_before + (name == "slow")
+    assert slo.predictor.prefill.seconds(130) == pytest.approx(alone_before, rel=0.1)  # the slow one not in it
+    del slo.pending["decoding"]
+    slo.pending["alone"] = Pending("chat", 1000, 0, 130.0, 0, 0.2, 0.2, 1.0)
+    slo.prefilled(InFlight("alone", 0), PrefillDone("alone", 130, 400.0, 0, 50.0))  # nothing decoding: alone
+    assert slo.predictor.beside.num_measured == 1
+
+
 def test_beside_a_gpu_engine_the_prefills_are_not_slowed(tmp_path):
     async def scenario():
         engine = cpu_engine()

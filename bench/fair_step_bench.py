@@ -78,7 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF path (default: the embedded SmolLM2-135M)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--factor", type=float, default=2.0, help="share_step_factor measured against 0 (slots only)")
+    parser.add_argument("--factor", type=float, default=1.25, help="share_step_factor measured against 0 (slots only)")
     args = parser.parse_args()
     identity, big, plain = handoffs(args.model or embedded_model_path())
     model = load_decode_model(identity, CPU, torch.float32)

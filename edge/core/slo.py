@@ -169,6 +169,8 @@ class SloControl:
         known = self.pending.pop(record.request_id, None)
         if known is None or record.status == "rejected":
             return
+        if known.decoding:
+            self.predictor.decoding_ended_at = self.clock()
         if record.status == "aborted" and record.ttft_s is None:
             return
         outcomes = {}

@@ -27,6 +27,10 @@ OFFSET_HALF_LIFE_S = 30.0  # the learned offset fades without new first tokens (
 ERROR_QUANTILE = 0.9
 ERROR_WINDOW_S = 60.0
 MIN_ERRORS = 20
+# the engine's stats come every 0.5 s: for this long after a request of ours that decoded ended, a running count in
+# them with none of ours decoding is read as that request's, not as decoding of another gateway's: a warm burst right
+# after its warm-up's answers ended was predicted beside decoding (twice the line) and admitted 3 where 6 fit
+STATS_AGE_S = 1.0
 SEED_TOKENS = (32, 256)  # a recorded line enters the fit as two prompts of these sizes
 # a prefill beside CPU decoding, before one was measured: the worker gives decode half its threads
 # (contracts/cpu_share.py), and both share the memory bandwidth
@@ -185,6 +189,8 @@ class TTFTPredictor:
         self.threads, self.cache_dir = threads, cache_dir
         self.settings: dict | None = None
         self.recorded_at: float | None = None  # when this run last wrote the record (clock)
+        # when the last request of ours that decoded ended (clock): the engine's stats may still count it
+        self.decoding_ended_at = -math.inf
 
     def estimate_tokens(self, request: GenerateRequest) -> tuple[float, int]:
         if request.prompt_tokens is not None:
@@ -212,7 +218,8 @@ class TTFTPredictor:
         slowed = self._beside_factor(engine)
         decoding = [p for p in pending.values() if p.decoding]
         beside = any(not yields_to(p, priority) for p in decoding) or \
-            (not decoding and engine is not None and engine.num_running > 0)
+            (not decoding and engine is not None and engine.num_running > 0 and
+             self.clock() - self.decoding_ended_at > STATS_AGE_S)
         rank = (priority, deadline_at or math.inf)
         ahead, ahead_s = 0.0, 0.0
         now = time.perf_counter()

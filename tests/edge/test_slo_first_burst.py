@@ -211,6 +211,28 @@ def test_a_prefill_beside_yielding_decode_that_took_as_long_as_beside_teaches_th
     assert slo.predictor.beside.num_measured == 1
 
 
+def test_engine_stats_that_still_count_our_ended_answers_do_not_slow_the_prediction(tmp_path):
+    """The engine's stats come every 0.5 s: right after a warm-up's answers ended they still count them running. With
+    none of ours decoding, that count was read as decoding beside the next prompts (twice the line): a warm burst was
+    admitted at 3 where 6 fit. Within STATS_AGE_S of our last decoding request's end it is not; later it is (another
+    gateway's decoding)."""
+    from types import SimpleNamespace
+
+    from edge.core.ttft_predictor import STATS_AGE_S
+    now = [100.0]
+    gateway = gateway_on(pool(), cpu_engine(num_running=8), tmp_path)
+    slo = gateway.slo
+    slo.clock = slo.predictor.clock = lambda: now[0]
+    teach(slo.predictor)  # 30 ms + 1 ms a token alone, 50 ms handoff; beside: twice the line (none measured)
+    beside_s = slo.predictor.predict(0, 0.0, 130, {}, gateway.engine.stats)[1]
+    slo.pending["answer"] = Pending("chat", 1000, 0, 130.0, 0, 0.2, 0.2, 1.0, decoding=True)
+    slo.observe(SimpleNamespace(request_id="answer", status="finished", ttft_s=0.2, tpot_s=None))
+    alone_s = slo.predictor.predict(0, 0.0, 130, {}, gateway.engine.stats)[1]
+    assert alone_s == pytest.approx(0.160 + 0.050, rel=0.05) and beside_s == pytest.approx(0.320 + 0.050, rel=0.05)
+    now[0] += STATS_AGE_S + 0.1
+    assert slo.predictor.predict(0, 0.0, 130, {}, gateway.engine.stats)[1] == pytest.approx(beside_s)
+
+
 def test_beside_a_gpu_engine_the_prefills_are_not_slowed(tmp_path):
     async def scenario():
         engine = cpu_engine()

@@ -135,8 +135,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-llama-server", action="store_true")
     parser.add_argument("--prefix-cache-tokens", type=int, default=None, help="ours: the worker's RAM prompt cache")
-    parser.add_argument("--model", help="a GGUF other than the embedded model (e.g. a size ladder rung: where a "
-                                        "token's prefill costs more, what a turn does not prefill again weighs more)")
+    parser.add_argument("--model", help="a GGUF other than the embedded model, whose answers re-tokenize as they were "
+                                        "generated (the size ladder's random weights answer with tokens that do not: "
+                                        "every later turn then misses, measured)")
     args = parser.parse_args()
     gguf = args.model or embedded_model_path()
     cache = f"prefix_cache_tokens = {args.prefix_cache_tokens}\n" if args.prefix_cache_tokens is not None else ""

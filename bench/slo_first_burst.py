@@ -3,8 +3,9 @@
 
 1. one class promising `--burst-ttft-ms` (default 1500) with on_slo_miss = "reject"; `--burst-size` chats of about
    `--burst-tokens` prompt tokens sent at once as soon as /health says ready: how many were served, how many of
-   those met the objective, how fast the refusals came (at the client, and the span of the server's refusal log
-   lines at INFO);
+   those met the objective, how fast the refusals came (at the client from the send, which counts this client
+   creating, connecting and writing the 64 requests on the same cores, and from each request's headers written; and
+   the span of the server's refusal log lines at INFO);
    (an earlier start of the same settings, with a class without objectives, served a few requests before it, alone
    and beside decoding, so that a record of the prefill line exists with its beside-decoding line, as on an
    appliance that served before: edge/core/prefill_line.py);

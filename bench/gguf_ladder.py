@@ -124,7 +124,7 @@ def q4_k_m_type(shape: LadderShape, name: str) -> str:
 def ladder_sizes(size: str, kind: str):
     """The rung's contracts.model_sizes.ModelSizes, projected without writing it: tensor data as llama.cpp's Q4_K_M
     rule or f16 lays it out (the header, a few MB of tokenizer, not counted)."""
-    from contracts.model_sizes import ENGINE_REPACKED, REPACKED, Matrix, ModelSizes
+    from contracts.model_sizes import REPACKED, Matrix, ModelSizes, engine_repackable
     shape = SHAPES[size]
     types, data, repacked, engine_repacked = {}, 0, 0, 0
     for name, dims, tensor_kind in shape.tensors():
@@ -138,8 +138,7 @@ def ladder_sizes(size: str, kind: str):
         repacked += held if types[name] in REPACKED and name != "token_embd.weight" else 0
         # the engine multiplies every matrix but the embedding, and the embedding too as a tied head
         multiplied = name != "token_embd.weight" or shape.tied
-        rows = ENGINE_REPACKED.get(types[name])
-        engine_repacked += held if multiplied and rows and dims[0] % rows == 0 else 0
+        engine_repacked += held if multiplied and engine_repackable(types[name], dims[0]) else 0
     layers = [Matrix(*dims) for name, dims, k in shape.tensors() if k == "matrix" and name.startswith("blk.")]
     return ModelSizes(
         name=ladder_path(Path("."), size, kind).name, file_bytes=data, file_type=FILE_TYPES[kind],

@@ -260,7 +260,7 @@ def print_bounds(results: list[dict], models: list[str], concurrency: int) -> No
     """Ours against llama-server per model (same run), and where ours falls short of a bar, what bounds it, measured:
     the decode step's matrix products as ours runs them (mapped and repacked) against llama.cpp's whole step, one
     sequence and a burst's rows, at one thread and at two (bench.sizes_bounds)."""
-    from bench.sizes_bounds import llama_cpp_step_ms, ours_products_ms
+    from bench import sizes_bounds
     by_model: dict[str, dict[str, dict]] = {}
     for model, row in zip(models, results):
         by_model.setdefault(model, {})["ours" if row["name"].startswith("ours") else "peer"] = row
@@ -275,17 +275,9 @@ def print_bounds(results: list[dict], models: list[str], concurrency: int) -> No
               f"TPOT p50 {tpot:.2f}x (bar {TPOT_BAR}x): {'short' if short else 'met'}")
         if not short:
             continue
-        threads = (1, 2) if (psutil.cpu_count() or 1) > 1 else (1,)
+        threads = [1, 2] if (psutil.cpu_count() or 1) > 1 else [1]
         print(f"what bounds it (load average {load_average()}): ms per decode step")
-        print("| rows | threads | ours: products alone, mapped / repacked | llama.cpp whole step, repack on / off |")
-        print("|---:|---:|---:|---:|")
-        for rows in (1, concurrency):
-            for n in threads:
-                mapped, count = ours_products_ms(model, rows, n, 2)
-                repacked, _ = ours_products_ms(model, rows, n, 2, repack=True)
-                on, off = (llama_cpp_step_ms(model, rows, n, 2, repack) for repack in (True, False))
-                print(f"| {rows} | {n} | {mapped:.0f} / {repacked:.0f} ({count} products) | {on:.0f} / {off:.0f} |",
-                      flush=True)
+        sizes_bounds.print_table(model, [1, concurrency], threads, 2)
         print("Where ours' products alone reach llama.cpp's whole step, the kernels bound it (the same ggml kernels on "
               "the same blocks); where they are well below, the rest of ours' step (attention, norms, sampling, "
               "Python, the prefill beside decode) does.")

@@ -66,6 +66,21 @@ def llama_cpp_step_ms(path: str, rows: int, threads: int, repeat: int, repack: b
     return best * 1e3
 
 
+def print_table(model: str, rows: list[int], threads: list[int], repeat: int) -> None:
+    """The bounds table: per (rows, threads), ours' products (mapped / repacked) against llama.cpp's whole step
+    (repack on / off), printed as each row is measured."""
+    print("| rows | threads | ours: matrix products alone ms (mapped / repacked) | llama.cpp whole step ms (repack "
+          "on / off) |")
+    print("|---:|---:|---:|---:|")
+    for n_rows in rows:
+        for n_threads in threads:
+            ours, n = ours_products_ms(model, n_rows, n_threads, repeat)
+            repacked, _ = ours_products_ms(model, n_rows, n_threads, repeat, repack=True)
+            on, off = (llama_cpp_step_ms(model, n_rows, n_threads, repeat, repack) for repack in (True, False))
+            print(f"| {n_rows} | {n_threads} | {ours:.1f} / {repacked:.1f} ({n} products) | {on:.1f} / {off:.1f} |",
+                  flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -74,16 +89,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("| rows | threads | ours: matrix products alone ms (mapped / repacked) | llama.cpp whole step ms (repack "
-          "on / off) |")
-    print("|---:|---:|---:|---:|")
-    for rows in (int(r) for r in args.rows.split(",")):
-        for threads in (int(t) for t in args.threads.split(",")):
-            ours, n = ours_products_ms(args.model, rows, threads, args.repeat)
-            repacked, _ = ours_products_ms(args.model, rows, threads, args.repeat, repack=True)
-            on, off = (llama_cpp_step_ms(args.model, rows, threads, args.repeat, repack) for repack in (True, False))
-            print(f"| {rows} | {threads} | {ours:.1f} / {repacked:.1f} ({n} products) | {on:.1f} / {off:.1f} |",
-                  flush=True)
+    print_table(args.model, [int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")],
+                args.repeat)
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

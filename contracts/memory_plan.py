@@ -228,6 +228,10 @@ class _Planner:
         # swapped-out KV beyond what the pool's floor holds would be memory a CPU box pays twice for
         self.swap_bytes = min(int(config.swap_space_gib * GIB), self.kv_floor * self.per_token)
         self.options = weight_options(sizes, machine.device, config.weight_dtype, config.dtype, machine.cpu_flags)
+        # each worker's prompt cache as the worker sizes it (prefix_cache_tokens within a share of the RAM,
+        # contracts.prompt_cache); _workers_and_cache may shrink it before the model is refused
+        self.cache_tokens = prompt_cache_tokens(config.prefix_cache_tokens, machine.host_bytes,
+                                                sizes.handoff_kv_bytes(config.kv_type))
         self.reasons: dict[str, str] = {}
 
     def plan(self) -> MemoryPlan:
@@ -300,24 +304,19 @@ class _Planner:
         return all(self._used(parts, where) <= budget for where, budget in self.budgets.items())
 
     def _workers_and_cache(self, weights: WeightOption) -> int:
-        """The workers that fit (_workers), with the worker's prompt cache as the worker sizes it (prefix_cache_tokens
-        within a share of the RAM, contracts.prompt_cache), or, where one worker does not fit with it, with the
-        smaller cache of the earlier default (FLOOR_TOKENS) before the model is refused."""
-        sized = prompt_cache_tokens(self.config.prefix_cache_tokens, self.machine.host_bytes,
-                                    self.sizes.handoff_kv_bytes(self.config.kv_type))
-        choices = [sized, *([FLOOR_TOKENS] if sized > FLOOR_TOKENS else [])]
-        for cache in choices:
-            self.cache_tokens = cache
+        """The workers that fit (_workers), with the worker's prompt cache as the worker sizes it (self.cache_tokens),
+        or, where one worker does not fit with it, with the smaller cache of the earlier default (FLOOR_TOKENS)
+        before the model is refused."""
+        sized = self.cache_tokens
+        self.reasons["prefix_cache_tokens"] = f"{sized} a worker"
+        if sized > FLOOR_TOKENS:
             try:
-                workers = self._workers(weights)
+                return self._workers(weights)
             except MemoryRefused:
-                if cache == choices[-1]:
-                    raise
-                continue
-            self.reasons["prefix_cache_tokens"] = f"{cache} a worker" + (
-                "" if cache == sized else f": {sized} (prefix_cache_tokens within its RAM share) would not fit")
-            return workers
-        raise AssertionError("unreachable")
+                self.cache_tokens = FLOOR_TOKENS
+                self.reasons["prefix_cache_tokens"] = (f"{FLOOR_TOKENS} a worker: {sized} (prefix_cache_tokens "
+                                                       f"within its RAM share) would not fit")
+        return self._workers(weights)
 
     def _workers(self, weights: WeightOption) -> int:
         wanted = self.config.prefill_workers

@@ -43,6 +43,12 @@ ENGINE_REPACKED = {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "Q2_K": 8}
 GIVEN_FASTER_ON_AVX512 = {"Q4_K", "Q6_K"}
 
 
+def engine_repackable(type_name: str, out_features: int) -> bool:
+    """Whether the engine's repack has a layout for a matrix of this GGUF type and output row count (on x86 AVX2)."""
+    rows = ENGINE_REPACKED.get(type_name)
+    return rows is not None and out_features % rows == 0
+
+
 def engine_repacks(flags: frozenset[str]) -> bool:
     """Whether the decode engine may repack the GGUF's matrices for its decode steps on this CPU: x86 with AVX2, where
     the repacked Q4_K measured 1.4-1.6x the mapped blocks' speed at 1 and 16 rows (8B ladder, one thread;
@@ -189,7 +195,7 @@ def sizes_from_header(header: GGUFHeader, file_bytes: int) -> ModelSizes:
                    if t.tensor_type.name in REPACKED)
     # the engine's head is the embedding's blocks when tied: a matrix it multiplies, so repacked too
     engine_repacked = sum(t.n_bytes for t in [*matrices.values(), head or embedding]
-                          if t.shape[1] % ENGINE_REPACKED.get(t.tensor_type.name, t.shape[1] + 1) == 0)
+                          if engine_repackable(t.tensor_type.name, t.shape[1]))
     file_type = value("general.file_type")
     n_ff = value(f"{arch}.feed_forward_length", 0)
     return ModelSizes(

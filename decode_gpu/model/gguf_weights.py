@@ -75,11 +75,15 @@ def load_gguf_model(identity: GGUFIdentity, dtype: torch.dtype, cache_dir: Path 
              sum(t.numel() * t.element_size() for t in small.values()) / 2**20, time.perf_counter() - started)
     if repack:
         layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
-        repacked = [m.repacked.nbytes for m in layers if m.repacked is not None]
         log.info("decode model %s: %d of its %d matrices repacked by llama.cpp's CPU repack into %.2f GiB of the "
-                 "engine's own (the others multiplied as mapped)", os.path.basename(identity.path), len(repacked),
-                 len(layers), sum(repacked) / 2**30)
+                 "engine's own (the others multiplied as mapped)", os.path.basename(identity.path),
+                 sum(m.repacked is not None for m in layers), len(layers), repacked_bytes(model) / 2**30)
     return model
+
+
+def repacked_bytes(model: nn.Module) -> int:
+    """The bytes of the model's repacked matrices: memory of the engine's own, beside the mapped file's pages."""
+    return sum(m.repacked.nbytes for m in model.modules() if isinstance(m, GGUFLinear) and m.repacked is not None)
 
 
 def _small_tensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -207,10 +207,9 @@ def load_weights(identity, device: torch.device, dtype: torch.dtype, weight_dtyp
 
 
 def _gguf_model(identity, dtype: torch.dtype, why: str, repack: bool = False) -> tuple[nn.Module, WeightReport]:
-    from decode_gpu.model.gguf_layers import GGUFLinear
-    from decode_gpu.model.gguf_weights import load_gguf_model
+    from decode_gpu.model.gguf_weights import load_gguf_model, repacked_bytes
     model = load_gguf_model(identity, dtype, repack=repack)
-    repacked = sum(m.repacked.nbytes for m in model.modules() if isinstance(m, GGUFLinear) and m.repacked is not None)
+    repacked = repacked_bytes(model)
     held = weight_bytes(model)
     if repacked:  # memory of the engine's own, beside the mapped file's pages
         held["repacked"] = repacked
